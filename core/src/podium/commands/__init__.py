@@ -1,0 +1,1 @@
+"""Subcommands of the ``podium`` CLI that live in the core."""

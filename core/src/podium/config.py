@@ -1,0 +1,82 @@
+"""The engine's configuration: one validated, typed object built at the edge, then read-only."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like ``"4GiB"``, ``"512MB"``, ``"1e9"``."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"kv_cache_memory: cannot read {value!r} as a size (examples: 4GiB, 512MB, 1000000)")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None  # a folder with a tokenizer, if not the model's own
+    device: str | None = None  # platform name; None: $PODIUM_DEVICE or the best available
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs)
+    kv_cache_memory: int | str | None = None  # bytes for the KV cache where sized by amount (CPU)
+    num_kv_blocks: int | None = None  # exact block count (overrides sizing; tests, tools)
+    gpu_memory_utilization: float = 0.90  # where sized from free memory (accelerators)
+    enforce_eager: bool = False  # no graph capture
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**kwargs)
+
+    def with_defaults(self, defaults: dict[str, Any]) -> EngineConfig:
+        """Fill fields left at their default with a platform's suggestions (a new object)."""
+        base = EngineConfig()
+        updates = {k: v for k, v in defaults.items() if k in {f.name for f in fields(self)} and getattr(self, k) == getattr(base, k)}
+        return replace(self, **updates) if updates else self

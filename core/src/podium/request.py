@@ -1,0 +1,76 @@
+"""The engine's unit of work: one ``Sequence`` per sample stream of a request.
+
+A request with ``n`` samples becomes ``n`` sequences with the same ``request_id`` and
+``sample_index`` 0..n-1. A sequence's tokens are its prompt followed by its outputs; the one
+number that drives scheduling is ``num_computed_tokens``: how many of ``token_ids`` already have
+their K/V in the cache. A step computes tokens ``[num_computed_tokens, num_computed_tokens + k)``;
+when that reaches ``num_tokens`` a new token is sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not yet scheduled, or preempted (its blocks were freed; it recomputes)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt + output, appended in place
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,5 @@
+"""Podium's NVIDIA CUDA platform plugin. Importing it never imports triton."""
+
+from .platform import CudaPlatform
+
+__all__ = ["CudaPlatform"]

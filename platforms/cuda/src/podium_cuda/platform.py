@@ -1,0 +1,113 @@
+"""The CUDA platform: device memory sizing, CUDA graphs, Triton attention (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
+
+
+def cuda_availability() -> Availability:
+    """Available when torch is a CUDA (not HIP) build that sees a device and triton is importable."""
+    if getattr(torch.version, "hip", None):
+        return Availability(False, f"torch {torch.__version__} is a ROCm/HIP build; use the rocm platform")
+    if not torch.version.cuda:
+        return Availability(False, f"torch {torch.__version__} was built without CUDA")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return Availability(False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
+    if importlib.util.find_spec("triton") is None:
+        return Availability(False, "triton is not installed (pip install 'podium-cuda[triton]')")
+    return Availability(True, f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+
+
+class CudaGraphRunner(GraphRunner):
+    """CUDA graphs through torch's graph API; all captures share one memory pool."""
+
+    def __init__(self) -> None:
+        self._pool = None
+
+    def capture(self, fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up outside the graph (allocator, autotuning)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn()
+
+        def replay():
+            graph.replay()
+            return outputs
+
+        return replay
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    device_type = "cuda"
+    priority = 100
+
+    def __init__(self) -> None:
+        self._backend: AttentionBackend | None = None
+
+    def availability(self) -> Availability:
+        return cuda_availability()
+
+    def capabilities(self) -> Capabilities:
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return Capabilities(
+            dtypes=(torch.float32, torch.float16, torch.bfloat16) if bf16 else (torch.float32, torch.float16),
+            default_dtype=torch.bfloat16 if bf16 else torch.float16,
+            graph_capture=True,
+            fp8="e4m3fn",
+            distributed_backend="nccl",
+            pinned_memory=True,
+            kv_cache_from_free_memory=True,
+        )
+
+    def config_defaults(self) -> dict:
+        return {"gpu_memory_utilization": 0.90}
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    def memory_info(self) -> MemoryInfo:
+        free, total = torch.cuda.mem_get_info()
+        return MemoryInfo(free, total)
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def attention_backend(self) -> AttentionBackend:
+        if self._backend is None:
+            from .attention import TritonAttentionBackend  # triton is imported here, not before
+
+            self._backend = TritonAttentionBackend()
+        return self._backend
+
+    def graph_runner(self) -> GraphRunner:
+        return CudaGraphRunner()

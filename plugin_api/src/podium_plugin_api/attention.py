@@ -1,0 +1,84 @@
+"""The attention backend a platform supplies.
+
+A backend owns the KV-cache layout of its platform: it says what shape one layer's cache has,
+writes new keys/values into it by slot mapping, reads them back (for tests and tools), and
+computes attention for a flat ragged batch (see ``metadata``). The defaults below use the
+default layout and the pure-torch reference, so a new platform is correct before it is fast.
+
+Default layout, one tensor per layer::
+
+    kv_cache[0] = key_cache    [num_blocks, block_size, num_kv_heads, head_size]
+    kv_cache[1] = value_cache  [num_blocks, block_size, num_kv_heads, head_size]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
+from .reference import reference_paged_attention
+
+
+class AttentionBackend:
+    """Base class; override any method. Methods are called by the core's model runner."""
+
+    name: str = "torch-reference"
+
+    def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's KV-cache tensor holding ``num_blocks`` blocks."""
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) views of one layer's cache in this backend's layout."""
+        return kv_cache[0], kv_cache[1]
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store new tokens' key/value [T, num_kv_heads, head_size] at their slots (-1: skip)."""
+        key_cache, value_cache = self.split_cache(kv_cache)
+        block_size = key_cache.shape[1]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+        value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+
+    def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key/value stored at ``slot_mapping``: two [T, num_kv_heads, head_size] tensors."""
+        key_cache, value_cache = self.split_cache(kv_cache)
+        block_size = key_cache.shape[1]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        return key_cache[blocks, offsets], value_cache[blocks, offsets]
+
+    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Called once per step before the layers run; may add backend data to ``meta.extras``."""
+        return meta
+
+    def attend(
+        self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention output [T, num_heads, head_size] for ``query`` [T, num_heads, head_size]."""
+        key_cache, value_cache = self.split_cache(kv_cache)
+        return reference_paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta,
+            scale=layer.scale,
+            sliding_window=layer.sliding_window,
+            soft_cap=layer.soft_cap,
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One attention layer of one step: write the new K/V, then attend. Called by the model."""
+        self.write_kv(kv_cache, key, value, meta.slot_mapping)
+        return self.attend(layer, query, kv_cache, meta)

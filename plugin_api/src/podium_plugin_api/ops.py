@@ -1,0 +1,91 @@
+"""Named ops a platform may override, with their pure-torch reference implementations.
+
+The core's layers call these through an op table (name -> callable) built from the defaults below
+and the selected platform's ``podium_custom_ops``; the test kit checks each override against the
+reference here. Shapes: T tokens, H heads, D head size, B batch rows, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, hidden] -> weight * x / rms(x), computed in float32, returned in x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm residual stream of a decoder layer."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (rotate halves).
+
+    positions [T] int, query [T, H, D], key [T, Hkv, D], cos_sin_cache [max_pos, D] holding
+    cos in its first D/2 columns and sin in the last D/2 -> rotated (query, key), same dtypes.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up  [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [B, V] outside each row's top-k (k <= 0: off) and top-p nucleus (p >= 1: off).
+
+    top_k int [B], top_p float [B]. Returns new logits with excluded entries set to -inf; the
+    highest-scoring token of every row always survives.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]
+    drop = ranks >= k
+    probs = torch.softmax(sorted_logits.float().masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each entry
+    drop |= before >= top_p.float()[:, None]
+    drop[:, 0] = False
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked)
+
+
+REFERENCE_OPS: dict[str, Callable[..., Any]] = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+    "top_k_top_p": top_k_top_p,
+}
+
+OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}
+
+
+def build_op_table(overrides: dict[str, Callable[..., Any]] | None = None) -> dict[str, Callable[..., Any]]:
+    """The reference ops with ``overrides`` applied; unknown names are an error naming them."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(REFERENCE_OPS))
+    if unknown:
+        raise ValueError(f"unknown custom op(s) {unknown}; known ops are {sorted(REFERENCE_OPS)}")
+    return {**REFERENCE_OPS, **overrides}

@@ -1,0 +1,149 @@
+"""The ``Platform`` base class: what a hardware plugin supplies besides attention.
+
+Every method has a working default aimed at a device that behaves like a CPU tensor device, so
+the smallest plugin sets ``name``/``device_type``/``priority`` and returns itself from the
+``podium_platforms`` hook. The core never asks which vendor a platform is; it reads
+``capabilities()`` and calls these methods.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .attention import AttentionBackend
+from .metadata import KVCacheSpec
+from .version import API_VERSION
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a platform can run here; ``reason`` says why not (or what was found)."""
+
+    ok: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a platform can do. The core branches on these, never on a platform's name."""
+
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    default_dtype: torch.dtype = torch.float32
+    graph_capture: bool = False  # capture/replay of the decode step (GraphRunner)
+    sliding_window: bool = True
+    soft_cap: bool = True
+    fp8: str | None = None  # e.g. "e4m3fn" or "e4m3fnuz"; None = no fp8
+    distributed_backend: str = "gloo"
+    pinned_memory: bool = False
+    kv_cache_from_free_memory: bool = False  # size the cache from free memory after profiling
+    static_shapes: bool = False  # steps are padded to bucketed shapes (XLA-style compilation)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dtypes": [str(d).replace("torch.", "") for d in self.dtypes],
+            "default_dtype": str(self.default_dtype).replace("torch.", ""),
+            "graph_capture": self.graph_capture,
+            "sliding_window": self.sliding_window,
+            "soft_cap": self.soft_cap,
+            "fp8": self.fp8,
+            "distributed_backend": self.distributed_backend,
+            "pinned_memory": self.pinned_memory,
+            "kv_cache_from_free_memory": self.kv_cache_from_free_memory,
+            "static_shapes": self.static_shapes,
+            **self.extra,
+        }
+
+
+class GraphRunner:
+    """Captures a step function once and replays it (CUDA/HIP graphs and the like).
+
+    The core keeps the step's input and output tensors static: before a replay it copies new
+    inputs into the same tensors the captured function read, and reads the same output tensors.
+    """
+
+    def capture(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Run ``fn`` under capture; return a callable that replays it and returns its outputs."""
+        raise NotImplementedError
+
+
+class Platform:
+    """Base class of every platform. Subclass it, set the class attributes, override as needed."""
+
+    name: ClassVar[str] = ""
+    device_type: ClassVar[str] = "cpu"
+    priority: ClassVar[int] = 0
+    api_version: ClassVar[str] = API_VERSION
+
+    # identity -------------------------------------------------------------------------------
+    def availability(self) -> Availability:
+        """Can this platform run here? Must not raise; heavy imports belong here, lazily."""
+        return Availability(True, "")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
+
+    def config_defaults(self) -> dict[str, Any]:
+        """Defaults this platform suggests for engine settings the user left unset."""
+        return {}
+
+    # device ---------------------------------------------------------------------------------
+    def device_count(self) -> int:
+        return 1
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        return torch.device(self.device_type) if self.device_type == "cpu" else torch.device(self.device_type, index)
+
+    def set_device(self, index: int) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    # memory ---------------------------------------------------------------------------------
+    def memory_info(self) -> MemoryInfo:
+        """Free and total memory the KV cache can come from (host RAM by default)."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page)
+
+    def reset_peak_memory(self) -> None:
+        return None
+
+    def peak_memory(self) -> int:
+        """Peak bytes allocated since ``reset_peak_memory`` (0 where unknown)."""
+        return 0
+
+    def empty_cache(self) -> None:
+        return None
+
+    def attention_backend(self) -> AttentionBackend:
+        return AttentionBackend()
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+        """One zeroed cache tensor per layer, in the attention backend's layout."""
+        shape = self.attention_backend().kv_cache_shape(spec, num_blocks)
+        device = self.torch_device()
+        return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    # graphs, ops ----------------------------------------------------------------------------
+    def graph_runner(self) -> GraphRunner | None:
+        """A GraphRunner when ``capabilities().graph_capture``; None otherwise."""
+        return None
+
+    def custom_ops(self) -> dict[str, Callable[..., Any]]:
+        """Named ops overriding the core's pure-torch versions (see ``podium_plugin_api.ops``)."""
+        return {}

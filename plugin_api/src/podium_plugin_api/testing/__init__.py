@@ -1,0 +1,1 @@
+"""Conformance test kit for platform plugins (``pytest --podium-platform NAME``)."""
