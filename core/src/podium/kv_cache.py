@@ -1,0 +1,68 @@
+"""Sizing and allocating the paged KV cache through the platform's memory hooks.
+
+Where the platform says so (``kv_cache_from_free_memory``), the cache gets what is left of
+``gpu_memory_utilization`` of the device after the weights and a profiling forward pass at the
+largest batch the scheduler can form; elsewhere (CPU) it gets ``kv_cache_memory`` bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from podium_plugin_api import KVCacheSpec, Platform
+
+from .config import EngineConfig, parse_size
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+def kv_cache_spec(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    heads = hf_config.num_attention_heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return KVCacheSpec(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def profile_activation_bytes(platform: Platform, forward: Callable[[], None]) -> int:
+    """Peak bytes a forward pass at the largest batch adds on top of what is allocated now."""
+    platform.synchronize()
+    platform.reset_peak_memory()
+    base = platform.peak_memory()
+    forward()
+    platform.synchronize()
+    peak = platform.peak_memory()
+    platform.empty_cache()
+    return max(0, peak - base)
+
+
+def kv_cache_bytes(config: EngineConfig, platform: Platform, activation_bytes: int) -> int:
+    if platform.capabilities().kv_cache_from_free_memory and config.kv_cache_memory is None:
+        info = platform.memory_info()
+        used = info.total_bytes - info.free_bytes
+        budget = int(info.total_bytes * config.gpu_memory_utilization) - used - activation_bytes
+        if budget <= 0:
+            raise RuntimeError(
+                f"no memory left for the KV cache: {used / 2**30:.1f} GiB in use plus {activation_bytes / 2**30:.1f} GiB "
+                f"of activations exceed gpu_memory_utilization={config.gpu_memory_utilization} of "
+                f"{info.total_bytes / 2**30:.1f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return budget
+    return parse_size(config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY)
+
+
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, nbytes: int, max_model_len: int) -> int:
+    blocks = config.num_kv_blocks or nbytes // spec.bytes_per_block
+    needed = -(-max_model_len // spec.block_size)
+    if blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {blocks} blocks ({blocks * spec.block_size} tokens) but one sequence of "
+            f"max_model_len={max_model_len} needs {needed} blocks; give the cache more memory "
+            f"(kv_cache_memory / gpu_memory_utilization / num_kv_blocks) or lower max_model_len"
+        )
+    return int(blocks)

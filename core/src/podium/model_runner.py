@@ -1,0 +1,240 @@
+"""Turns a scheduler plan into one flat batch, runs the model, samples.
+
+Per step the runner builds, for the T new tokens of the S scheduled sequences::
+
+    input_ids [T], positions [T], slot_mapping [T]          (flat, sequences end to end)
+    query_start_loc [S+1], seq_lens [S], block_tables [S, W] (per sequence)
+
+Block tables live in a persistent host array with one row per running sequence; a row is
+updated only when its sequence gains blocks, so a decode step copies no whole tables. Positions
+and slots are computed with vectorised numpy, not per-token Python. Logits are computed only for
+the rows that sample (the last token of each sequence that has caught up with its tokens).
+
+Pure-decode steps whose batch fits a captured size replay a captured graph (when the platform
+can capture): inputs are copied into static buffers, padded rows write nowhere (slot -1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from podium_plugin_api import AttentionMetadata, Platform
+
+from .models.context import ForwardContext
+from .request import Sequence
+from .scheduler import SchedulerOutput
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class StepResult:
+    sampled: list[tuple[Sequence, int]]  # (sequence, new token id)
+    logprobs: list  # per sampled row: PositionLogprobs | None
+    prompt_logprobs: dict[int, list]  # seq_id -> prompt logprob entries computed this step
+    num_tokens: int
+    used_graph: bool
+
+
+class BlockTableRows:
+    """A persistent [rows, max_blocks] int32 host array holding each running sequence's block table."""
+
+    def __init__(self, num_rows: int, max_blocks: int) -> None:
+        self.table = np.zeros((num_rows, max_blocks), dtype=np.int32)
+        self._row: dict[int, int] = {}  # seq_id -> row
+        self._synced: dict[int, int] = {}  # seq_id -> how many entries of its table are written
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def row_for(self, seq: Sequence) -> int:
+        row = self._row.get(seq.seq_id)
+        if row is None:
+            if not self._free:
+                raise RuntimeError("more running sequences than block-table rows; max_num_seqs is too small")
+            row = self._row[seq.seq_id] = self._free.pop()
+            self._synced[seq.seq_id] = 0
+        synced, table = self._synced[seq.seq_id], seq.block_table
+        if synced != len(table):
+            if synced > len(table):  # the table was rebuilt (preemption): rewrite it
+                synced = 0
+            self.table[row, synced:len(table)] = table[synced:]
+            self._synced[seq.seq_id] = len(table)
+        return row
+
+    def release(self, seq_id: int) -> None:
+        row = self._row.pop(seq_id, None)
+        if row is not None:
+            self._synced.pop(seq_id, None)
+            self._free.append(row)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        platform: Platform,
+        kv_caches: list[torch.Tensor],
+        sampler,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.platform, self.kv_caches, self.sampler = model, platform, kv_caches, sampler
+        self.backend = platform.attention_backend()
+        self.block_size, self.device = block_size, device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.rows = BlockTableRows(max_num_seqs, self.max_blocks)
+        self.graphs: dict[int, tuple] = {}  # batch size -> (replay, static buffers)
+        self.capture_seconds = 0.0
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or preempted sequence's row."""
+        self.rows.release(seq.seq_id)
+
+    # -- batch building ------------------------------------------------------------------------
+    def _host_batch(self, plan: SchedulerOutput):
+        scheduled = plan.scheduled
+        n = len(scheduled)
+        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
+        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        rows = np.fromiter((self.rows.row_for(s.seq) for s in scheduled), dtype=np.int64, count=n)
+        if int(query_lens.max()) == 1:
+            tokens = [s.seq.token_ids[s.seq.num_computed_tokens] for s in scheduled]
+        else:
+            tokens = []
+            for s in scheduled:
+                c = s.seq.num_computed_tokens
+                tokens.extend(s.seq.token_ids[c:c + s.num_new_tokens])
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        # positions [T]: each sequence's new tokens continue from its computed ones
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - cu[:-1], query_lens)
+        token_rows = np.repeat(rows, query_lens)
+        slots = self.rows.table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
+        slots += positions % self.block_size
+        seq_lens = starts + query_lens
+        return tokens, positions, slots, cu, seq_lens, rows, query_lens
+
+    def _metadata(self, cu, seq_lens, rows, slots, query_lens) -> AttentionMetadata:
+        width = -(-int(seq_lens.max()) // self.block_size)
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(self.rows.table[rows, :width]).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_host=query_lens.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+
+    # -- execution -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        tokens, positions, slots, cu, seq_lens, rows, query_lens = self._host_batch(plan)
+        sample_idx = [i for i, s in enumerate(plan.scheduled) if s.samples]
+        graph_size = self._graph_size(len(tokens)) if int(query_lens.max()) == 1 else None
+        if graph_size is not None:
+            logits = self._replay(graph_size, tokens, positions, slots, seq_lens, rows)[sample_idx]
+        else:
+            meta = self.backend.prepare_metadata(self._metadata(cu, seq_lens, rows, slots, query_lens))
+            ctx = ForwardContext(meta, self.kv_caches, self.backend)
+            input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+            pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
+            hidden = self.model(input_ids, pos, ctx)
+            last = torch.from_numpy(cu[1:][sample_idx] - 1).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[last]) if sample_idx else None
+            prompt_lp = self._prompt_logprobs(plan, hidden, cu)
+        seqs = [plan.scheduled[i].seq for i in sample_idx]
+        if seqs:
+            out = self.sampler.sample(logits, seqs)
+            sampled, logprobs = list(zip(seqs, out.token_ids)), out.logprobs
+        else:
+            sampled, logprobs = [], []
+        return StepResult(sampled, logprobs, {} if graph_size is not None else prompt_lp, len(tokens),
+                          graph_size is not None)
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor, cu: np.ndarray) -> dict[int, list]:
+        """Logprobs of prompt tokens computed this step, for sequences that asked for them."""
+        result: dict[int, list] = {}
+        for i, s in enumerate(plan.scheduled):
+            seq, k = s.seq, s.seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            if k is None or start >= seq.num_prompt_tokens or seq.sample_index != 0:
+                continue
+            end = min(start + s.num_new_tokens, seq.num_prompt_tokens)
+            # hidden at position p predicts token p + 1
+            lo, hi = int(cu[i]), int(cu[i]) + (end - start)
+            logits = self.model.compute_logits(hidden[lo:hi])
+            targets = seq.token_ids[start + 1:end + 1]
+            entries = self.sampler.prompt_logprobs(logits[: len(targets)], targets, k)
+            result[seq.seq_id] = ([None] if start == 0 else []) + entries
+        return result
+
+    # -- graphs --------------------------------------------------------------------------------
+    def _graph_size(self, batch: int) -> int | None:
+        for size in sorted(self.graphs):
+            if size >= batch:
+                return size
+        return None
+
+    def capture_graphs(self, max_batch: int) -> float:
+        """Capture pure-decode steps for bucketed batch sizes up to ``max_batch``; returns seconds."""
+        runner = self.platform.graph_runner()
+        if runner is None:
+            return 0.0
+        begin = time.perf_counter()
+        sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_batch]
+        if max_batch not in sizes and max_batch <= GRAPH_BATCH_SIZES[-1]:
+            sizes.append(max_batch)
+        for size in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool
+            self.graphs[size] = self._capture_one(runner, size)
+        self.platform.synchronize()
+        self.capture_seconds = time.perf_counter() - begin
+        return self.capture_seconds
+
+    @torch.inference_mode()
+    def _capture_one(self, runner, size: int):
+        dev = self.device
+        buf = {
+            "input_ids": torch.zeros(size, dtype=torch.long, device=dev),
+            "positions": torch.zeros(size, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((size,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.ones(size, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(size, self.max_blocks, dtype=torch.int32, device=dev),
+        }
+        meta = AttentionMetadata(
+            query_start_loc=buf["query_start_loc"], seq_lens=buf["seq_lens"], block_tables=buf["block_tables"],
+            slot_mapping=buf["slot_mapping"], max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
+        )
+        meta = self.backend.prepare_metadata(meta)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+
+        def step():
+            hidden = self.model(buf["input_ids"], buf["positions"], ctx)
+            return self.model.compute_logits(hidden)
+
+        return runner.capture(step), buf
+
+    def _replay(self, size, tokens, positions, slots, seq_lens, rows) -> torch.Tensor:
+        replay, buf = self.graphs[size]
+        n = len(tokens)
+        host = np.zeros((4, size), dtype=np.int64)
+        host[0, :n], host[1, :n] = tokens, positions
+        host[2, :], host[2, :n] = -1, slots
+        host[3, :], host[3, :n] = 1, seq_lens
+        staged = torch.from_numpy(host).to(self.device, non_blocking=True)
+        buf["input_ids"].copy_(staged[0])
+        buf["positions"].copy_(staged[1])
+        buf["slot_mapping"].copy_(staged[2])
+        buf["seq_lens"].copy_(staged[3])
+        table = np.zeros((size, self.max_blocks), dtype=np.int32)
+        table[:n] = self.rows.table[rows]
+        buf["block_tables"].copy_(torch.from_numpy(table).to(self.device, non_blocking=True))
+        return replay()[:n]
