@@ -4,13 +4,15 @@ One ``pluggy.PluginManager("podium")`` loads every module registered under the `
 entry-point group. Each plugin returns platforms from ``podium_platforms``; a platform whose
 hardware is missing is listed as unavailable with its reason, while a plugin that breaks the
 contract (unknown hook, wrong hook signature, incompatible API version, broken import) stops
-discovery with an error naming its distribution. Selection picks the available platform with
+discovery with an error naming its distribution, and one that implements a deprecated hook gets
+a ``PluginApiDeprecationWarning`` naming it. Selection picks the available platform with
 the highest priority unless ``--device`` / ``PODIUM_DEVICE`` names one.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -58,6 +60,19 @@ def _distribution_of(ep: EntryPoint) -> tuple[str, str]:
     return dist.metadata["Name"], dist.version
 
 
+def _register(pm: pluggy.PluginManager, obj: Any, name: str, origin: tuple[str, str]) -> None:
+    """Register one plugin; pluggy's warnings (deprecated hooks, ``warn_on_impl``) are re-emitted
+    naming the distribution, at the plugin's own source line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            pm.register(obj, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"podium plugin {origin[0]} {origin[1]} breaks the hook contract: {exc}") from exc
+    for w in caught:
+        warnings.warn_explicit(f"podium plugin {origin[0]} {origin[1]}: {w.message}", w.category, w.filename, w.lineno)
+
+
 def build_plugin_manager(extra_plugins: dict[str, Any] | None = None) -> tuple[pluggy.PluginManager, dict[str, tuple[str, str]]]:
     """Load every ``podium`` entry point (plus ``extra_plugins``: name -> module/object).
 
@@ -83,10 +98,7 @@ def build_plugin_manager(extra_plugins: dict[str, Any] | None = None) -> tuple[p
     for name, obj, origin in candidates:
         if pm.has_plugin(name):
             continue
-        try:
-            pm.register(obj, name=name)
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f"podium plugin {origin[0]} {origin[1]} breaks the hook contract: {exc}") from exc
+        _register(pm, obj, name, origin)
         origins[name] = origin
     try:
         pm.check_pending()

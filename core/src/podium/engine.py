@@ -200,12 +200,16 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             self.runner.release(seq)
+        changed: dict[str, RequestState] = {}
+        for seq in plan.finished:  # sequences the scheduler ended itself (could never fit)
+            self._forget(seq)
+            if seq.request_id in self._requests:
+                changed[seq.request_id] = self._requests[seq.request_id]
         if not plan.scheduled:
-            return []
+            return self._collect(changed)
         now = time.time()
         result = self.runner.execute(plan)
         self.scheduler.advance(plan)
-        changed: dict[str, RequestState] = {}
         for s in plan.scheduled:
             req = self._requests.get(s.seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
@@ -224,6 +228,9 @@ class LLMEngine:
                 self.scheduler.finish(seq, *finish)
                 self._forget(seq)
             changed[seq.request_id] = req
+        return self._collect(changed)
+
+    def _collect(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
         for rid, req in changed.items():
             req.metrics.num_cached_prompt_tokens = req.sequences[0].seq.num_cached_tokens

@@ -39,6 +39,29 @@ class StepResult:
     used_graph: bool
 
 
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+def pad_to_buckets(tokens, positions, slots, cu, seq_lens, rows, query_lens):
+    """Pad a step to bucketed shapes for static-shape platforms (XLA).
+
+    Tokens pad to a power of two (>= 16) with token 0, position 0, slot -1 (no write), owned by no
+    sequence; sequences pad to a power of two (>= 8) with query_len 0 and seq_len 0.
+    """
+    n_tok, n_seq = len(tokens), len(seq_lens)
+    t_pad, s_pad = bucket(n_tok, 16) - n_tok, bucket(n_seq, 8) - n_seq
+    tokens = list(tokens) + [0] * t_pad
+    positions = np.concatenate([positions, np.zeros(t_pad, dtype=positions.dtype)])
+    slots = np.concatenate([slots, np.full(t_pad, -1, dtype=slots.dtype)])
+    cu = np.concatenate([cu, np.full(s_pad, cu[-1], dtype=cu.dtype)])
+    seq_lens = np.concatenate([seq_lens, np.zeros(s_pad, dtype=seq_lens.dtype)])
+    rows = np.concatenate([rows, np.zeros(s_pad, dtype=rows.dtype)])
+    query_lens = np.concatenate([query_lens, np.zeros(s_pad, dtype=query_lens.dtype)])
+    return tokens, positions, slots, cu, seq_lens, rows, query_lens
+
+
 class BlockTableRows:
     """A persistent [rows, max_blocks] int32 host array holding each running sequence's block table."""
 
@@ -88,6 +111,7 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self.rows = BlockTableRows(max_num_seqs, self.max_blocks)
         self.graphs: dict[int, tuple] = {}  # batch size -> (replay, static buffers)
+        self.static_shapes = platform.capabilities().static_shapes
         self.capture_seconds = 0.0
 
     def release(self, seq: Sequence) -> None:
@@ -99,15 +123,14 @@ class ModelRunner:
         scheduled = plan.scheduled
         n = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
-        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), dtype=np.int64, count=n)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
         rows = np.fromiter((self.rows.row_for(s.seq) for s in scheduled), dtype=np.int64, count=n)
         if int(query_lens.max()) == 1:
-            tokens = [s.seq.token_ids[s.seq.num_computed_tokens] for s in scheduled]
+            tokens = [s.seq.token_ids[s.start] for s in scheduled]
         else:
             tokens = []
             for s in scheduled:
-                c = s.seq.num_computed_tokens
-                tokens.extend(s.seq.token_ids[c:c + s.num_new_tokens])
+                tokens.extend(s.seq.token_ids[s.start:s.start + s.num_new_tokens])
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
         num_tokens = int(cu[-1])
@@ -121,6 +144,8 @@ class ModelRunner:
 
     def _metadata(self, cu, seq_lens, rows, slots, query_lens) -> AttentionMetadata:
         width = -(-int(seq_lens.max()) // self.block_size)
+        if self.static_shapes:
+            width = min(bucket(width, 1), self.max_blocks)
         dev = self.device
         return AttentionMetadata(
             query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev, non_blocking=True),
@@ -137,6 +162,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         tokens, positions, slots, cu, seq_lens, rows, query_lens = self._host_batch(plan)
+        if self.static_shapes:
+            tokens, positions, slots, cu, seq_lens, rows, query_lens = pad_to_buckets(
+                tokens, positions, slots, cu, seq_lens, rows, query_lens)
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.samples]
         graph_size = self._graph_size(len(tokens)) if int(query_lens.max()) == 1 else None
         if graph_size is not None:
@@ -164,14 +192,14 @@ class ModelRunner:
         result: dict[int, list] = {}
         for i, s in enumerate(plan.scheduled):
             seq, k = s.seq, s.seq.params.prompt_logprobs
-            start = seq.num_computed_tokens
-            if k is None or start >= seq.num_prompt_tokens or seq.sample_index != 0:
-                continue
+            start = s.start
+            if k is None or start >= seq.num_prompt_tokens or seq.sample_index != 0 or seq.num_output_tokens:
+                continue  # (after a preemption the prompt's logprobs are already known)
             end = min(start + s.num_new_tokens, seq.num_prompt_tokens)
             # hidden at position p predicts token p + 1
             lo, hi = int(cu[i]), int(cu[i]) + (end - start)
             logits = self.model.compute_logits(hidden[lo:hi])
-            targets = seq.token_ids[start + 1:end + 1]
+            targets = seq.prompt_token_ids[start + 1:end + 1]
             entries = self.sampler.prompt_logprobs(logits[: len(targets)], targets, k)
             result[seq.seq_id] = ([None] if start == 0 else []) + entries
         return result

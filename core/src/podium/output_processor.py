@@ -4,6 +4,8 @@ Stop rules, checked in this order after a token is appended (EOS and stop ids on
 ``min_tokens`` outputs exist): EOS (unless ignore_eos) -> "stop"; a stop token id -> "stop" with
 that id as stop_reason; a stop string completed by the new text -> "stop", text cut at it;
 ``max_tokens`` outputs -> "length"; the context full (``max_model_len``) -> "length".
+While a sequence runs, its reported text holds back any tail that could still become a stop
+string, so a stream never shows text that a stop string later cuts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from .detokenizer import IncrementalDetokenizer, decode_token
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Sequence
-from .stop import find_stop
+from .stop import find_stop, safe_text_len
 
 
 @dataclass
@@ -94,7 +96,7 @@ class OutputProcessor:
         outputs = [
             CompletionOutput(
                 index=s.seq.sample_index,
-                text=s.text,
+                text=s.text if s.seq.is_finished else s.text[: safe_text_len(s.text, s.seq.params.stop)],
                 token_ids=s.seq.output_token_ids,
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=s.logprobs,

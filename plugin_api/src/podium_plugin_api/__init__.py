@@ -3,30 +3,42 @@
 A platform plugin depends on this package only: it subclasses ``Platform`` (and optionally
 ``AttentionBackend`` and ``GraphRunner``) and returns its platforms from a ``podium_platforms``
 hook implementation registered under the ``podium`` entry-point group.
+
+Names load on first use, so importing the package (as pytest does for the kit's entry point)
+does not import torch.
 """
 
-from .attention import AttentionBackend
-from .hookspecs import PROJECT_NAME, hookimpl, hookspec
-from .metadata import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
-from .platform import Availability, Capabilities, GraphRunner, MemoryInfo, Platform
-from .reference import reference_paged_attention
-from .version import API_VERSION, compatibility_problem, parse_version
+from __future__ import annotations
 
-__all__ = [
-    "API_VERSION",
-    "PROJECT_NAME",
-    "AttentionBackend",
-    "AttentionLayerSpec",
-    "AttentionMetadata",
-    "Availability",
-    "Capabilities",
-    "GraphRunner",
-    "KVCacheSpec",
-    "MemoryInfo",
-    "Platform",
-    "compatibility_problem",
-    "hookimpl",
-    "hookspec",
-    "parse_version",
-    "reference_paged_attention",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "AttentionBackend": ".attention",
+    "PROJECT_NAME": ".hookspecs",
+    "PluginApiDeprecationWarning": ".hookspecs",
+    "hookimpl": ".hookspecs",
+    "hookspec": ".hookspecs",
+    "AttentionLayerSpec": ".metadata",
+    "AttentionMetadata": ".metadata",
+    "KVCacheSpec": ".metadata",
+    "Availability": ".platform",
+    "Capabilities": ".platform",
+    "GraphRunner": ".platform",
+    "MemoryInfo": ".platform",
+    "Platform": ".platform",
+    "reference_paged_attention": ".reference",
+    "API_VERSION": ".version",
+    "compatibility_problem": ".version",
+    "parse_version": ".version",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'podium_plugin_api' has no attribute {name!r}")

@@ -23,6 +23,20 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+class PluginApiDeprecationWarning(DeprecationWarning):
+    """A plugin implements a hook (or hook argument) that a later major API version will remove.
+
+    Deprecating a hook keeps it working for a whole major version and warns its implementers at
+    registration, naming their distribution (the core's discovery and the test kit do that)::
+
+        @hookspec(warn_on_impl=PluginApiDeprecationWarning(
+            "podium_old is deprecated since plugin API 1.2 and goes in 2.0; implement podium_new"))
+        def podium_old(): ...
+
+    A deprecated argument uses ``warn_on_impl_args={"arg": PluginApiDeprecationWarning(...)}``.
+    """
+
+
 @hookspec
 def podium_platforms() -> list[Any]:
     """Return the platforms this plugin provides: ``Platform`` subclasses (or instances).

@@ -65,7 +65,8 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     drop = ranks >= k
     probs = torch.softmax(sorted_logits.float().masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each entry
-    drop |= before >= top_p.float()[:, None]
+    nucleus = top_p.float()[:, None]
+    drop |= (before >= nucleus) & (nucleus < 1.0)  # p = 1 is "off" even where float sums reach 1.0
     drop[:, 0] = False
     masked = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, masked)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from podium.discovery import PlatformSelectionError, discover_platforms, select_platform
 
@@ -15,12 +16,14 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def platform_rows(device: str | None = None) -> list[dict]:
+def platform_rows(device: str | None = None) -> tuple[list[dict], str | None]:
+    """One row per platform, and the selection error (None when a platform was selected)."""
     entries = discover_platforms()
+    error = None
     try:
         chosen = select_platform(device, entries).name
-    except PlatformSelectionError:
-        chosen = None
+    except PlatformSelectionError as exc:
+        chosen, error = None, str(exc)
     rows = []
     for e in entries:
         row = {
@@ -38,7 +41,7 @@ def platform_rows(device: str | None = None) -> list[dict]:
         except Exception as exc:  # a broken capabilities() is reported, not fatal to the listing
             row["capabilities"] = {"error": f"{type(exc).__name__}: {exc}"}
         rows.append(row)
-    return rows
+    return rows, error
 
 
 def format_table(rows: list[dict], verbose: bool = False) -> str:
@@ -60,11 +63,14 @@ def format_table(rows: list[dict], verbose: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = platform_rows(args.device)
+    rows, error = platform_rows(args.device)
     if args.json:
         from podium.cli import print_json
 
         print_json(rows)
     else:
         print(format_table(rows, args.verbose))
+    if error:
+        print(f"podium platforms: {error}", file=sys.stderr)
+        return 1
     return 0

@@ -1,0 +1,219 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts and a prefix cache.
+
+A sequence's K/V lives in ``seq.block_table``: token ``i`` is in block ``block_table[i // block_size]``
+at offset ``i % block_size``. Every block is in exactly one of three states:
+
+    free       ref 0, no hash      in ``_free``: FIFO, so fresh blocks come out in ascending id order
+    evictable  ref 0, hash cached  in ``_evictable``: LRU, least recently freed first
+    in use     ref > 0             in the block tables of ``ref`` sequences (hash cached or not)
+
+Prefix caching: a FULL block whose K/V has been computed is registered under a chained hash
+``hash(parent block's hash, its token ids, extra keys)``, so equal hashes mean equal whole prefixes.
+A sequence scheduled from the waiting queue looks its full blocks up in order and shares the hits.
+It always keeps at least its last token to compute (a token must be computed to sample the next),
+so hits stop at block ``(num_tokens - 1) // block_size``: a hit is never written to again, and a
+fully cached, block-aligned prompt recomputes its whole last block into a private block instead of
+writing into a block other sequences may be reading. Unreferenced cached blocks stay cached until a
+fresh block is needed and the free pool is empty; then the least recently freed one is evicted.
+A sequence frees its blocks tail first, so a prefix's head outlives its tail.
+
+Invariants: ``ref[b]`` == the number of block tables holding ``b``; free + evictable + in use ==
+all blocks, disjoint; when every sequence is freed, free + evictable == ``num_blocks``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence as TokenSequence
+
+from .request import Sequence
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: TokenSequence[int],
+                      extra_keys: tuple | None = None) -> int:
+    """The chained hash of one full block: a 128-bit BLAKE2b digest of the parent hash, the block's
+    token ids and ``extra_keys`` (e.g. a LoRA id or image hashes; ``None`` for plain text).
+
+    A cryptographic digest, not ``hash()``: a crafted prompt must not be able to collide with
+    another request's prefix and read its K/V.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    if extra_keys is not None:
+        digest.update(repr(extra_keys).encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and keeps the prefix cache. No tensors: only block ids."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks  # set while the block is in _cached
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens served from the cache
+        self.num_evictions = 0
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence can get now: free plus evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (0..1)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """How many blocks hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block registered under ``block_hash``, or None."""
+        return self._cached.get(block_hash)
+
+    def free_block_ids(self) -> list[int]:
+        """The plain free pool, in the order it hands blocks out."""
+        return list(self._free)
+
+    def evictable_block_ids(self) -> list[int]:
+        """Unreferenced cached blocks, in eviction order (least recently freed first)."""
+        return list(self._evictable)
+
+    # ---- scheduling a waiting sequence ---------------------------------------------------------
+
+    def lookup(self, seq: Sequence) -> list[int]:
+        """The cached blocks that hold ``seq``'s leading full blocks, in order; no side effect but
+        hashing. Leaves at least the last token uncached (see the module docstring)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_hits = (seq.num_tokens - 1) // self.block_size
+        self._hash_full_blocks(seq, max_hits)
+        hits = []
+        for block_hash in seq.block_hashes[:max_hits]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def admit(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
+        """Give a waiting ``seq`` its blocks: share ``cached_blocks`` (from ``lookup``, just before)
+        and add fresh blocks so its table covers ``num_tokens`` tokens. Sets
+        ``seq.num_computed_tokens`` to the cached tokens. False, changing nothing, if they don't fit."""
+        if seq.block_table:
+            raise ValueError(f"seq: sequence {seq.seq_id} already holds blocks; free it before admitting it again")
+        num_cached = len(cached_blocks) * self.block_size
+        if num_tokens <= num_cached:
+            raise ValueError(f"num_tokens ({num_tokens}) must exceed the cached tokens ({num_cached})")
+        num_revived = sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+        num_fresh = self.blocks_for(num_tokens) - len(cached_blocks)
+        if num_fresh > self.num_free_blocks - num_revived:
+            return False
+        for block_id in cached_blocks:
+            if self._ref_counts[block_id] == 0:
+                del self._evictable[block_id]
+            self._ref_counts[block_id] += 1
+        seq.block_table = list(cached_blocks)
+        self._append_fresh(seq.block_table, num_fresh)
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached
+        return True
+
+    # ---- running sequences ---------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq``'s table to cover ``num_tokens`` tokens; False, changing nothing, if the
+        blocks aren't there."""
+        num_fresh = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if num_fresh <= 0:
+            return True
+        if num_fresh > len(self._free) + len(self._evictable):
+            return False
+        self._append_fresh(seq.block_table, num_fresh)
+        return True
+
+    def commit(self, seq: Sequence, num_computed_before: int) -> None:
+        """Register the blocks that became full and computed since ``num_computed_before`` (the
+        engine has just advanced ``seq.num_computed_tokens``). A hash already cached under
+        another block keeps that block; this one stays private."""
+        if not self.enable_prefix_caching:
+            return
+        first = num_computed_before // self.block_size
+        end = seq.num_computed_tokens // self.block_size
+        if first >= end:
+            return
+        self._hash_full_blocks(seq, end)
+        for block_hash, block_id in zip(seq.block_hashes[first:end], seq.block_table[first:end]):
+            if block_hash not in self._cached:
+                self._cached[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s references, tail first, and clear its table. Its hashes stay (its
+        tokens have not changed), ready for a lookup if it is scheduled again."""
+        for block_id in reversed(seq.block_table):
+            count = self._ref_counts[block_id] - 1
+            self._ref_counts[block_id] = count
+            if count == 0:
+                if self._block_hash[block_id] is None:
+                    self._free.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+        seq.block_table = []
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _append_fresh(self, block_table: list[int], count: int) -> None:
+        for _ in range(count):
+            block_id = self._take_fresh()
+            self._ref_counts[block_id] = 1
+            block_table.append(block_id)
+
+    def _take_fresh(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._cached[self._block_hash[block_id]]
+        self._block_hash[block_id] = None
+        self.num_evictions += 1
+        return block_id
+
+    def _hash_full_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend ``seq.block_hashes`` to its first ``num_blocks`` blocks (all full)."""
+        hashes, tokens, size = seq.block_hashes, seq.token_ids, self.block_size
+        extra_keys = self._extra_keys(seq)
+        for index in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[index * size:(index + 1) * size], extra_keys))
+
+    @staticmethod
+    def _extra_keys(seq: Sequence) -> tuple | None:
+        """What besides token ids decides a block's K/V (LoRA, images); nothing yet."""
+        return None

@@ -1,0 +1,274 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+The rule. Each sequence's computed tokens catch up with its tokens: a step computes
+``token_ids[num_computed_tokens : num_computed_tokens + k]`` of each scheduled sequence, and when
+that reaches the end a token is sampled. Prefill, chunked prefill, prefix-cache hits and decode are
+all this one move. A step has a token budget (``max_num_batched_tokens``) and at most
+``max_num_seqs`` running sequences. Running sequences go first, oldest first, each taking
+``min(uncomputed tokens, budget left)`` tokens, so a long prompt is split into chunks across steps.
+A running sequence that cannot get its blocks preempts the newest running sequence not yet
+scheduled in this step (itself, if it is the newest): the victim's blocks are freed, it goes back to
+the front of the waiting queue and later recomputes (its full blocks are usually still cached).
+Then, if nothing was preempted, waiting sequences are admitted in FCFS order while the budget, the
+sequence slots and the blocks allow; the first one that doesn't fit stops admission (no skipping).
+
+With prefix caching on, the samples 1..n-1 of a request wait until sample 0 has computed its prompt,
+so they find its full blocks in the cache and share them; each computes its own partial last block.
+A sequence that can never fit (more tokens than ``max_model_len`` or than the whole cache holds) is
+finished with ``"length"`` and reported in ``SchedulerOutput.finished`` rather than block the queue.
+Policy ``"priority"`` orders both queues by (priority, arrival), lower value first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .request import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(init=False, slots=True)
+class ScheduledSequence:
+    """Compute ``seq.token_ids[start : start + num_new_tokens]`` this step (``start`` is
+    ``seq.num_computed_tokens`` when scheduled); ``samples``: a token is sampled after them.
+    Both are fixed when scheduled, so they still hold after ``advance``."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int
+    samples: bool
+
+    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:  # one frame: built 256 times a step
+        self.seq = seq
+        self.num_new_tokens = num_new_tokens
+        self.start = start = seq.num_computed_tokens
+        self.samples = start + num_new_tokens == len(seq.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+    finished: list[Sequence] = field(default_factory=list)  # finished by the scheduler ("length")
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int,
+                 policy: str = "fcfs") -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("token_budget", token_budget),
+                            ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = token_budget
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.num_preemptions = 0
+        self._max_seq_tokens = min(max_model_len, block_manager.capacity_tokens)
+        self._running: list[Sequence] = []  # sorted by _order_key: the oldest first, the victim last
+        self._waiting: deque[Sequence] = deque()
+        self._held: dict[str, list[Sequence]] = {}  # request id -> samples waiting for sample 0's prompt
+        self._leaders: dict[str, Sequence] = {}  # request id -> its sample 0, until its prompt is computed
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished sequences
+        self._arrival: dict[int, int] = {}  # seq id -> arrival rank
+        self._ranks = itertools.count()
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + sum(len(held) for held in self._held.values())
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting or self._held)
+
+    def running(self) -> list[Sequence]:
+        """The running sequences, in scheduling order (a copy)."""
+        return list(self._running)
+
+    def waiting(self) -> list[Sequence]:
+        """The waiting queue in admission order, then samples held for their sample 0 (a copy)."""
+        return [*self._waiting, *(s for held in self._held.values() for s in held)]
+
+    # ---- requests in and out ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (status WAITING, no blocks, no computed tokens)."""
+        if seq.seq_id in self._arrival:
+            raise ValueError(f"seq: sequence {seq.seq_id} was already added")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"seq: sequence {seq.seq_id} must be new (WAITING, nothing computed, no blocks)")
+        if not seq.token_ids:
+            raise ValueError(f"seq: sequence {seq.seq_id} has no tokens")
+        self._arrival[seq.seq_id] = next(self._ranks)
+        self._requests.setdefault(seq.request_id, []).append(seq)
+        if self._shares_prompt_blocks(seq):
+            if seq.sample_index == 0:
+                self._leaders[seq.request_id] = seq
+            elif seq.request_id in self._leaders:
+                self._held.setdefault(seq.request_id, []).append(seq)
+                return
+        self._enqueue(seq, front=False)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End ``seq``: record why, free its blocks, take it off every queue. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        elif not self._unhold(seq):
+            self._waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.block_manager.free(seq)
+        self._forget(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of ``request_id`` with ``"abort"``; returns them."""
+        seqs = list(self._requests.get(request_id, ()))
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)
+        budget = self._schedule_running(self.token_budget, out)
+        if not out.preempted:
+            budget = self._admit_waiting(budget, out)
+        out.num_batched_tokens = self.token_budget - budget
+        return out
+
+    def advance(self, plan: SchedulerOutput) -> None:
+        """The step ran: count its tokens as computed and cache the blocks that became full."""
+        block_manager = self.block_manager
+        size = block_manager.block_size if block_manager.enable_prefix_caching else 0
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:  # finished (aborted) while the step ran
+                continue
+            seq.num_computed_tokens = computed = item.start + item.num_new_tokens
+            if size and computed // size != item.start // size:  # a block became full
+                block_manager.commit(seq, item.start)
+            if self._leaders and self._leaders.get(seq.request_id) is seq \
+                    and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._release_held(seq.request_id)
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        running, allocate = self._running, self.block_manager.allocate
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            num_tokens = len(seq.token_ids)
+            if num_tokens > self._max_seq_tokens:
+                self._finish_unfit(seq, out)
+                continue
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute until the engine appends its sampled token
+                index += 1
+                continue
+            while not allocate(seq, seq.num_computed_tokens + num_new):
+                if self._preempt_newest(out) is seq:
+                    return budget
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        block_manager = self.block_manager
+        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            if seq.num_tokens > self._max_seq_tokens:
+                self._finish_unfit(seq, out)
+                continue
+            hits = block_manager.lookup(seq)
+            num_cached = len(hits) * block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not block_manager.admit(seq, hits, num_cached + num_new):
+                break
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            insort(self._running, seq, key=self._order_key)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt_newest(self, out: SchedulerOutput) -> Sequence:
+        seq = self._running.pop()
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq, front=True)
+        out.preempted.append(seq)
+        return seq
+
+    def _finish_unfit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.finish(seq, "length")
+        out.finished.append(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        if self.policy == "priority":
+            insort(self._waiting, seq, key=self._order_key)
+        elif front:
+            self._waiting.appendleft(seq)
+        else:
+            self._waiting.append(seq)
+
+    def _order_key(self, seq: Sequence) -> int | tuple[int, int]:
+        rank = self._arrival[seq.seq_id]
+        return (seq.priority, rank) if self.policy == "priority" else rank
+
+    def _shares_prompt_blocks(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s samples gain from waiting for sample 0 (it has a full prompt block)."""
+        return (self.block_manager.enable_prefix_caching and seq.params.n > 1
+                and seq.num_prompt_tokens > self.block_manager.block_size)
+
+    def _release_held(self, request_id: str) -> None:
+        """Sample 0 of ``request_id`` has its prompt computed (or is gone): queue its siblings
+        ahead of later requests."""
+        self._leaders.pop(request_id, None)
+        held = self._held.pop(request_id, [])
+        for seq in reversed(held):
+            self._enqueue(seq, front=True)
+
+    def _unhold(self, seq: Sequence) -> bool:
+        held = self._held.get(seq.request_id)
+        if held is None or seq not in held:
+            return False
+        held.remove(seq)
+        if not held:
+            del self._held[seq.request_id]
+        return True
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._arrival[seq.seq_id]
+        siblings = self._requests[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self._requests[seq.request_id]
+        if self._leaders.get(seq.request_id) is seq:
+            self._release_held(seq.request_id)

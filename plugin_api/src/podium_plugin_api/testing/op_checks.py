@@ -1,0 +1,94 @@
+"""Custom-op conformance: each override against ``podium_plugin_api.ops.REFERENCE_OPS``.
+
+Inputs are random, in the dtype under test, on the platform's device; the reference runs on
+the same numbers in float64 on the CPU. ``top_k_top_p`` is compared by the set of tokens it
+keeps and their values, since which tokens survive is what sampling depends on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..ops import REFERENCE_OPS
+from .report import ConformanceError, check_close, dtype_name, guarded
+
+T, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, MAX_POS = 7, 96, 4, 2, 32, 64
+
+
+def op_inputs(name: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
+    """Random arguments for op ``name`` (CPU tensors)."""
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if name == "rms_norm":
+        return randn(T, HIDDEN), randn(HIDDEN), 1e-6
+    if name == "fused_add_rms_norm":
+        return randn(T, HIDDEN), randn(T, HIDDEN), randn(HIDDEN), 1e-6
+    if name == "rotary_embedding":
+        angles = torch.arange(MAX_POS)[:, None] * (10000.0 ** (-torch.arange(0, HEAD_SIZE, 2) / HEAD_SIZE))[None, :]
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)  # [MAX_POS, HEAD_SIZE]
+        positions = torch.randint(0, MAX_POS, (T,), generator=gen)
+        return positions, randn(T, HEADS, HEAD_SIZE), randn(T, KV_HEADS, HEAD_SIZE), cos_sin
+    if name == "silu_and_mul":
+        return (randn(T, 2 * HIDDEN),)
+    if name == "top_k_top_p":
+        # distinct values exactly representable in every dtype: no ties at the top-k boundary
+        logits = torch.stack([torch.randperm(50, generator=gen) for _ in range(6)]).sub(25).mul(0.25).to(dtype)
+        top_k = torch.tensor([0, 1, 5, 50, 0, 10])
+        top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 0.3, 0.8])
+        return logits, top_k, top_p
+    raise ValueError(f"no kit inputs for op {name!r}; known ops are {sorted(REFERENCE_OPS)}")
+
+
+def _to(args: tuple[Any, ...], device: torch.device | str, float64: bool = False) -> tuple[Any, ...]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = a.to(device)
+            if float64 and a.is_floating_point():
+                a = a.double()
+        out.append(a)
+    return tuple(out)
+
+
+def _check_top_k_top_p(
+    got: torch.Tensor, want: torch.Tensor, args: tuple[Any, ...], what: str, dtype: torch.dtype
+) -> None:
+    got = got.detach().cpu()
+    kept, kept_ref = ~torch.isinf(got), ~torch.isinf(want)
+    for row in range(want.shape[0]):
+        if not torch.equal(kept[row], kept_ref[row]):
+            ours = kept[row].nonzero().flatten().tolist()
+            theirs = kept_ref[row].nonzero().flatten().tolist()
+            raise ConformanceError(
+                f"{what}: row {row} (top_k={int(args[1][row])}, top_p={float(args[2][row])}) keeps tokens {ours}, "
+                f"the reference keeps {theirs}"
+            )
+    check_close(got.masked_fill(~kept, 0), want.masked_fill(~kept_ref, 0), what=f"{what}: kept logits", dtype=dtype)
+
+
+def check_op(
+    name: str, fn: Callable[..., Any], dtype: torch.dtype, device: torch.device, source: str, seed: int = 0
+) -> None:
+    """Raise ConformanceError unless override ``fn`` of op ``name`` matches the reference."""
+    if name not in REFERENCE_OPS:
+        raise ConformanceError(f"{source} overrides unknown op {name!r}; known ops are {sorted(REFERENCE_OPS)}")
+    args = op_inputs(name, dtype, torch.Generator().manual_seed(seed))
+    shapes = ", ".join(str(list(a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+    what = f"custom op {name} from {source} ({dtype_name(dtype)}; arguments {shapes})"
+    got = guarded(what, fn, *_to(args, device))
+    want = REFERENCE_OPS[name](*_to(args, "cpu", float64=True))
+    if name == "top_k_top_p":
+        _check_top_k_top_p(got, want, args, what, dtype)
+        return
+    outputs = want if isinstance(want, tuple) else (want,)
+    results = got if isinstance(got, tuple) else (got,)
+    if len(results) != len(outputs):
+        raise ConformanceError(f"{what}: returned {len(results)} value(s), the reference returns {len(outputs)}")
+    for i, (r, w) in enumerate(zip(results, outputs)):
+        label = f"{what}: output {i}" if len(outputs) > 1 else what
+        check_close(r, w, what=label, dtype=dtype)

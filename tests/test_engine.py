@@ -1,0 +1,183 @@
+"""Engine properties on the real SmolLM2 model (float32, CPU): invariance, caching, leaks, errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_fixtures import GOLDEN_PROMPTS, smollm2_gguf
+
+from podium import LLM, SamplingParams
+from podium.engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def make_llm(**kwargs) -> LLM:
+    smollm2_gguf()
+    return LLM("smollm2-135m-instruct", dtype="float32", device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm()
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def all_blocks_free(engine: LLMEngine) -> bool:
+    stats = engine.stats()
+    return stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+def mixed_batch(tokenizer, targets: list[str], size: int = 32) -> tuple[list[str], list[SamplingParams]]:
+    rng = random.Random(0)
+    words = "alpha beta gamma delta river mountain code python music light".split()
+    prompts, params = list(targets), [GREEDY] * len(targets)
+    while len(prompts) < size:
+        prompts.append(" ".join(rng.choice(words) for _ in range(rng.randint(2, 40))))
+        params.append(SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 30),
+                                     seed=rng.randint(0, 99), ignore_eos=True))
+    order = list(range(size))
+    rng.shuffle(order)
+    return [prompts[i] for i in order], [params[i] for i in order]
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(llm):
+    return {p: token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in GOLDEN_PROMPTS[:3]}
+
+
+def check_against_reference(llm: LLM, reference: dict[str, list[int]]) -> None:
+    prompts, params = mixed_batch(llm.get_tokenizer(), list(reference))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        if prompt in reference:
+            assert out.outputs[0].token_ids == reference[prompt], prompt
+    assert all_blocks_free(llm.engine)
+
+
+def test_greedy_is_batch_invariant(llm, reference_outputs):
+    check_against_reference(llm, reference_outputs)
+
+
+def test_greedy_is_chunk_size_invariant(reference_outputs):
+    small = make_llm(max_num_batched_tokens=16, max_num_seqs=8)
+    check_against_reference(small, reference_outputs)
+
+
+def test_greedy_is_preemption_invariant(reference_outputs):
+    scarce = make_llm(num_kv_blocks=20, max_model_len=256)
+    check_against_reference(scarce, reference_outputs)
+    assert scarce.engine.stats().num_preemptions > 0
+
+
+def test_prefix_cache_hits_are_counted_and_change_nothing():
+    system = "You are a helpful assistant who answers questions about geography in detail. " * 3
+    questions = [system + q for q in ("Where is Peru?", "Where is Chad?", "Where is Laos?")]
+    results = {}
+    for caching in (True, False):
+        llm = make_llm(enable_prefix_caching=caching)
+        tok = llm.get_tokenizer()
+        shared = len(tok.encode(system))
+        first = llm.generate([questions[0]], GREEDY, use_tqdm=False)
+        before = llm.engine.stats()
+        rest = llm.generate(questions[1:], GREEDY, use_tqdm=False)
+        after = llm.engine.stats()
+        results[caching] = token_ids(first + rest)
+        if caching:
+            expected = 2 * (shared // 16) * 16  # each later question reuses the system prompt's full blocks
+            assert after.prefix_cache_hits - before.prefix_cache_hits == expected
+            assert rest[0].num_cached_tokens == (shared // 16) * 16
+        else:
+            assert after.prefix_cache_hits == 0
+        assert all_blocks_free(llm.engine)
+    assert results[True] == results[False]
+
+
+def test_abort_frees_every_block(llm):
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request(f"abort-{i}", GOLDEN_PROMPTS[i % len(GOLDEN_PROMPTS)] * (i + 1),
+                           SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request([f"abort-{i}" for i in range(0, 6, 2)])
+    engine.step()
+    engine.abort_request([f"abort-{i}" for i in range(1, 6, 2)])
+    assert not engine.has_unfinished_requests()
+    assert all_blocks_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_company(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = token_ids(llm.generate(["Tell me a story"], params, use_tqdm=False))[0]
+    prompts, others = mixed_batch(llm.get_tokenizer(), [], 12)
+    crowd = llm.generate(["Tell me a story", *prompts], [params, *others], use_tqdm=False)
+    assert crowd[0].outputs[0].token_ids == alone
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    engine = llm.engine
+    prompt = "The history of the Roman empire is long and complicated, " * 4
+    before = engine.stats().prefix_cache_hits
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)[0]
+    full_blocks = len(llm.get_tokenizer().encode(prompt)) // 16
+    assert len(out.outputs) == 4 and [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert engine.stats().prefix_cache_hits - before >= 3 * full_blocks * 16
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert all_blocks_free(engine)
+
+
+def test_logprobs_match_log_softmax_of_transformers():
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf()
+    llm = make_llm()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+    top = torch.topk(ref, 5)
+    entries = out.logprobs[0]
+    assert set(top.indices.tolist()) <= set(entries)
+    for rank, (tid, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+        assert entries[tid].logprob == pytest.approx(value, abs=1e-4)
+        assert entries[tid].rank == rank
+    assert out.token_ids[0] == top.indices[0].item()
+
+
+def test_stop_conditions(llm):
+    base = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    text = base[0].outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = llm.generate(["Count: one, two, three,"], SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == text[: text.index(stop)]
+    first_id = base[0].outputs[0].token_ids[2]
+    by_id = llm.generate(["Count: one, two, three,"],
+                         SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first_id]), use_tqdm=False)
+    assert by_id[0].outputs[0].stop_reason == first_id and len(by_id[0].outputs[0].token_ids) <= 3
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_errors_name_the_problem(llm):
+    engine = llm.engine
+    too_long = [1] * engine.max_model_len
+    with pytest.raises(ValueError, match=rf"{engine.max_model_len}.*{len(too_long)}"):
+        llm.generate([{"prompt_token_ids": too_long}], use_tqdm=False)
+    with pytest.raises(ValueError) as err:
+        LLM("no-such-model-anywhere")
+    assert "no-such-model-anywhere" in str(err.value)
+    for bad, name in [({"top_p": 0}, "top_p"), ({"temperature": -1}, "temperature"), ({"n": 0}, "n"),
+                      ({"max_tokens": 0}, "max_tokens")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**bad)
+    assert all_blocks_free(engine)

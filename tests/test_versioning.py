@@ -1,0 +1,150 @@
+"""The plugin API's version contract: semantic version, refusal of incompatible plugins, deprecations,
+and hooks that gain arguments without breaking plugins written against the older signature."""
+
+from __future__ import annotations
+
+import re
+from importlib.metadata import version
+
+import pytest
+import torch
+
+from podium.discovery import PluginError, build_plugin_manager, discover_platforms
+from podium_plugin_api import (
+    API_VERSION,
+    Platform,
+    PluginApiDeprecationWarning,
+    compatibility_problem,
+    hookimpl,
+    hookspec,
+    hookspecs,
+    parse_version,
+)
+
+
+def test_api_version_is_semantic_and_matches_the_distribution():
+    major, minor, _ = parse_version(API_VERSION)
+    assert API_VERSION.count(".") == 2
+    assert parse_version(version("podium-plugin-api"))[:2] == (major, minor)
+    assert Platform.api_version == API_VERSION  # a plugin that declares nothing targets this API
+
+
+@pytest.mark.parametrize("plugin", ["1.0", "1.0.7", "1.2.0", "1.3"])
+def test_same_major_with_an_older_or_equal_minor_is_accepted(plugin):
+    assert compatibility_problem(plugin, "1.3.0") is None
+
+
+@pytest.mark.parametrize(
+    ("plugin", "expected"),
+    [
+        ("2.0.0", r"built for plugin API 2.0.0 but this Podium provides 1.3.0 \(major versions differ\)"),
+        ("0.9", r"built for plugin API 0.9 but this Podium provides 1.3.0"),
+        ("1.4", r"needs plugin API 1.4 but this Podium provides only 1.3.0; upgrade podium-plugin-api and podium"),
+        ("one", r"not a semantic version: 'one'"),
+    ],
+)
+def test_incompatible_versions_say_why(plugin, expected):
+    assert compatibility_problem(plugin, "1.3.0") is not None
+    assert re.search(expected, compatibility_problem(plugin, "1.3.0"))
+
+
+def plugin_for(api_version: str):
+    class OldNpu(Platform):
+        name = "old-npu"
+
+    OldNpu.api_version = api_version
+
+    class Plugin:
+        @hookimpl
+        def podium_platforms(self):
+            return [OldNpu]
+
+    return Plugin()
+
+
+def test_core_refuses_an_incompatible_major_naming_plugin_versions_and_fix():
+    old_major = f"{parse_version(API_VERSION)[0] - 1}.9"
+    with pytest.raises(PluginError) as info:
+        discover_platforms(extra_plugins={"podium-old-npu": plugin_for(old_major)})
+    message = str(info.value)
+    assert "podium plugin podium-old-npu" in message and "platform 'old-npu'" in message
+    assert old_major in message and API_VERSION in message
+    assert f"install a plugin release built for API {parse_version(API_VERSION)[0]}.x" in message
+
+
+def test_core_accepts_a_plugin_declaring_the_current_major():
+    entries = discover_platforms(extra_plugins={"podium-old-npu": plugin_for(f"{parse_version(API_VERSION)[0]}.0")})
+    assert "old-npu" in [e.name for e in entries]
+
+
+# --- deprecation: pluggy's warn_on_impl, surfaced by the core naming the distribution ---------------
+
+
+@hookspec(
+    warn_on_impl=PluginApiDeprecationWarning("podium_legacy_ops is deprecated; return ops from podium_custom_ops")
+)
+def podium_legacy_ops() -> dict:
+    """A hook the API is phasing out (test-only: the real API has no deprecated hook yet)."""
+
+
+class LegacyPlugin:
+    @hookimpl
+    def podium_legacy_ops(self):
+        return {"silu_and_mul": None}
+
+
+def test_implementing_a_deprecated_hook_warns_naming_the_plugin_and_still_works(monkeypatch):
+    monkeypatch.setattr(hookspecs, "podium_legacy_ops", podium_legacy_ops, raising=False)
+    with pytest.warns(PluginApiDeprecationWarning) as caught:
+        pm, _ = build_plugin_manager(extra_plugins={"podium-legacy": LegacyPlugin()})
+    messages = [str(w.message) for w in caught]
+    assert any(
+        m.startswith("podium plugin podium-legacy ") and "podium_legacy_ops is deprecated" in m for m in messages
+    )
+    assert caught[0].filename == __file__  # pointed at the plugin's implementation, not at the core
+    assert pm.hook.podium_legacy_ops() == [{"silu_and_mul": None}]
+
+
+def test_plugins_without_deprecated_hooks_do_not_warn(recwarn):
+    build_plugin_manager()
+    assert not [w for w in recwarn if issubclass(w.category, PluginApiDeprecationWarning)]
+
+
+# --- adding an argument to a hook breaks no plugin ------------------------------------------------
+
+
+def silu_and_mul(x):
+    return x
+
+
+class WrittenForAnOlderSignature:
+    """Implements podium_custom_ops as if the hook had no ``platform`` argument yet."""
+
+    @hookimpl
+    def podium_custom_ops(self):
+        return {"silu_and_mul": silu_and_mul}
+
+
+def test_an_impl_declaring_fewer_arguments_than_the_spec_is_called_with_what_it_declares():
+    pm, _ = build_plugin_manager(extra_plugins={"older": WrittenForAnOlderSignature()})
+    results = pm.hook.podium_custom_ops(platform=Platform())
+    assert {"silu_and_mul": silu_and_mul} in results
+
+
+@hookspec
+def podium_custom_ops_v1_1(platform, dtype) -> dict | None:
+    """podium_custom_ops as a later minor version might declare it, with an extra ``dtype`` argument."""
+
+
+def test_a_spec_that_gains_an_argument_still_calls_the_older_impl(monkeypatch):
+    monkeypatch.setattr(hookspecs, "podium_custom_ops", podium_custom_ops_v1_1)
+
+    class WrittenFor1_0:
+        @hookimpl
+        def podium_custom_ops(self, platform):
+            return {"silu_and_mul": silu_and_mul} if isinstance(platform, Platform) else None
+
+    pm, _ = build_plugin_manager(extra_plugins={"written-for-1.0": WrittenFor1_0()})
+    assert pm.hook.podium_custom_ops.spec.argnames == ("platform", "dtype")
+    results = pm.hook.podium_custom_ops(platform=Platform(), dtype=torch.float16)
+    assert {"silu_and_mul": silu_and_mul} in results
