@@ -1,0 +1,1 @@
+"""Model definitions (the Llama family), their layers, and the architecture registry."""

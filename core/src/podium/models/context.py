@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from podium_plugin_api import AttentionBackend, AttentionMetadata
 
 

@@ -1,0 +1,87 @@
+"""What a model argument resolves to: config, tokenizer, a weight stream and generation defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+WeightStream = Iterator[tuple[str, torch.Tensor]]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# generation_config.json keys -> SamplingParams fields (what vLLM also takes from it)
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass
+class ModelSource:
+    """A resolved model.
+
+    ``weights()`` streams (Hugging Face name, tensor) pairs, read lazily from disk, or returns
+    None for a shape model (random weights). ``dtype`` is the model's own preference (its config's
+    torch_dtype; float32 for GGUF), which ``dtype="auto"`` may use.
+    """
+
+    hf_config: Any  # transformers PretrainedConfig
+    tokenizer: Any | None  # a transformers tokenizer; None for a shape model without one
+    weight_stream: Callable[[], WeightStream] | None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_model_len: int = 0
+    description: str = ""
+    dtype: torch.dtype = torch.float32
+    path: str | None = None  # the folder or file loaded from; None for a named shape
+
+    def weights(self) -> WeightStream | None:
+        return None if self.weight_stream is None else self.weight_stream()
+
+    @property
+    def has_weights(self) -> bool:
+        return self.weight_stream is not None
+
+
+def resolve_dtype(name: str | torch.dtype, preferred: torch.dtype) -> torch.dtype:
+    """"auto" -> ``preferred`` (the model's or the platform's choice); else the named dtype."""
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {name}")
+        return name
+    if name == "auto":
+        return preferred
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def config_dtype(config, fallback: torch.dtype = torch.float32) -> torch.dtype:
+    """The config's declared torch dtype (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+    value = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
+    if isinstance(value, str):
+        value = DTYPES.get(value.replace("torch.", ""))
+    return value if value in DTYPES.values() else fallback
+
+
+def generation_defaults(generation_config: dict) -> dict[str, Any]:
+    """Sampling defaults a model's generation_config.json sets, as SamplingParams field names."""
+    return {ours: generation_config[theirs] for theirs, ours in _GENERATION_KEYS.items()
+            if generation_config.get(theirs) is not None}
+
+
+def token_id_list(*values: int | Iterable[int] | None) -> list[int]:
+    """Ids from ints, lists and Nones, in first-seen order without repeats."""
+    ids: list[int] = []
+    for value in values:
+        for item in [value] if isinstance(value, int) else (value or []):
+            if int(item) not in ids:
+                ids.append(int(item))
+    return ids

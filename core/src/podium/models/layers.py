@@ -1,0 +1,117 @@
+"""The building blocks of a Llama-family decoder: RMSNorm, gated MLP, attention.
+
+Layers compute through the op table (``ops["rms_norm"]`` ...), so a platform's fused kernels
+replace the pure-torch references without touching the model. Merged projections (q|k|v,
+gate|up) keep one matmul each; ``merged_shards`` tells the weight loader where each Hugging Face
+tensor goes inside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from podium_plugin_api import AttentionLayerSpec
+
+from .context import ForwardContext
+from .rotary import RotaryEmbedding, head_dim_of
+
+Ops = dict[str, Callable]
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x). With ``residual``: returns (norm(x + residual), x + residual)."""
+
+    def __init__(self, size: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = float(eps)
+        self.rms_norm, self.fused_add_rms_norm = ops["rms_norm"], ops["fused_add_rms_norm"]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.rms_norm(x, self.weight, self.eps)
+        return self.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up merged into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: Ops) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.silu_and_mul = ops["silu_and_mul"]
+        size = intermediate_size
+        self.merged_shards = {"gate_proj": ("gate_up_proj", 0, size), "up_proj": ("gate_up_proj", size, size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
+
+
+def layer_sliding_window(config, layer_index: int) -> int | None:
+    """The attention window of one layer, or None for full attention.
+
+    Configs with ``layer_types`` (Qwen2/3 in transformers >= 4.53) say it per layer; older Qwen2
+    configs say it with ``use_sliding_window`` and ``max_window_layers`` (layers from that index on
+    slide); Mistral has one ``sliding_window`` for every layer (None: off).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_index] == "sliding_attention" else None
+    if hasattr(config, "use_sliding_window"):
+        if not config.use_sliding_window:
+            return None
+        return int(window) if layer_index >= getattr(config, "max_window_layers", 0) else None
+    return int(window)
+
+
+class Attention(nn.Module):
+    """Self-attention with merged q|k|v, optional per-head q/k RMSNorm, rotary, paged KV via the backend."""
+
+    def __init__(
+        self, config, layer_index: int, ops: Ops, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.merged_shards = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+        }
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        self.spec = AttentionLayerSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=layer_sliding_window(config, layer_index),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # [T, H*D], [T, Hkv*D], [T, Hkv*D]
+        q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)  # norm over D, per head
+            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
+        q, k = rotary(positions, q, k)
+        out = ctx.backend.forward(self.spec, q, k, v, ctx.kv_caches[self.layer_index], ctx.meta)  # [T, H, D]
+        return self.o_proj(out.reshape(tokens, -1))  # [T, hidden]

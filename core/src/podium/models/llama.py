@@ -1,0 +1,133 @@
+"""The Llama-family decoder: Llama 2/3 (SmolLM2), Mistral, Qwen2/2.5, Qwen3.
+
+One stack; the architectures differ only in a few switches read from the config:
+
+    Llama/Mistral  bias on q/k/v/o from ``attention_bias``, MLP bias from ``mlp_bias``
+    Qwen2          bias on q/k/v always, none on o
+    Qwen3          per-head RMSNorm on q and k before rotary
+    all            ``head_dim`` when the config has it; tied embeddings from ``tie_word_embeddings``;
+                   sliding window per layer (``layers.layer_sliding_window``); rope scaling (``rotary``)
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn...``), except the merged
+``qkv_proj`` and ``gate_up_proj``; ``load_weights`` maps the checkpoint's names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .context import ForwardContext
+from .layers import Attention, GatedMLP, Ops, RMSNorm
+from .rotary import RotaryEmbedding
+from .weights import load_hf_weights
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP; the residual stream is carried through fused add-norms."""
+
+    def __init__(self, config, layer_index: int, ops: Ops, attention_options: dict) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
+        self.self_attn = Attention(config, layer_index, ops, **attention_options)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers, final norm: HF's ``model.*`` submodule."""
+
+    def __init__(self, config, ops: Ops, attention_options: dict) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, ops, attention_options) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.rotary_emb = RotaryEmbedding(config, ops["rotary_embedding"])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, self.rotary_emb, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """``cls(config, ops)``; ``forward(input_ids [T], positions [T], ctx) -> [T, hidden]``."""
+
+    def __init__(self, config, ops: Ops) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, ops, self.attention_options(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def attention_options(config) -> dict:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from Hugging Face (name, tensor) pairs; ValueError naming any mismatch.
+
+        Skipped: rotary ``inv_freq`` buffers of old checkpoints and, with tied embeddings,
+        ``lm_head.weight`` (it is the embedding).
+        """
+        ignore = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if self.lm_head is None else [])
+        load_hf_weights(self, (_with_model_prefix(name, tensor) for name, tensor in weights), ignore)
+
+
+def _with_model_prefix(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Checkpoints saved from the bare stack (``LlamaModel``) lack the ``model.`` prefix."""
+    if name.startswith(("model.", "lm_head.")):
+        return name, tensor
+    return "model." + name, tensor
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding window (read from ``config.sliding_window``)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_options(config) -> dict:
+        return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_options(config) -> dict:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

@@ -1,0 +1,210 @@
+"""Shared helpers for model and loader tests: tiny random HF models and a flat-batch runner."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from podium.loader import resolve_model
+from podium.models.context import ForwardContext
+from podium.models.registry import build_model
+from podium_plugin_api import AttentionBackend, AttentionMetadata, KVCacheSpec
+from podium_plugin_api.ops import build_op_table
+
+TINY = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+# name -> (model_type, config overrides); each exercises one architecture feature
+ARCHITECTURES = {
+    "llama3-rope-untied": ("llama", {"rope_theta": 10000.0, "rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": False}),
+    "llama2-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-bias-linear-rope": ("llama", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1,
+                                         "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral-sliding": ("mistral", {"sliding_window": 5, "tie_word_embeddings": False}),
+    "qwen2-bias": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": False}),
+    "qwen2-sliding-layers": ("qwen2", {"tie_word_embeddings": False, "use_sliding_window": True, "sliding_window": 6,
+                                       "max_window_layers": 1}),
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", autouse=False)
+def single_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is several times faster on a shared, busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    config._attn_implementation = "eager"
+    return config
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random (norm weights around 1, biases nonzero) so no path hides behind init."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+
+
+def save_tiny_model(model_type: str, overrides: dict, folder: Path, seed: int = 0, **save_kwargs):
+    """A random transformers model saved with save_pretrained (safetensors) to ``folder``; returns it."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(folder, **save_kwargs)
+    return model
+
+
+def load_podium(model: str, dtype: torch.dtype = torch.float32):
+    source = resolve_model(str(model))
+    podium_model = build_model(source.hf_config, build_op_table(), dtype, "cpu")
+    podium_model.load_weights(source.weights())
+    return source, podium_model
+
+
+class FlatBatchRunner:
+    """Runs a Podium model over ragged sequences in flat batches with a paged KV cache (test harness)."""
+
+    def __init__(self, model, config, block_size: int, backend: AttentionBackend | None = None, num_blocks: int = 64):
+        self.model, self.block_size = model, block_size
+        self.backend = backend or AttentionBackend()
+        heads = config.num_attention_heads
+        spec = KVCacheSpec(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            block_size=block_size,
+            dtype=torch.float32,
+        )
+        shape = self.backend.kv_cache_shape(spec, num_blocks)
+        self.kv_caches = [torch.zeros(shape) for _ in range(spec.num_layers)]
+        # blocks handed out in a scrambled order so a table mix-up cannot pass by accident
+        self.free = list(torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist())
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Process ``chunks`` (sequence id -> new token ids) in one flat batch -> logits per sequence."""
+        ids, positions, query_lens, seq_lens, tables = [], [], [], [], []
+        for seq, tokens in chunks.items():
+            start = self.computed.get(seq, 0)
+            end = start + len(tokens)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            ids += tokens
+            positions += range(start, end)
+            query_lens.append(len(tokens))
+            seq_lens.append(end)
+            tables.append(table)
+            self.computed[seq] = end
+        meta = AttentionMetadata.from_lengths(query_lens, seq_lens, tables, self.block_size)
+        ctx = ForwardContext(self.backend.prepare_metadata(meta), self.kv_caches, self.backend)
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
+            logits = self.model.compute_logits(hidden)
+        out, offset = {}, 0
+        for seq, length in zip(chunks, query_lens):
+            out[seq] = logits[offset : offset + length]
+            offset += length
+        return out
+
+
+def reference_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+# --------------------------------------------------------------------------- writing GGUF files
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: HF rotate-half rows -> interleaved pairs (written independently here)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path, arch: str, metadata: dict, tensors: list[tuple[str, np.ndarray, int | None]]) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for name, data, raw_dtype in tensors:
+        writer.add_tensor(name, data, raw_dtype=None if raw_dtype is None else gguf.GGMLQuantizationType(raw_dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# HF name part -> GGUF name part (llama.cpp's naming, written out here independently of the loader)
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def export_gguf(hf_model, arch: str, path, extra: list | tuple = ()) -> None:
+    """Write a transformers model as an all-F32 GGUF the way llama.cpp's converter lays it out."""
+    config = hf_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    tensors = []
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for name, value in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        if parts[1] == "layers":
+            part = HF_TO_GGUF[".".join(parts[3:-1])]
+            gguf_name = f"blk.{parts[2]}.{part}.{parts[-1]}"
+        else:
+            part = None
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        value = value.float().numpy()
+        if arch == "llama" and part in heads:
+            value = llama_cpp_permute(value, heads[part])
+        tensors.append((gguf_name, np.ascontiguousarray(value), None))
+    meta = {f"{arch}.block_count": config.num_hidden_layers, f"{arch}.context_length": config.max_position_embeddings,
+            f"{arch}.embedding_length": config.hidden_size, f"{arch}.feed_forward_length": config.intermediate_size,
+            f"{arch}.attention.head_count": config.num_attention_heads,
+            f"{arch}.attention.head_count_kv": config.num_key_value_heads,
+            f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
+            f"{arch}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
+            f"{arch}.attention.key_length": head_dim, f"{arch}.vocab_size": config.vocab_size}
+    write_gguf(path, arch, meta, tensors + list(extra))
