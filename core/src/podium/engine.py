@@ -121,7 +121,8 @@ class LLMEngine:
         activation = 0
         if platform.capabilities().kv_cache_from_free_memory and config.num_kv_blocks is None:
             activation = profile_activation_bytes(platform, lambda: self._profile_forward(spec))
-        blocks = num_kv_blocks(config, spec, kv_cache_bytes(config, platform, activation), self.max_model_len)
+        nbytes = 0 if config.num_kv_blocks else kv_cache_bytes(config, platform, activation)
+        blocks = num_kv_blocks(config, spec, nbytes, self.max_model_len)
         self.num_kv_blocks, self.kv_capacity_tokens = blocks, blocks * config.block_size
         self.kv_caches = platform.allocate_kv_cache(spec, blocks)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
@@ -165,7 +166,8 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, final_only: bool = False) -> None:
+        """Queue a request. ``final_only``: step() reports it once, finished (no per-token outputs)."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -177,7 +179,7 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, arrival, priority) for i in range(params.n)]
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],
-                                                  RequestMetrics(arrival_time=arrival))
+                                                  RequestMetrics(arrival_time=arrival), final_only=final_only)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -233,6 +235,8 @@ class LLMEngine:
     def _collect(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
         for rid, req in changed.items():
+            if req.final_only and not req.finished:
+                continue
             req.metrics.num_cached_prompt_tokens = req.sequences[0].seq.num_cached_tokens
             outputs.append(self.processor.build_output(req))
             if req.finished:

@@ -113,6 +113,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}  # batch size -> (replay, static buffers)
         self.static_shapes = platform.capabilities().static_shapes
         self.capture_seconds = 0.0
+        self.last_used_graph = False
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence's row."""
@@ -178,6 +179,7 @@ class ModelRunner:
             last = torch.from_numpy(cu[1:][sample_idx] - 1).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[last]) if sample_idx else None
             prompt_lp = self._prompt_logprobs(plan, hidden, cu)
+        self.last_used_graph = graph_size is not None
         seqs = [plan.scheduled[i].seq for i in sample_idx]
         if seqs:
             out = self.sampler.sample(logits, seqs)
@@ -262,7 +264,9 @@ class ModelRunner:
         buf["positions"].copy_(staged[1])
         buf["slot_mapping"].copy_(staged[2])
         buf["seq_lens"].copy_(staged[3])
-        table = np.zeros((size, self.max_blocks), dtype=np.int32)
-        table[:n] = self.rows.table[rows]
-        buf["block_tables"].copy_(torch.from_numpy(table).to(self.device, non_blocking=True))
+        # only the columns this step reads; stale entries beyond them are never read, and padded
+        # rows (seq_len 1, slot -1) read a stale but valid block id and write nothing
+        width = -(-int(seq_lens.max()) // self.block_size)
+        table = torch.from_numpy(self.rows.table[rows, :width]).to(self.device, non_blocking=True)
+        buf["block_tables"][:n, :width].copy_(table)
         return replay()[:n]

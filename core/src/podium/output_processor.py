@@ -38,6 +38,7 @@ class RequestState:
     sequences: list[SequenceState]
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
+    final_only: bool = False  # report the request once, when it finishes (offline generate)
     extra: dict = field(default_factory=dict)
 
     @property

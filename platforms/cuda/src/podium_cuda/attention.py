@@ -1,9 +1,76 @@
-"""Triton paged attention for CUDA (work in progress: reference attention until kernels land)."""
+"""TritonAttentionBackend: the CUDA platform's attention (imported only when the backend is asked for).
+
+Cache layout: the contract's default, one tensor per layer ``[2, num_blocks, block_size, Hkv, D]``
+(keys, values), so ``split_cache``/``read_kv`` are inherited and the reference reads it as is.
+
+CUDA-graph assumptions (decode capture): every per-step quantity the kernels use is read from the
+metadata's device tensors (query_start_loc, seq_lens, block_tables, slot_mapping), so replaying a
+graph after the runner copies new contents into those same tensors is correct. The host values
+used are ``max_query_len`` (1 selects the decode launch; it must stay 1 for a captured decode
+graph) and ``max_seq_len``, which only sets the decode split count: for a graph that will replay
+longer contexts, capture with ``max_seq_len`` set to the longest length replays may see (e.g.
+max_model_len) so long contexts get their splits; a smaller value stays correct, only slower.
+The fallbacks (head sizes over ``KernelTuning.max_head_size``, dtypes other than fp16/bf16/fp32)
+use the pure-torch reference, which syncs with the host and cannot be captured.
+"""
 
 from __future__ import annotations
 
-from podium_plugin_api import AttentionBackend
+import torch
+
+from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+
+from .kv_write import write_kv
+from .paged_attention import paged_attention
+from .tuning import CUDA_TUNING, KernelTuning, plan_splits
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels for the KV write and the ragged paged attention; see module docstring."""
+
     name = "triton"
+
+    def __init__(self, tuning: KernelTuning = CUDA_TUNING) -> None:
+        self.tuning = tuning
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """key/value [T, Hkv, D] into the cache at ``slot_mapping`` [T] (-1: skip)."""
+        key_cache, value_cache = self.split_cache(kv_cache)
+        write_kv(key, value, key_cache, value_cache, slot_mapping, self.tuning)
+
+    def num_splits(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
+        """KV splits for this step: >1 only for pure-decode steps with few sequences and long contexts."""
+        if not meta.is_pure_decode:
+            return 1
+        return plan_splits(meta.num_seqs, num_kv_heads, meta.max_seq_len, self.tuning.split)
+
+    def supports(self, layer: AttentionLayerSpec, query: torch.Tensor) -> bool:
+        """Whether the Triton kernel handles this layer (else the reference does)."""
+        return layer.head_size <= self.tuning.max_head_size and query.dtype in KERNEL_DTYPES
+
+    def attend(
+        self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """query [T, H, D] -> output [T, H, D] over the paged cache (which holds the new tokens)."""
+        if not self.supports(layer, query):
+            return super().attend(layer, query, kv_cache, meta)
+        key_cache, value_cache = self.split_cache(kv_cache)
+        query = query if query.stride(2) == 1 else query.contiguous()
+        return paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale=layer.scale,
+            max_query_len=meta.max_query_len,
+            sliding_window=layer.sliding_window,
+            soft_cap=layer.soft_cap,
+            num_splits=self.num_splits(meta, layer.num_kv_heads),
+            tuning=self.tuning,
+        )

@@ -8,6 +8,8 @@ import torch
 
 from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
 
+from .tuning import CUDA_TUNING
+
 
 def cuda_availability() -> Availability:
     """Available when torch is a CUDA (not HIP) build that sees a device and triton is importable."""
@@ -71,7 +73,7 @@ class CudaPlatform(Platform):
         )
 
     def config_defaults(self) -> dict:
-        return {"gpu_memory_utilization": 0.90}
+        return {"gpu_memory_utilization": 0.90, "max_num_batched_tokens": 8192}
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
@@ -111,3 +113,9 @@ class CudaPlatform(Platform):
 
     def graph_runner(self) -> GraphRunner:
         return CudaGraphRunner()
+
+    def custom_ops(self) -> dict:
+        """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""
+        from .fused_ops import FUSED_OPS  # triton is imported here, not before
+
+        return {name: FUSED_OPS[name] for name in CUDA_TUNING.fused_ops}

@@ -1,20 +1,25 @@
-"""The ROCm platform: a HIP build of torch (device type "cuda" in torch), Triton kernels from podium-cuda."""
+"""The ROCm platform: a HIP build of torch (device type "cuda" in torch), podium-cuda's Triton kernels.
+
+Everything CUDA and HIP share comes from CudaPlatform through torch's HIP-backed ``torch.cuda``:
+device selection, memory sizing (``mem_get_info``, peak-memory profiling, the KV cache sized from
+free memory), HIP graphs (``torch.cuda.CUDAGraph`` is a hipGraph on ROCm: CudaGraphRunner captures
+and replays them unchanged) and RCCL, which answers to torch.distributed's ``"nccl"`` backend.
+What differs is declared, never branched on by the core: the launch parameters (tuning.py) and
+the capabilities of the architecture (arch.py), e.g. the fp8 flavour ``e4m3fnuz`` on MI300.
+"""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from podium_cuda.platform import CudaPlatform
-from podium_plugin_api import Availability, Capabilities
+from podium_cuda.tuning import KernelTuning
+from podium_plugin_api import AttentionBackend, Availability, Capabilities
 
-
-def rocm_availability() -> Availability:
-    hip = getattr(torch.version, "hip", None)
-    if not hip:
-        return Availability(False, f"torch {torch.__version__} is not a ROCm/HIP build")
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return Availability(False, f"torch {torch.__version__} (HIP {hip}) sees no AMD GPU")
-    return Availability(True, f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)} (HIP {hip})")
+from .detection import RocmDevice, probe_device, rocm_availability
+from .tuning import tuning_for
 
 
 class RocmPlatform(CudaPlatform):
@@ -22,17 +27,52 @@ class RocmPlatform(CudaPlatform):
     device_type = "cuda"  # torch addresses HIP devices as "cuda"
     priority = 100
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._device: RocmDevice | None = None
+        self._rocm_backend: AttentionBackend | None = None
+
     def availability(self) -> Availability:
         return rocm_availability()
 
+    def rocm_device(self) -> RocmDevice:
+        """Device 0's architecture and compute units (read once; see detection.probe_device)."""
+        if self._device is None:
+            self._device = probe_device()
+        return self._device
+
+    def tuning(self) -> KernelTuning:
+        """The launch parameters this platform gives podium-cuda's kernels."""
+        return tuning_for(self.rocm_device())
+
     def capabilities(self) -> Capabilities:
-        base = super().capabilities()
+        device = self.rocm_device()
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         return Capabilities(
-            dtypes=base.dtypes,
-            default_dtype=base.default_dtype,
-            graph_capture=True,
-            fp8="e4m3fnuz",
-            distributed_backend="nccl",  # RCCL answers to the nccl backend name
+            dtypes=(torch.float32, torch.float16, torch.bfloat16) if bf16 else (torch.float32, torch.float16),
+            default_dtype=torch.bfloat16 if bf16 else torch.float16,
+            graph_capture=True,  # HIP graphs through torch.cuda.CUDAGraph
+            fp8=device.arch.fp8,  # "e4m3fnuz" on CDNA3 (MI300), "e4m3fn" on CDNA4/RDNA4, None before
+            distributed_backend="nccl",  # RCCL registers under torch.distributed's nccl name
             pinned_memory=True,
             kv_cache_from_free_memory=True,
+            extra={
+                "gcn_arch": device.arch.gfx,
+                "wavefront_size": device.arch.wavefront_size,
+                "forced_on_cuda": device.forced_on_cuda,
+            },
         )
+
+    def attention_backend(self) -> AttentionBackend:
+        if self._rocm_backend is None:
+            from .attention import RocmAttentionBackend  # triton is imported here, not before
+
+            self._rocm_backend = RocmAttentionBackend(tuning=self.tuning())
+        return self._rocm_backend
+
+    def custom_ops(self) -> dict:
+        """podium-cuda's fused Triton ops named in the tuning's ``fused_ops``, launched with its warps."""
+        from podium_cuda.fused_ops import FUSED_OPS  # triton is imported here, not before
+
+        tuning = self.tuning()
+        return {name: partial(FUSED_OPS[name], tuning=tuning) for name in tuning.fused_ops}

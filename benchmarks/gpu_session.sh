@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call on an H200: install Podium without dependencies (the image has torch, triton,
+# transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
+#   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
+# Steps: engine_tests kernel_tests rocm_tests tp_fixed_8b tp_sharegpt_8b step_profile_8b latency_8b latency_1b
+set -o pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/podium_gpu_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/summary.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu \
+  -e ./platforms/cuda -e ./platforms/rocm 2>&1 | grep -v -i warning | tail -3
+run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+  tail -n "${TAIL:-14}" "$OUT/$name.log" | tee -a "$OUT/summary.txt"
+}
+shape8b="--model llama-3.1-8b-shape --max-model-len 1024 --no-progress"
+steps=${*:-engine_tests tp_fixed_8b latency_8b latency_1b kernel_tests rocm_tests}
+for s in $steps; do
+  case $s in
+    engine_tests) run_step $s 170 python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
+    kernel_tests) run_step $s 200 python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
+    rocm_tests) run_step $s 200 env PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests \
+      --podium-platform rocm -q -p no:cacheprovider -rfE ;;
+    tp_fixed_8b) run_step $s 200 podium bench throughput $shape8b --dataset random --input-len 512 \
+      --output-len 256 --num-prompts 256 --compare hf --hf-batch-size 256 --json-out "$OUT/$s.json" ;;
+    tp_sharegpt_8b) run_step $s 400 podium bench throughput --model llama-3.1-8b-shape --no-progress \
+      --dataset sharegpt-like --num-prompts 256 --compare hf --hf-batch-size 64 --json-out "$OUT/$s.json" ;;
+    step_profile_8b) run_step $s 150 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape ;;
+    latency_8b) run_step $s 70 podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
+    latency_1b) run_step $s 50 podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
+      --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+exit 0

@@ -1,0 +1,70 @@
+"""Host work of one engine step with 256 running decodes: everything except the model's math.
+
+    python benchmarks/host_overhead.py [--num-seqs 256] [--steps 30]
+
+Runs the real engine (SmolLM2 on the CPU platform) with ``num_seqs`` running decodes and times
+each ``engine.step()``; the model's forward and logits are timed separately (on a CPU they are
+synchronous), and so is the sampler (on a CPU its argmax over [256, vocab] is tensor work that a GPU
+does on the device; it is reported apart). The rest is the host overhead: scheduling, building the
+flat batch, detokenizing, stop checks and building per-token outputs (streaming requests, the
+server's case). Prints medians per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from podium import LLM, SamplingParams
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - start
+        return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    llm = LLM(args.model, dtype="float32", max_num_seqs=args.num_seqs, max_num_batched_tokens=8192)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 64, ignore_eos=True)
+    for i in range(args.num_seqs):
+        engine.add_request(str(i), f"Request {i}: tell me about the number {i}.", params)
+    while engine.scheduler.num_waiting or any(  # until every prompt is computed: pure decode from here
+            s.seq.num_computed_tokens < s.seq.num_prompt_tokens for r in engine._requests.values() for s in r.sequences):
+        engine.step()
+    model_time, sampler_time = Stopwatch(), Stopwatch()
+    engine.model.forward = model_time.wrap(engine.model.forward)
+    engine.model.compute_logits = model_time.wrap(engine.model.compute_logits)
+    engine.sampler.sample = sampler_time.wrap(engine.sampler.sample)
+    host, sampling = [], []
+    for _ in range(args.steps):
+        model_time.total = sampler_time.total = 0.0
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        host.append(elapsed - model_time.total - sampler_time.total)
+        sampling.append(sampler_time.total)
+        assert len(outputs) == args.num_seqs  # every request advanced one token
+    engine.abort_request([str(i) for i in range(args.num_seqs)])
+    print(f"{args.num_seqs} running decodes, {args.steps} steps: host overhead per step "
+          f"median {statistics.median(host) * 1e3:.2f} ms, min {min(host) * 1e3:.2f} ms; "
+          f"sampler (greedy argmax on the CPU) median {statistics.median(sampling) * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Time podium_cuda's kernels on a GPU: decode/prefill attention (with tiling variants), fused ops.
+
+    python3 platforms/cuda/scripts/bench_kernels.py --out results.json [--quick]
+
+Kernel times come from CUDA-graph replays of many calls (launch gaps removed), the median of
+several replays; inputs rotate over enough distinct KV sets to exceed the L2 cache, and are
+random (never zeros). Eager times (``triton.testing.do_bench``, median) include the host's launch
+cost. Decode bandwidth counts the K/V bytes each call must read; prefill counts causal FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import time
+import traceback
+
+import torch
+import triton.testing
+
+from podium_cuda.fused_ops import FUSED_OPS
+from podium_cuda.paged_attention import paged_attention
+from podium_cuda.tuning import CUDA_TUNING, AttentionTiling, KernelTuning, plan_splits
+from podium_plugin_api import ops as reference_ops
+
+HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B attention, bf16
+DTYPE = torch.bfloat16
+DEV = "cuda"
+ROTATE_BYTES = 256e6  # inputs rotated per timing: several times the 60 MB L2
+DECODE_BATCHES, DECODE_CONTEXTS = (1, 64, 256), (512, 2048, 8192)
+PREFILL_SHAPES = ((8, 0, 512), (4, 0, 2048), (2, 4096, 512))  # (sequences, cached tokens, new tokens)
+OP_TOKENS = (1, 64, 256, 2048, 8192)
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+
+DECODE_VARIANTS = [CUDA_TUNING.decode, AttentionTiling(16, 64, 4, 3), AttentionTiling(16, 128, 4, 2),
+                   AttentionTiling(16, 32, 4, 3)]
+PREFILL_VARIANTS = [CUDA_TUNING.prefill, AttentionTiling(128, 64, 4, 3), AttentionTiling(64, 64, 4, 3),
+                    AttentionTiling(64, 32, 4, 2), AttentionTiling(128, 64, 8, 3), AttentionTiling(128, 32, 8, 3)]
+
+
+def tag(t: AttentionTiling) -> str:
+    return f"m{t.block_m}/n{t.block_n}/w{t.num_warps}/s{t.num_stages}"
+
+
+def graph_ms(calls, replays: int = 15) -> float:
+    """Milliseconds per call: capture all calls in one CUDA graph, median over replays."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) / len(calls)
+
+
+def eager_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def ceilings() -> dict:
+    x = torch.randn(2**29, dtype=torch.float32, device=DEV)  # 2 GiB
+    y = torch.empty_like(x)
+    ms = graph_ms([lambda: y.copy_(x)] * 10)
+    a = torch.randn(8192, 8192, device=DEV, dtype=DTYPE)
+    b = torch.randn(8192, 8192, device=DEV, dtype=DTYPE)
+    mm = graph_ms([lambda: a @ b] * 5)
+    return {"copy_TBps": 2 * x.numel() * 4 / ms / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm / 1e9}
+
+
+class PagedSets:
+    """``sets`` distinct batches (block tables over disjoint random blocks) sharing one cache."""
+
+    def __init__(self, num_seqs: int, ctx: int, q_len: int, rotate: bool = True):
+        self.num_seqs, self.ctx, self.q_len = num_seqs, ctx, q_len
+        per_seq = -(-ctx // BLOCK)
+        self.kv_bytes = 2 * num_seqs * ctx * KV_HEADS * HEAD * 2
+        sets = max(1, min(128, math.ceil(ROTATE_BYTES / self.kv_bytes))) if rotate else 1
+        num_blocks = sets * num_seqs * per_seq
+        self.cache = torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DTYPE, device=DEV).normal_()
+        perm = torch.randperm(num_blocks, device=DEV).to(torch.int32)
+        self.tables = [perm[s * num_seqs * per_seq:(s + 1) * num_seqs * per_seq].view(num_seqs, per_seq) for s in range(sets)]
+        self.qsl = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=DEV) * q_len
+        self.seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=DEV)
+        self.queries = [torch.randn(num_seqs * q_len, HEADS, HEAD, device=DEV, dtype=DTYPE) for _ in range(sets)]
+        self.outs = [torch.empty_like(q) for q in self.queries]
+
+    def calls(self, tuning: KernelTuning, splits: int):
+        def call(i):
+            return lambda: paged_attention(
+                self.queries[i], self.cache[0], self.cache[1], self.qsl, self.seq_lens, self.tables[i],
+                scale=HEAD**-0.5, max_query_len=self.q_len, num_splits=splits, out=self.outs[i], tuning=tuning)
+        return [call(i) for i in range(len(self.tables))] * max(1, 8 // len(self.tables))
+
+
+def bench_decode(results: dict, quick: bool) -> None:
+    rows = results.setdefault("decode", [])
+    for batch in DECODE_BATCHES:
+        for ctx in DECODE_CONTEXTS:
+            sets = PagedSets(batch, ctx, 1)
+            for tiling in DECODE_VARIANTS[: 1 if quick else None]:
+                tuning = KernelTuning(decode=tiling)
+                splits = plan_splits(batch, KV_HEADS, ctx, tuning.split)
+                ms = graph_ms(sets.calls(tuning, splits))
+                rows.append({"batch": batch, "ctx": ctx, "tiling": tag(tiling), "splits": splits, "us": ms * 1e3,
+                             "TBps": sets.kv_bytes / ms / 1e9})
+                print(f"decode b={batch:<3} ctx={ctx:<5} {tag(tiling)} splits={splits:<2} {ms * 1e3:8.1f} us "
+                      f"{sets.kv_bytes / ms / 1e9:6.2f} TB/s", flush=True)
+            if batch == 1 or (batch == 64 and ctx == 8192):
+                for splits in SPLIT_SWEEP:
+                    ms = graph_ms(sets.calls(CUDA_TUNING, splits))
+                    results.setdefault("decode_splits", []).append(
+                        {"batch": batch, "ctx": ctx, "splits": splits, "us": ms * 1e3, "TBps": sets.kv_bytes / ms / 1e9})
+            del sets
+            torch.cuda.empty_cache()
+
+
+def causal_flops(num_seqs: int, ctx: int, q_len: int) -> float:
+    pairs = q_len * ctx + q_len * (q_len + 1) / 2  # (query, key) pairs each query sees, per sequence
+    return 4.0 * HEAD * HEADS * num_seqs * pairs
+
+
+def bench_prefill(results: dict, quick: bool) -> None:
+    rows = results.setdefault("prefill", [])
+    for num_seqs, cached, q_len in PREFILL_SHAPES:
+        sets = PagedSets(num_seqs, cached + q_len, q_len, rotate=False)
+        flops = causal_flops(num_seqs, cached, q_len)
+        for tiling in PREFILL_VARIANTS[: 1 if quick else None]:
+            ms = graph_ms(sets.calls(KernelTuning(prefill=tiling), 1))
+            rows.append({"seqs": num_seqs, "cached": cached, "q_len": q_len, "tiling": tag(tiling),
+                         "us": ms * 1e3, "TFLOPs": flops / ms / 1e9})
+            print(f"prefill {num_seqs}x{q_len} over {cached:<5} {tag(tiling)} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s",
+                  flush=True)
+        if cached == 0:  # torch SDPA on the same dense causal problem, for scale
+            q = torch.randn(num_seqs, HEADS, q_len, HEAD, device=DEV, dtype=DTYPE)
+            k = torch.randn(num_seqs, KV_HEADS, q_len, HEAD, device=DEV, dtype=DTYPE)
+            v = torch.randn_like(k)
+            sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True,
+                                     enable_gqa=True)
+            ms = graph_ms([sdpa] * 8)
+            rows.append({"seqs": num_seqs, "cached": 0, "q_len": q_len, "tiling": "torch-sdpa", "us": ms * 1e3,
+                         "TFLOPs": flops / ms / 1e9})
+            print(f"prefill {num_seqs}x{q_len} torch SDPA (dense, no paging) {ms * 1e3:8.1f} us {flops / ms / 1e9:6.1f} TFLOP/s")
+        del sets
+        torch.cuda.empty_cache()
+
+
+def op_inputs(name: str, tokens: int):
+    """Arguments of one op at the Llama-3.1-8B shape (hidden 4096, intermediate 14336)."""
+    if name in ("rms_norm", "fused_add_rms_norm"):
+        x = torch.randn(tokens, 4096, device=DEV, dtype=DTYPE)
+        w = torch.randn(4096, device=DEV, dtype=DTYPE)
+        return (x, w, 1e-5) if name == "rms_norm" else (x, torch.randn_like(x), w, 1e-5)
+    if name == "rotary_embedding":
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD, device=DEV, dtype=DTYPE)
+        q = qkv[:, : HEADS * HEAD].view(tokens, HEADS, HEAD)
+        k = qkv[:, HEADS * HEAD:(HEADS + KV_HEADS) * HEAD].view(tokens, KV_HEADS, HEAD)
+        cache = torch.randn(8192, HEAD, device=DEV, dtype=DTYPE)
+        return torch.randint(0, 8192, (tokens,), device=DEV), q, k, cache
+    return (torch.randn(tokens, 2 * 14336, device=DEV, dtype=DTYPE),)
+
+
+def bench_ops(results: dict, quick: bool) -> None:
+    rows = results.setdefault("ops", [])
+    for name, fused in FUSED_OPS.items():
+        reference = reference_ops.REFERENCE_OPS[name]
+        for tokens in OP_TOKENS:
+            args = op_inputs(name, tokens)
+            times = {}
+            for label, fn in (("fused", fused), ("torch", reference)):
+                call = functools.partial(fn, *args)
+                times[f"{label}_graph_us"] = graph_ms([call] * 20) * 1e3
+                times[f"{label}_eager_us"] = eager_ms(call) * 1e3
+            rows.append({"op": name, "tokens": tokens, **times})
+            print(f"op {name:<18} T={tokens:<5} graph fused {times['fused_graph_us']:7.1f} torch {times['torch_graph_us']:7.1f} us"
+                  f" | eager fused {times['fused_eager_us']:7.1f} torch {times['torch_eager_us']:7.1f} us", flush=True)
+
+
+def bench_kv_write(results: dict, quick: bool) -> None:
+    from podium_cuda.attention import TritonAttentionBackend
+    from podium_plugin_api import AttentionBackend
+
+    for tokens in (256, 8192):
+        cache = torch.randn(2, 20000, BLOCK, KV_HEADS, HEAD, device=DEV, dtype=DTYPE)
+        k = torch.randn(tokens, KV_HEADS, HEAD, device=DEV, dtype=DTYPE)
+        slots = torch.randperm(20000 * BLOCK, device=DEV)[:tokens]
+        row = {"tokens": tokens}
+        for label, backend in (("triton", TritonAttentionBackend()), ("torch", AttentionBackend())):
+            row[f"{label}_eager_us"] = eager_ms(functools.partial(backend.write_kv, cache, k, k, slots)) * 1e3
+        row["triton_graph_us"] = graph_ms([functools.partial(TritonAttentionBackend().write_kv, cache, k, k, slots)] * 20) * 1e3
+        results.setdefault("kv_write", []).append(row)
+        print(f"kv_write T={tokens:<5} {row}", flush=True)
+
+
+def summarize(results: dict) -> None:
+    """Short tables last (the device tool returns the end of the output)."""
+    print("\n== summary", results["device"], "torch", results["torch"], "triton", results["triton"])
+    print("ceilings", json.dumps(results.get("ceilings", {})))
+    default_decode, default_prefill = tag(CUDA_TUNING.decode), tag(CUDA_TUNING.prefill)
+    shapes = sorted({(r["batch"], r["ctx"]) for r in results.get("decode", [])})
+    for batch, ctx in shapes:
+        rows = [r for r in results["decode"] if (r["batch"], r["ctx"]) == (batch, ctx)]
+        best = min(rows, key=lambda r: r["us"])
+        dflt = next((r for r in rows if r["tiling"] == default_decode), best)
+        print(f"decode b={batch:<3} ctx={ctx:<5} default {dflt['us']:8.1f} us {dflt['TBps']:5.2f} TB/s | "
+              f"best {best['tiling']} {best['us']:8.1f} us {best['TBps']:5.2f} TB/s")
+    for r in results.get("decode_splits", []):
+        print(f"splits b={r['batch']} ctx={r['ctx']} ns={r['splits']:<2} {r['us']:7.1f} us {r['TBps']:5.2f} TB/s")
+    keys = sorted({(r["seqs"], r["cached"], r["q_len"]) for r in results.get("prefill", [])})
+    for key in keys:
+        rows = [r for r in results["prefill"] if (r["seqs"], r["cached"], r["q_len"]) == key]
+        ours = [r for r in rows if r["tiling"] != "torch-sdpa"]
+        best = min(ours, key=lambda r: r["us"])
+        dflt = next((r for r in ours if r["tiling"] == default_prefill), best)
+        sdpa = " ".join(f"| sdpa {r['us']:.1f} us {r['TFLOPs']:.0f} TF/s" for r in rows if r["tiling"] == "torch-sdpa")
+        print(f"prefill {key[0]}x{key[2]} over {key[1]}: default {dflt['us']:.1f} us {dflt['TFLOPs']:.0f} TF/s | "
+              f"best {best['tiling']} {best['us']:.1f} us {best['TFLOPs']:.0f} TF/s {sdpa}")
+    for r in results.get("ops", []):
+        print(f"op {r['op']:<18} T={r['tokens']:<5} graph {r['fused_graph_us']:6.1f} vs {r['torch_graph_us']:6.1f} us"
+              f" | eager {r['fused_eager_us']:6.1f} vs {r['torch_eager_us']:6.1f} us")
+    for r in results.get("host", []):
+        print("host", json.dumps({k: round(v, 1) for k, v in r.items()}))
+    for r in results.get("kv_write", []):
+        print("kv_write", json.dumps({k: round(v, 1) for k, v in r.items()}))
+    for e in results["errors"]:
+        print("ERROR", e.splitlines()[-1])
+
+
+def bench_host(results: dict, quick: bool) -> None:
+    """Eager cost of one layer's decode attention call (host launch included), batch 1 and 64 at 512."""
+    from podium_cuda.attention import TritonAttentionBackend
+    from podium_plugin_api import AttentionLayerSpec, AttentionMetadata
+
+    backend = TritonAttentionBackend()
+    layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD, HEAD**-0.5)
+    for batch in (1, 64):
+        sets = PagedSets(batch, 512, 1, rotate=False)
+        meta = AttentionMetadata(sets.qsl, sets.seq_lens, sets.tables[0], torch.zeros(batch, dtype=torch.int64, device=DEV),
+                                 max_query_len=1, max_seq_len=512)
+        q = sets.queries[0]
+        k = torch.randn(batch, KV_HEADS, HEAD, device=DEV, dtype=DTYPE)
+        cache = sets.cache.view(2, -1, BLOCK, KV_HEADS, HEAD)
+        row = {"batch": batch, "ctx": 512,
+               "attend_eager_us": eager_ms(functools.partial(backend.attend, layer, q, cache, meta)) * 1e3,
+               "forward_eager_us": eager_ms(functools.partial(backend.forward, layer, q, k, k, cache, meta)) * 1e3,
+               "forward_graph_us": graph_ms([functools.partial(backend.forward, layer, q, k, k, cache, meta)] * 20) * 1e3}
+        results.setdefault("host", []).append(row)
+        print("host", json.dumps({key: round(v, 1) for key, v in row.items()}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_kernels.json")
+    parser.add_argument("--quick", action="store_true", help="default tilings only")
+    parser.add_argument("--only", nargs="*", default=["ceilings", "decode", "prefill", "host", "ops", "kv_write"])
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "errors": []}
+    sections = {"ceilings": lambda r, q: r.update(ceilings=ceilings()), "decode": bench_decode,
+                "prefill": bench_prefill, "host": bench_host, "ops": bench_ops, "kv_write": bench_kv_write}
+    for name in args.only:
+        start = time.time()
+        try:
+            sections[name](results, args.quick)
+        except Exception:  # keep the other sections' numbers
+            results["errors"].append(f"{name}: {traceback.format_exc()}")
+            print(f"section {name} failed:\n{traceback.format_exc()}", flush=True)
+        print(f"-- {name}: {time.time() - start:.1f} s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    summarize(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Fused Triton versions of the contract's named ops (``podium_plugin_api.ops``).
+
+Each kernel is one pass over its tensors, rounding where the reference rounds (results in the
+input dtype between stages), so they match the pure-torch reference to within one rounding.
+Which of them the platform installs is decided by measurement: ``KernelTuning.fused_ops``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
+
+
+def _row_warps(block: int, tuning: KernelTuning) -> int:
+    """Warps for a one-row-per-program kernel: more for wide rows (about 8 values a thread)."""
+    return max(tuning.elementwise_num_warps, min(block // 256, 16))
+
+
+@triton.jit
+def rms_norm_kernel(
+    out_ptr, sum_ptr, x_ptr, residual_ptr, weight_ptr, eps, hidden,
+    stride_o, stride_s, stride_x, stride_r,
+    BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if ADD_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's x + residual
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rms_norm(x, residual, weight, eps, tuning):
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match hidden size {hidden}")
+    x2 = x.reshape(-1, hidden)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    summed = r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+        summed = torch.empty_like(x2)
+    rows = x2.shape[0]
+    if rows:
+        block = next_power_of_2(hidden)
+        rms_norm_kernel[(rows,)](
+            out, summed if summed is not None else out, x2, r2 if r2 is not None else x2, weight, float(eps), hidden,
+            out.stride(0), summed.stride(0) if summed is not None else 0, x2.stride(0), r2.stride(0) if r2 is not None else 0,
+            BLOCK=block, ADD_RESIDUAL=residual is not None, num_warps=_row_warps(block, tuning),
+        )
+    out = out.reshape(x.shape)
+    return out if summed is None else (out, summed.reshape(x.shape))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
+    """x [T, hidden] -> weight * x / rms(x) (see podium_plugin_api.ops.rms_norm)."""
+    return _rms_norm(x, None, weight, eps, tuning)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, tuning: KernelTuning = CUDA_TUNING
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"fused_add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x")
+    return _rms_norm(x, residual, weight, eps, tuning)
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, num_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate-halves rotary for the [num_heads, 2 * HALF] rows of one token; dst is contiguous."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    c = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = (h < num_heads) & (c < HALF)
+    src = src_ptr + token * stride_t + h * stride_h + c
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    dst = dst_ptr + (token * num_heads + h) * (2 * HALF) + c
+    tl.store(dst, (a * cos - b * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, (b * cos + a * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rotary_kernel(
+    q_out_ptr, k_out_ptr, q_ptr, k_ptr, pos_ptr, cache_ptr,
+    num_heads, num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    c = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cache_ptr + pos * stride_c + c, mask=c < HALF, other=0.0).to(tl.float32)  # [1, BLOCK_HALF]
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    tuning: KernelTuning = CUDA_TUNING,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary: positions [T], query [T, H, D], key [T, Hkv, D], cos_sin_cache [max_pos, D]."""
+    num_tokens, num_heads, head_size = query.shape
+    if key.shape[0] != num_tokens or key.shape[2] != head_size or positions.shape != (num_tokens,):
+        raise ValueError(
+            f"rotary_embedding: positions {tuple(positions.shape)}, query {tuple(query.shape)} and key "
+            f"{tuple(key.shape)} disagree"
+        )
+    if head_size % 2 or cos_sin_cache.shape[-1] != head_size:
+        raise ValueError(f"rotary_embedding: cos_sin_cache {tuple(cos_sin_cache.shape)} needs head_size {head_size} (even)")
+    query = query if query.stride(2) == 1 else query.contiguous()
+    key = key if key.stride(2) == 1 else key.contiguous()
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if num_tokens:
+        rotary_kernel[(num_tokens,)](
+            q_out, k_out, query, key, positions, cache,
+            num_heads, key.shape[1], query.stride(0), query.stride(1), key.stride(0), key.stride(1), cache.stride(0),
+            HALF=head_size // 2, BLOCK_H=next_power_of_2(num_heads), BLOCK_HKV=next_power_of_2(key.shape[1]),
+            BLOCK_HALF=next_power_of_2(head_size // 2), num_warps=tuning.elementwise_num_warps,
+        )
+    return q_out, k_out
+
+
+@triton.jit
+def silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_o, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded like torch's silu(gate)
+    tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor, tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: last dim must be even (gate | up), got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
+    block = min(next_power_of_2(inter), 1024)
+    if x2.shape[0]:
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            out, x2, inter, out.stride(0), x2.stride(0), BLOCK=block, num_warps=tuning.elementwise_num_warps,
+        )
+    return out.reshape(*x.shape[:-1], inter)
+
+
+FUSED_OPS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+}

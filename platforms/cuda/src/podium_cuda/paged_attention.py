@@ -1,0 +1,320 @@
+"""Triton paged attention over the flat ragged batch (prefill chunks, prefix hits and decodes alike).
+
+One kernel serves every step. A program owns ``block_m`` query rows that share one KV head: a
+tile of ``block_q = block_m // group`` consecutive new tokens of one sequence times the ``group``
+query heads of that KV head (GQA/MQA), so each key/value tile read from the cache feeds the whole
+group. Row r is token ``r // group``, head ``kv_head * group + r % group``::
+
+    grid = (query tiles, num_kv_heads, num_splits)
+    tiles of sequence i: query_start_loc[i] // block_q + i + (0, 1, ...)    (found by binary search)
+
+The program walks its keys ``block_n`` at a time through the block table (``block_n`` is free of
+the cache's block size), with causal / sliding-window masks, an optional soft-cap, and an online
+softmax in base 2. Prefill tiles split their keys into masked edges and an unmasked middle;
+decodes use one masked loop (faster on the H200, see platforms/cuda/NOTES.md). Pure-decode steps take one tile per sequence (no search) and may split each
+sequence's keys over ``num_splits`` programs (flash-decoding); a second kernel merges the splits.
+
+Everything that varies per step is read from device tensors (query_start_loc, seq_lens,
+block_tables), so a captured CUDA graph replays correctly after their contents change. Host
+values are used only for grid sizes (tensor shapes) and to choose the split count, which is a
+performance choice: any split count is correct for any sequence length.
+
+Rows outside ``query_start_loc[0] .. query_start_loc[S]`` are not written (as in the reference).
+Kernels use only portable Triton (no vendor intrinsics) so ROCm's Triton compiles them too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tuning import CUDA_TUNING, AttentionTiling, KernelTuning, next_power_of_2
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf = NaN
+
+
+@triton.jit
+def _tile_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest sequence i whose first tile index (query_start_loc[i] // BLOCK_Q + i) is <= tile."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _tanh(x):
+    """tanh through exp (portable: no libdevice); exact limits at +-inf."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, q_pos, d, d_ok, t_begin, t_end,
+    kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online softmax over key tiles [t_begin, t_end); MASKED applies bounds, causal and window masks.
+
+    acc [BLOCK_M, BLOCK_D] fp32, m_i / l_i [BLOCK_M] (base-2 running max and sum); q [BLOCK_M, BLOCK_D].
+    """
+    for t in range(t_begin, t_end):
+        k_pos = kv_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_ok = k_pos < kv_hi
+        if MASKED:
+            block = tl.load(table + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(table + k_pos // KV_BLOCK_SIZE).to(tl.int64)
+        offset = k_pos % KV_BLOCK_SIZE
+        k_ptrs = k_base + block[None, :] * stride_kb + offset[None, :] * stride_ks + d[:, None]  # [BLOCK_D, BLOCK_N]
+        v_ptrs = v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs + d[None, :]  # [BLOCK_N, BLOCK_D]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s * (scale / soft_cap)) * LOG2E
+        else:
+            s = s * (scale * LOG2E)  # [BLOCK_M, BLOCK_N], base-2 logits
+        if MASKED:
+            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# Runtime integers that change from step to step are not specialized on (Triton would otherwise
+# compile new variants for values equal to 1 or divisible by 16 in the middle of serving).
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
+def paged_attention_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # out [T, H, D]; partials [T, H, NS, D] / [T, H, NS]
+    q_ptr, k_cache_ptr, v_cache_ptr,  # q [T, H, D]; caches [num_blocks, block_size, Hkv, D]
+    qsl_ptr, seq_lens_ptr, block_tables_ptr,  # [S + 1], [S], [S, W] int32
+    num_seqs, num_heads, num_splits, scale, soft_cap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    IS_DECODE: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if IS_DECODE:
+        seq = tile
+        j = 0
+    else:
+        seq = _tile_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q)
+        j = tile - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if j * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # position of the sequence's first new token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = j * BLOCK_Q + rows // GROUP  # [BLOCK_M] token index within the sequence's new tokens
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+    row_ok = (tok < q_len) & (rows < BLOCK_Q * GROUP)
+    q_pos = context + tok  # [BLOCK_M] absolute position of each row's token
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_SIZE
+    token = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    # Keys this tile can see: [kv_lo, kv_hi), kv_lo aligned down to BLOCK_N.
+    kv_hi = tl.minimum(context + (j + 1) * BLOCK_Q, seq_len)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(context + j * BLOCK_Q - window + 1, 0)
+    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    num_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    first_tile = num_tiles * 0  # a tensor, like the split bounds below
+    last_tile = num_tiles
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        first_tile = split * tiles_per_split
+        last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+
+    # Prefill: tiles [a, b) are visible to every row (no mask); the window's lower edge and the
+    # causal diagonal are masked: loops over [first, a), [a, b), [b, last).
+    first_pos = context + j * BLOCK_Q
+    t_b = (first_pos + 1 - kv_lo) // BLOCK_N  # tiles ending at or before the first row's position
+    t_a = num_tiles * 0
+    if USE_WINDOW:
+        t_a = tl.cdiv(tl.maximum(kv_hi - window - kv_lo, 0), BLOCK_N)  # tiles starting after kv_hi-1-window
+    a = tl.minimum(tl.maximum(t_a, first_tile), last_tile)
+    b = tl.minimum(tl.maximum(t_b, a), last_tile)
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if IS_DECODE:  # one masked loop: at one token a row the mask is cheap, and one pipelined loop
+        # kept 10% more bandwidth than three on the H200 (see NOTES.md)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, last_tile,
+            kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE,
+        )
+    else:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, a,
+            kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE,
+        )
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, d, d_ok, a, b,
+            kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+            KV_BLOCK_SIZE, BLOCK_N, False, USE_SOFT_CAP, USE_WINDOW, IEEE,
+        )
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, d, d_ok, b, last_tile,
+            kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE,
+        )
+
+    if not SPLIT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (token * num_heads + head) * num_splits + split  # [BLOCK_M] row of [T * H * NS]
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
+    num_heads, stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for a decode token t (grid (S, H))."""
+    token = tl.load(qsl_ptr + tl.program_id(0)).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NS]
+    m = tl.load(part_m_ptr + part)
+    weight = tl.exp2(m - tl.max(m, 0))  # [NS]
+    total = tl.sum(weight * tl.load(part_l_ptr + part), 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_SIZE
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_SIZE + d[None, :], mask=d_ok[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _launch_shape(tiling: AttentionTiling, group: int, block_d: int) -> tuple[int, int, int]:
+    """(block_m, block_q, num_stages) for a GQA group: rows per program cover at least one token's
+    group; heads over 128 halve the rows and cap the pipeline depth (registers, shared memory)."""
+    block_m, num_stages = tiling.block_m, tiling.num_stages
+    if block_d > 128:
+        block_m, num_stages = max(block_m // 2, 16), min(num_stages, 2)
+    block_m = max(block_m, next_power_of_2(group))
+    return block_m, block_m // group, num_stages
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    tuning: KernelTuning = CUDA_TUNING,
+) -> torch.Tensor:
+    """Attention of a flat ragged batch over a paged cache that already holds the new tokens.
+
+    query [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block_size, Hkv, D];
+    query_start_loc int32 [S + 1], seq_lens int32 [S], block_tables int32 [S, W].
+    ``max_query_len == 1`` selects the decode launch (one program per sequence and KV head), where
+    ``num_splits`` (a power of two) splits the keys. Returns ``out`` [T, H, D] in query's dtype.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("paged_attention needs query and caches contiguous in their last (head_size) dim")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    is_decode = max_query_len == 1
+    tiling = tuning.decode if is_decode else tuning.prefill
+    block_d = max(next_power_of_2(head_size), 16)  # tl.dot needs K >= 16
+    block_m, block_q, num_stages = _launch_shape(tiling, group, block_d)
+    num_splits = num_splits if is_decode else 1
+    grid = (num_seqs if is_decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device)
+        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    paged_attention_kernel[grid](
+        out, part_acc, part_m, part_l,
+        query, key_cache, value_cache,
+        query_start_loc, seq_lens, block_tables,
+        num_seqs, num_heads, num_splits, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        KV_BLOCK_SIZE=key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiling.block_n, SPLIT=num_splits > 1,
+        IS_DECODE=is_decode, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        IEEE=query.dtype == torch.float32,
+        num_warps=tiling.num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        merge_splits_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_m, part_l, query_start_loc,
+            num_heads, out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            num_warps=tuning.reduce_num_warps,
+        )
+    return out

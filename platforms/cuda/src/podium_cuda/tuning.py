@@ -1,0 +1,96 @@
+"""Launch parameters of the Triton kernels: one small table another platform (ROCm) can replace.
+
+Nothing here imports triton. ``KernelTuning`` is plain data; the kernels' launchers read it, and
+``TritonAttentionBackend(tuning=...)`` / ``custom_ops(tuning)`` take a replacement. The values in
+``CUDA_TUNING`` were chosen by timing on an H200 (platforms/cuda/NOTES.md has the numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AttentionTiling:
+    """One paged-attention kernel configuration.
+
+    block_m rows of a program = query tokens x the query heads sharing one KV head (GQA group);
+    block_n keys are read per loop iteration (independent of the cache's block size).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"AttentionTiling.{name} must be a power of two, got {value}")
+        if self.block_m < 16 or self.block_n < 16:
+            raise ValueError(f"block_m and block_n must be >= 16 (tensor-core tiles), got {self.block_m}, {self.block_n}")
+        if self.num_stages < 1:
+            raise ValueError(f"AttentionTiling.num_stages must be >= 1, got {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """When a decode step splits each sequence's keys over several programs (flash-decoding).
+
+    Splits are added until ``num_seqs * num_kv_heads * splits`` reaches ``target_programs``, never
+    leaving a split fewer than ``min_keys_per_split`` keys of ``max_seq_len``, at most ``max_splits``
+    (a power of two).
+    """
+
+    target_programs: int = 264  # two waves of the H200's 132 multiprocessors
+    min_keys_per_split: int = 64  # H200, batch 1: 64 keys a split was fastest at 512/2048/8192 context
+    max_splits: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_splits < 1 or self.max_splits & (self.max_splits - 1):
+            raise ValueError(f"SplitPolicy.max_splits must be a power of two, got {self.max_splits}")
+        if self.target_programs < 1 or self.min_keys_per_split < 1:
+            raise ValueError("SplitPolicy.target_programs and min_keys_per_split must be >= 1")
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Every launch parameter of podium_cuda's kernels."""
+
+    prefill: AttentionTiling = AttentionTiling(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    decode: AttentionTiling = AttentionTiling(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    split: SplitPolicy = field(default_factory=SplitPolicy)
+    reduce_num_warps: int = 4
+    kv_write_num_warps: int = 4
+    elementwise_num_warps: int = 4  # rms_norm, rotary, silu_and_mul
+    max_head_size: int = 256  # larger heads fall back to the pure-torch reference
+    # fused ops the platform installs: those that beat the torch reference on the device (H200, bf16,
+    # Llama-3.1-8B shapes, 1..8192 tokens: each fused op was 2-18x faster in graph replay and eager)
+    fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+
+
+CUDA_TUNING = KernelTuning()
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, policy: SplitPolicy) -> int:
+    """Number of KV splits (a power of two) for a pure-decode step.
+
+    Depends only on host values that stay upper bounds under CUDA-graph replay: the kernels read the
+    real lengths from device tensors, so any split count is correct for any length; this only
+    chooses how much parallelism to create.
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    splits = 1
+    while (
+        splits < policy.max_splits
+        and programs * splits < policy.target_programs
+        and max_seq_len >= 2 * splits * policy.min_keys_per_split
+    ):
+        splits *= 2
+    return splits

@@ -1,0 +1,39 @@
+"""Importing the CUDA plugin is cheap and safe everywhere: no triton import, no CUDA needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROBE = """
+import sys
+import podium_cuda, podium_cuda.hooks, podium_cuda.tuning
+platform = podium_cuda.CudaPlatform()
+availability = platform.availability()
+caps = platform.capabilities()
+loaded = sorted(name for name in sys.modules if name == "triton" or name.startswith("triton."))
+print("TRITON_MODULES", loaded)
+print("AVAILABLE", availability.ok, availability.reason)
+"""
+
+
+def test_importing_podium_cuda_does_not_import_triton():
+    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "TRITON_MODULES []" in run.stdout, run.stdout
+    assert "AVAILABLE" in run.stdout
+
+
+def test_split_plan_is_a_power_of_two_and_grows_only_for_few_long_sequences():
+    from podium_cuda.tuning import SplitPolicy, plan_splits
+
+    policy = SplitPolicy(target_programs=264, min_keys_per_split=256, max_splits=64)  # not the default: fixed here
+    assert plan_splits(256, 8, 8192, policy) == 1  # enough programs already
+    assert plan_splits(1, 8, 511, policy) == 1  # two splits would hold under 256 keys each
+    assert plan_splits(1, 8, 512, policy) == 2
+    assert plan_splits(1, 8, 8192, policy) == 32  # 8 * 32 = 256 < 264 programs; 8192 / 32 = 256 keys a split
+    assert plan_splits(4, 8, 100_000, policy) == 16  # 32 * 8 = 256 programs is still under 264: one more
+    for seqs in (1, 2, 3, 5, 17):
+        for length in (1, 300, 1000, 5000, 100_000):
+            splits = plan_splits(seqs, 8, length, policy)
+            assert splits & (splits - 1) == 0 and 1 <= splits <= 64

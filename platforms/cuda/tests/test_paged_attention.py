@@ -1,0 +1,114 @@
+"""Triton paged attention against the contract's reference (float64) on fresh random ragged batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from podium_plugin_api import AttentionLayerSpec, reference_paged_attention
+
+pytestmark = pytest.mark.cuda
+
+# dtype -> (whole-batch relative error, worst-token relative error)
+TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (1.5e-2, 4e-2)}
+
+CASES = [
+    # kind, num_seqs, max_len, heads (H, Hkv), head_size, block_size, window, cap, dtype
+    ("decode", 6, 300, (32, 8), 128, 16, None, None, torch.bfloat16),
+    ("prefill", 4, 150, (32, 8), 128, 16, None, None, torch.bfloat16),
+    ("prefix", 5, 200, (16, 4), 128, 16, None, None, torch.float16),
+    ("boundary", 6, 96, (8, 8), 64, 16, None, None, torch.float32),
+    ("mixed", 8, 180, (16, 2), 64, 16, None, None, torch.bfloat16),
+    ("mixed", 8, 180, (8, 8), 128, 32, None, None, torch.float32),
+    ("mixed", 8, 180, (16, 2), 128, 8, None, None, torch.float32),
+    ("mixed", 6, 160, (8, 1), 64, 16, None, None, torch.float16),
+    ("mixed", 6, 200, (16, 4), 128, 16, 40, None, torch.bfloat16),
+    ("mixed", 6, 200, (16, 4), 64, 16, 17, 2.0, torch.float32),
+    ("mixed", 6, 120, (16, 4), 128, 16, None, 1.5, torch.bfloat16),
+    ("mixed", 5, 100, (12, 4), 96, 16, None, None, torch.float32),  # group 3, padded head size
+    ("mixed", 4, 100, (8, 2), 256, 16, None, None, torch.bfloat16),
+    ("boundary", 5, 70, (8, 2), 64, 7, None, None, torch.float32),  # odd block size
+]
+
+
+def _layer(heads, head_size, window, cap):
+    return AttentionLayerSpec(heads[0], heads[1], head_size, head_size**-0.5, sliding_window=window, soft_cap=cap)
+
+
+def _reference(batch, layer):
+    cache = batch.kv_cache.double()
+    return reference_paged_attention(
+        batch.query.double(), cache[0], cache[1], batch.meta, scale=layer.scale,
+        sliding_window=layer.sliding_window, soft_cap=layer.soft_cap, compute_dtype=torch.float64,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[3][0]}x{c[3][1]}-d{c[4]}-b{c[5]}-w{c[6]}-c{c[7]}-{str(c[8])[6:]}" for c in CASES])
+def test_backend_matches_reference(case, kernel_device, check_dtype, make_batch, make_lengths, rel_error):
+    from podium_cuda.attention import TritonAttentionBackend
+
+    kind, num_seqs, max_len, heads, head_size, block_size, window, cap, dtype = case
+    check_dtype(dtype)
+    seed = random.randrange(1 << 30)  # fresh inputs each run; the seed is in the failure message
+    query_lens, seq_lens = make_lengths(random.Random(seed), num_seqs, max_len, kind, block_size)
+    batch = make_batch(query_lens, seq_lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
+                       block_size=block_size, dtype=dtype, device=kernel_device, seed=seed)
+    layer = _layer(heads, head_size, window, cap)
+    out = TritonAttentionBackend().attend(layer, batch.query, batch.kv_cache, batch.meta)
+    whole, worst = rel_error(out, _reference(batch, layer))
+    tol_whole, tol_worst = TOLERANCE[dtype]
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    assert whole < tol_whole and worst < tol_worst, f"seed {seed} lens {list(zip(query_lens, seq_lens))}: {whole:.2e} {worst:.2e}"
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_decode_matches_reference_and_fills_poisoned_output(
+    num_splits, dtype, kernel_device, check_dtype, make_batch, rel_error
+):
+    """Flash-decoding splits (some splits empty for the short sequence) and a NaN-poisoned output."""
+    from podium_cuda.paged_attention import paged_attention
+
+    check_dtype(dtype)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(900, 1500), 1, rng.randint(2, 40), rng.randint(200, 700)]
+    batch = make_batch([1] * 4, seq_lens, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+                       dtype=dtype, device=kernel_device, seed=seed)
+    layer = _layer((16, 4), 128, None, None)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention(batch.query, batch.kv_cache[0], batch.kv_cache[1], batch.meta.query_start_loc, batch.meta.seq_lens,
+                    batch.meta.block_tables, scale=layer.scale, max_query_len=1, num_splits=num_splits, out=out)
+    whole, worst = rel_error(out, _reference(batch, layer))
+    assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], f"seed {seed} {seq_lens}: {whole:.2e} {worst:.2e}"
+
+
+def test_prefill_fills_poisoned_output_and_window_cap(kernel_device, make_batch, rel_error):
+    """Every row of a mixed batch is written (output poisoned with NaN first), with window and cap on."""
+    from podium_cuda.paged_attention import paged_attention
+
+    seed = random.randrange(1 << 30)
+    query_lens, seq_lens = [1, 37, 64, 3, 129], [50, 37, 100, 3, 200]
+    batch = make_batch(query_lens, seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                       dtype=torch.float32, device=kernel_device, seed=seed)
+    layer = _layer((8, 2), 64, 24, 3.0)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_attention(batch.query, batch.kv_cache[0], batch.kv_cache[1], batch.meta.query_start_loc, batch.meta.seq_lens,
+                    batch.meta.block_tables, scale=layer.scale, max_query_len=max(query_lens),
+                    sliding_window=24, soft_cap=3.0, out=out)
+    whole, worst = rel_error(out, _reference(batch, layer))
+    assert whole < 2e-5 and worst < 1e-4, f"seed {seed}: {whole:.2e} {worst:.2e}"
+
+
+def test_backend_plans_splits_for_long_decode_only(kernel_device, make_batch):
+    from podium_cuda.attention import TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    long_decode = make_batch([1], [4096], num_heads=8, num_kv_heads=8, head_size=64, block_size=16,
+                             dtype=torch.float32, device="cpu", seed=0)
+    assert backend.num_splits(long_decode.meta, 8) > 1
+    prefill = make_batch([64], [4096], num_heads=8, num_kv_heads=8, head_size=64, block_size=16,
+                         dtype=torch.float32, device="cpu", seed=0)
+    assert backend.num_splits(prefill.meta, 8) == 1
