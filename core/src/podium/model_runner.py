@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from podium_plugin_api import AttentionMetadata, Platform
 
 from .models.context import ForwardContext

@@ -1,39 +1,219 @@
-"""CPU paged attention: each sequence's context gathered from its blocks, then one fused SDPA call."""
+"""CPU paged attention for the flat ragged batch.
+
+Layout (what the native kernel reads fastest; see native/paged_attention.c)::
+
+    kv_cache   [2, num_blocks, Hkv, block_size, D]
+    key_cache   = kv_cache[0] viewed as [num_blocks, Hkv, D, block_size]   (each tile transposed)
+    value_cache = kv_cache[1]           [num_blocks, Hkv, block_size, D]
+
+``token_major`` gives both as [num_blocks, block_size, Hkv, D] views (the default layout's
+indexing), which write_kv / read_kv / the torch paths use.
+
+Per layer (the step's bookkeeping is done once, in ``prepare_metadata``; see ``attention_plan``):
+
+- short-query sequences (decodes, small chunks): the native kernel, one call for all of them,
+  K/V read once through the block tables. Without it: pure decodes batched in torch (one gather
+  for all of them, one SDPA call), other short ones as below.
+- long-query sequences (prefill chunks): one SDPA call each; a fresh prefill uses its own new K/V,
+  a chunk over cached context gathers that sequence's blocks once.
+- soft-capped layers outside the kernel: the reference math (SDPA has no soft cap).
+"""
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 
-from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from podium_plugin_api.reference import attend_one, attention_mask, gather_context
+from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec
+from podium_plugin_api.reference import attend_one, attention_mask
+
+from .attention_plan import LongSeq, StepPlan, plan_for
+from .native_kernels import KERNEL_DTYPES, NativeKernels, Shape
 
 
 class CpuAttentionBackend(AttentionBackend):
-    name = "cpu-sdpa"
+    name = "cpu-paged"
+
+    def __init__(self, kernels: NativeKernels | None = None) -> None:
+        self.kernels = kernels
+        if kernels is not None:
+            self.name = "cpu-paged-native"
+
+    # -- cache ---------------------------------------------------------------------------------
+    def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
+
+    def split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+            raise ValueError(
+                f"kv_cache must be a contiguous [2, blocks, Hkv, block_size, D] tensor, got {list(kv_cache.shape)}")
+        blocks, hkv, block_size, head_size = kv_cache.shape[1:]
+        return kv_cache[0].view(blocks, hkv, head_size, block_size), kv_cache[1]
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        key_cache, value_cache = token_major(*self.split_cache(kv_cache))
+        slots = slot_mapping
+        if slots.numel() and int(slots.min()) < 0:  # padding rows write nowhere
+            keep = (slots >= 0).nonzero().flatten()
+            slots, key, value = slots[keep], key[keep], value[keep]
+        block_size, num_slots = key_cache.shape[1], key_cache.shape[0] * key_cache.shape[1]
+        if slots.numel() and int(slots.max()) >= num_slots:
+            raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the cache has {num_slots} slots")
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets] = key.to(key_cache.dtype)
+        value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+    def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key_cache, value_cache = token_major(*self.split_cache(kv_cache))
+        block_size = key_cache.shape[1]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        return key_cache[blocks, offsets], value_cache[blocks, offsets]
+
+    # -- attention -----------------------------------------------------------------------------
+    def forward(self, layer, query, key, value, kv_cache, meta):
+        self.write_kv(kv_cache, key, value, meta.slot_mapping)
+        return self._attend(layer, query, kv_cache, meta, key, value)
 
     def attend(
         self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        return self._attend(layer, query, kv_cache, meta, None, None)
+
+    def _attend(self, layer, query, kv_cache, meta, new_key, new_value) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
-        out = torch.empty_like(query)
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()
-        group = layer.num_heads // layer.num_kv_heads
-        for i, seq_len in enumerate(seq_lens):
-            lo, hi = starts[i], starts[i + 1]
-            if hi == lo:
-                continue
-            k = gather_context(key_cache, meta.block_tables[i], seq_len)
-            v = gather_context(value_cache, meta.block_tables[i], seq_len)
-            mask = attention_mask(hi - lo, seq_len, layer.sliding_window, query.device)
-            q = query[lo:hi]
-            if layer.soft_cap is not None:
-                out[lo:hi] = attend_one(q.float(), k.float(), v.float(), mask, layer.scale, layer.soft_cap).to(q.dtype)
-                continue
-            # [Q, H, D] -> [H, Q, D]; SDPA broadcasts nothing over heads, so expand K/V for GQA
-            k = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            v = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=layer.scale)
-            out[lo:hi] = o.transpose(0, 1)
+        block_size = value_cache.shape[2]
+        plan = plan_for(meta, block_size)
+        if plan.num_tokens != query.shape[0]:
+            raise ValueError(f"query has {query.shape[0]} rows; query_start_loc describes {plan.num_tokens} tokens")
+        if plan.max_block >= key_cache.shape[0]:
+            raise ValueError(f"block_tables use block {plan.max_block}; the cache has {key_cache.shape[0]} blocks")
+        out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
+        long_seqs = plan.long_seqs
+        if plan.short_seqs:
+            if self.kernels is not None and query.dtype in KERNEL_DTYPES:
+                self._native(layer, query, key_cache, value_cache, meta, plan, out)
+            elif plan.decode_only:
+                self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
+            else:
+                long_seqs = long_seqs + _as_long(plan, meta, block_size)
+        for seq in long_seqs:
+            out[seq.lo:seq.hi] = self._one_sequence(layer, query, key_cache, value_cache, seq, new_key, new_value)
         return out
+
+    def _native(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, out) -> None:
+        """The short sequences' tokens through the C kernel (see native/paged_attention.c)."""
+        tables = meta.block_tables
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            tables = tables.to(torch.int32).contiguous()
+        _check_kernel_inputs(layer, query, key_cache, value_cache, out)
+        window = layer.sliding_window or 0
+        span = min(plan.max_short_span, window) if window else plan.max_short_span
+        shape = Shape(
+            q_token_stride=query.stride(0), o_token_stride=out.stride(0), bt_stride=tables.stride(0),
+            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
+            block_size=value_cache.shape[2], window=window,
+            scale=layer.scale, soft_cap=layer.soft_cap or 0.0,
+        )
+        rc = self.kernels.paged_attention[query.dtype](
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
+            plan.tokens.data_ptr(), plan.token_seqs.data_ptr(), plan.token_positions.data_ptr(),
+            plan.tokens.numel(), span, ctypes.byref(shape), torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("native paged attention could not allocate its scratch buffers")
+
+    def _torch_decode(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, out) -> None:
+        """All single-token decodes at once: one gather of their blocks, one attention call."""
+        hkv, block_size, d = value_cache.shape[1:]
+        rows, index, lengths, width = _decode_gather(plan, meta, block_size)
+        n, group = rows.numel(), layer.num_heads // hkv
+        key_rows, value_rows = token_major(key_cache, value_cache)
+        keys = key_rows.index_select(0, index).reshape(n, width * block_size, hkv, d)  # [n, L, Hkv, D]
+        values = value_rows.index_select(0, index).reshape(n, width * block_size, hkv, d)
+        k_pos = torch.arange(width * block_size)[None, :]  # [1, L]
+        visible = k_pos < lengths[:, None]  # [n, L]
+        if layer.sliding_window is not None:
+            visible &= k_pos > lengths[:, None] - 1 - layer.sliding_window
+        # the G query heads of one kv head act as G query rows over the same keys: no GQA expansion
+        q = query.index_select(0, rows).view(n, hkv, group, d)  # [n, Hkv, G, D]
+        k, v = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
+        if layer.soft_cap is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], scale=layer.scale)
+        else:
+            scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scale
+            scores = layer.soft_cap * torch.tanh(scores / layer.soft_cap)
+            probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+            o = torch.matmul(probs, v.float()).to(q.dtype)
+        out.index_copy_(0, rows, o.reshape(n, layer.num_heads, d))
+
+    @staticmethod
+    def _one_sequence(layer, query, key_cache, value_cache, seq: LongSeq, new_key, new_value) -> torch.Tensor:
+        """[hi - lo, H, D]: one sequence's query rows over its whole context."""
+        q = query[seq.lo:seq.hi]  # [Q, H, D]
+        if seq.fresh and new_key is not None:
+            k, v = new_key[seq.lo:seq.hi], new_value[seq.lo:seq.hi]  # [Q, Hkv, D]
+        else:
+            key_rows, value_rows = token_major(key_cache, value_cache)
+            k = key_rows.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]  # [L, Hkv, D]
+            v = value_rows.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]
+        if layer.soft_cap is not None:
+            mask = attention_mask(q.shape[0], seq.seq_len, layer.sliding_window, q.device)
+            return attend_one(q.float(), k.float(), v.float(), mask, layer.scale, layer.soft_cap).to(q.dtype)
+        q_h, k_h, v_h = q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
+        gqa = layer.num_heads != layer.num_kv_heads
+        if seq.fresh and layer.sliding_window is None:
+            o = F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=True, scale=layer.scale, enable_gqa=gqa)
+        else:
+            mask = attention_mask(q.shape[0], seq.seq_len, layer.sliding_window, q.device)
+            o = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+        return o.transpose(0, 1)
+
+
+def _as_long(plan: StepPlan, meta: AttentionMetadata, block_size: int) -> list[LongSeq]:
+    """The short sequences described as long ones (no native kernel and not all decodes)."""
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()
+    result = []
+    for i in plan.short_seqs:
+        used = -(-seq_lens[i] // block_size)
+        result.append(LongSeq(i, starts[i], starts[i + 1], seq_lens[i], meta.block_tables[i, :used].long()))
+    return result
+
+
+def _decode_gather(plan: StepPlan, meta: AttentionMetadata, block_size: int):
+    """(token rows [n], flat block index [n * W], seq lengths [n], W) of the step's decodes; cached."""
+    if "decode" not in plan.cache:
+        seqs = torch.tensor(plan.short_seqs, dtype=torch.int64)
+        lengths = plan.token_positions + 1  # decode: the token is the last position
+        width = max(1, -(-int(lengths.max()) // block_size))
+        index = meta.block_tables.index_select(0, seqs)[:, :width].long().reshape(-1)
+        plan.cache["decode"] = (plan.tokens, index, lengths, width)
+    return plan.cache["decode"]
+
+
+def token_major(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """key [blocks, Hkv, D, B] and value [blocks, Hkv, B, D] caches as [blocks, B, Hkv, D] views."""
+    return key_cache.permute(0, 3, 1, 2), value_cache.permute(0, 2, 1, 3)
+
+
+def _check_kernel_inputs(layer, query, key_cache, value_cache, out) -> None:
+    """The native kernel trusts its arguments: everything it assumes is checked here."""
+    hkv, d = layer.num_kv_heads, layer.head_size
+    if query.dim() != 3 or query.shape[1] != layer.num_heads or query.shape[2] != d:
+        raise ValueError(f"query must be [T, {layer.num_heads}, {d}], got {list(query.shape)}")
+    if query.stride(2) != 1 or query.stride(1) != d:
+        raise ValueError(f"query rows must hold heads contiguously (strides {query.stride()})")
+    blocks, block_size = value_cache.shape[0], value_cache.shape[2]
+    for name, cache, shape in (("key_cache", key_cache, (blocks, hkv, d, block_size)),
+                               ("value_cache", value_cache, (blocks, hkv, block_size, d))):
+        if tuple(cache.shape) != shape or not cache.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {list(shape)} tensor, got {list(cache.shape)} "
+                             f"strides {cache.stride()}")
+        if cache.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} differs from the query's {query.dtype}")
+    if not out.is_contiguous() or out.shape != query.shape:
+        raise ValueError("out must be a contiguous tensor shaped like query")

@@ -1,4 +1,14 @@
-"""The CPU platform: host memory for the KV cache, torch's CPU kernels for attention."""
+"""The CPU platform: host memory for the KV cache, a native paged-attention kernel, fused ops.
+
+Choices made here, from what the machine offers (``cpu_info``):
+- dtype: bfloat16 by default where the CPU computes in bf16 natively (AVX512_BF16 / AMX), float32
+  otherwise; every dtype stays selectable.
+- threads: ``set_device`` caps torch's thread count at the physical cores this process may use
+  (affinity and cgroup quota), never raising a count the user lowered.
+- attention: IPEX's paged attention when ``intel_extension_for_pytorch`` imports (optional), else
+  the native C kernel (compiled on first use), else pure torch. ``attention_backend().name`` says
+  which one runs, ``attention_note`` why not a faster one.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +16,11 @@ import torch
 
 from podium_plugin_api import AttentionBackend, Capabilities, Platform
 
+from . import fused_ops
 from .attention import CpuAttentionBackend
+from .cpu_info import has_native_bf16, usable_cores
+from .ipex_support import ipex_status
+from .native_kernels import load_kernels
 
 
 class CpuPlatform(Platform):
@@ -15,18 +29,56 @@ class CpuPlatform(Platform):
     priority = 10
 
     def __init__(self) -> None:
-        self._backend = CpuAttentionBackend()
+        self._backend: AttentionBackend | None = None
+        self._backend_note = ""
+        self._native_bf16: bool | None = None
+
+    def native_bf16(self) -> bool:
+        if self._native_bf16 is None:
+            self._native_bf16 = has_native_bf16()
+        return self._native_bf16
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
             dtypes=(torch.float32, torch.bfloat16, torch.float16),
-            default_dtype=torch.float32,
+            default_dtype=torch.bfloat16 if self.native_bf16() else torch.float32,
             graph_capture=False,
             distributed_backend="gloo",
+            extra={"native_bf16": self.native_bf16(), "threads": usable_cores()},
         )
 
     def config_defaults(self) -> dict:
         return {"kv_cache_memory": 1 << 30}
 
+    def set_device(self, index: int) -> None:
+        """Called once when the engine starts on this platform: size torch's thread pool."""
+        if index != 0:
+            raise ValueError(f"the CPU platform has one device (index 0), got index {index}")
+        cores = usable_cores()
+        if torch.get_num_threads() > cores:
+            torch.set_num_threads(cores)
+
     def attention_backend(self) -> AttentionBackend:
+        if self._backend is None:
+            self._backend, self._backend_note = _make_backend()
         return self._backend
+
+    @property
+    def attention_note(self) -> str:
+        self.attention_backend()
+        return self._backend_note
+
+    def custom_ops(self) -> dict:
+        return fused_ops.cpu_ops()
+
+
+def _make_backend() -> tuple[AttentionBackend, str]:
+    """(backend, note): IPEX's when importable, else ours with the native kernel if it builds."""
+    ipex, why = ipex_status()
+    if ipex is not None:
+        from .ipex_attention import IpexAttentionBackend
+
+        return IpexAttentionBackend(ipex), why
+    kernels, reason = load_kernels()
+    note = "; ".join(x for x in (why, reason) if x)
+    return CpuAttentionBackend(kernels), note
