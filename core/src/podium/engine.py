@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .discovery import build_plugin_manager, select_platform
 from .kv_cache import kv_cache_bytes, kv_cache_spec, num_kv_blocks, profile_activation_bytes
 from .loader import resolve_model
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, grad_off
 from .models.context import ForwardContext
 from .models.registry import build_model, init_random_weights
 from .output_processor import OutputProcessor, RequestState
@@ -129,12 +129,16 @@ class LLMEngine:
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len)
         vocab = source.hf_config.vocab_size
-        self.sampler = Sampler(vocab, self.device, eos_token_ids=source.eos_token_ids, seed=config.seed)
+        sample_on = torch.device("cpu") if platform.capabilities().static_shapes else self.device
+        self.sampler = Sampler(vocab, sample_on, eos_token_ids=source.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(self.model, platform, self.kv_caches, self.sampler, config.block_size,
                                   config.max_num_seqs, self.max_model_len, self.device)
 
-    @torch.inference_mode()
     def _profile_forward(self, spec) -> None:
+        with grad_off(self.platform):
+            self._profile_forward_inner(spec)
+
+    def _profile_forward_inner(self, spec) -> None:
         """A forward pass at the largest batch the scheduler can form, into a throwaway cache."""
         tokens = min(self.config.token_budget, self.config.max_num_seqs * self.max_model_len)
         seq_len = min(self.max_model_len, tokens)

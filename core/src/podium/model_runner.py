@@ -63,6 +63,11 @@ def pad_to_buckets(tokens, positions, slots, cu, seq_lens, rows, query_lens):
     return tokens, positions, slots, cu, seq_lens, rows, query_lens
 
 
+def grad_off(platform: Platform):
+    """torch.inference_mode where the platform supports it, torch.no_grad where not (torch_xla)."""
+    return torch.inference_mode() if platform.capabilities().inference_mode else torch.no_grad()
+
+
 class BlockTableRows:
     """A persistent [rows, max_blocks] int32 host array holding each running sequence's block table."""
 
@@ -161,8 +166,11 @@ class ModelRunner:
         )
 
     # -- execution -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        with grad_off(self.platform):
+            return self._execute(plan)
+
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
         tokens, positions, slots, cu, seq_lens, rows, query_lens = self._host_batch(plan)
         if self.static_shapes:
             tokens, positions, slots, cu, seq_lens, rows, query_lens = pad_to_buckets(
@@ -170,15 +178,23 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.samples]
         graph_size = self._graph_size(len(tokens)) if int(query_lens.max()) == 1 else None
         if graph_size is not None:
-            logits = self._replay(graph_size, tokens, positions, slots, seq_lens, rows)[sample_idx]
+            logits = self._replay(graph_size, tokens, positions, slots, seq_lens, rows)
+            logits = (logits.cpu() if self.static_shapes else logits)[sample_idx]
         else:
             meta = self.backend.prepare_metadata(self._metadata(cu, seq_lens, rows, slots, query_lens))
             ctx = ForwardContext(meta, self.kv_caches, self.backend)
             input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
             pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
             hidden = self.model(input_ids, pos, ctx)
-            last = torch.from_numpy(cu[1:][sample_idx] - 1).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[last]) if sample_idx else None
+            if self.static_shapes:  # one graph per bucket: cut here, then logits at the padded row count
+                self.platform.synchronize()
+                last = np.zeros(len(seq_lens), dtype=np.int64)  # [S_pad]
+                last[:len(sample_idx)] = cu[1:][sample_idx] - 1
+                last_rows = torch.from_numpy(last).to(self.device)
+                logits = self.model.compute_logits(hidden[last_rows]).cpu()[:len(sample_idx)] if sample_idx else None
+            else:
+                last = torch.from_numpy(cu[1:][sample_idx] - 1).to(self.device, non_blocking=True)
+                logits = self.model.compute_logits(hidden[last]) if sample_idx else None
             prompt_lp = self._prompt_logprobs(plan, hidden, cu)
         self.last_used_graph = graph_size is not None
         seqs = [plan.scheduled[i].seq for i in sample_idx]
@@ -223,14 +239,19 @@ class ModelRunner:
         sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_batch]
         if max_batch not in sizes and max_batch <= GRAPH_BATCH_SIZES[-1]:
             sizes.append(max_batch)
+        if self.static_shapes:  # padded decode steps only come in token buckets
+            sizes = sorted({bucket(b, 16) for b in sizes})
         for size in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool
             self.graphs[size] = self._capture_one(runner, size)
         self.platform.synchronize()
         self.capture_seconds = time.perf_counter() - begin
         return self.capture_seconds
 
-    @torch.inference_mode()
     def _capture_one(self, runner, size: int):
+        with grad_off(self.platform):
+            return self._capture_one_inner(runner, size)
+
+    def _capture_one_inner(self, runner, size: int):
         dev = self.device
         buf = {
             "input_ids": torch.zeros(size, dtype=torch.long, device=dev),
@@ -267,7 +288,10 @@ class ModelRunner:
         buf["seq_lens"].copy_(staged[3])
         # only the columns this step reads; stale entries beyond them are never read, and padded
         # rows (seq_len 1, slot -1) read a stale but valid block id and write nothing
-        width = -(-int(seq_lens.max()) // self.block_size)
+        width = self.max_blocks if self.static_shapes else -(-int(seq_lens.max()) // self.block_size)
         table = torch.from_numpy(self.rows.table[rows, :width]).to(self.device, non_blocking=True)
-        buf["block_tables"][:n, :width].copy_(table)
+        rows_written = n
+        if self.static_shapes:  # one copy shape per bucket, or XLA compiles a new graph per step
+            table, rows_written = torch.nn.functional.pad(table, (0, 0, 0, size - n)), size
+        buf["block_tables"][:rows_written, :width].copy_(table)
         return replay()[:n]

@@ -48,6 +48,7 @@ class Capabilities:
     pinned_memory: bool = False
     kv_cache_from_free_memory: bool = False  # size the cache from free memory after profiling
     static_shapes: bool = False  # steps are padded to bucketed shapes (XLA-style compilation)
+    inference_mode: bool = True  # steps may run under torch.inference_mode (False: torch.no_grad)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -62,6 +63,7 @@ class Capabilities:
             "pinned_memory": self.pinned_memory,
             "kv_cache_from_free_memory": self.kv_cache_from_free_memory,
             "static_shapes": self.static_shapes,
+            "inference_mode": self.inference_mode,
             **self.extra,
         }
 

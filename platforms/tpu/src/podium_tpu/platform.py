@@ -82,7 +82,7 @@ class TpuPlatform(Platform):
             kv_cache_from_free_memory=True,
             # torch_xla 2.9 fails any nn.Linear under torch.inference_mode ("Cannot set version_counter
             # for inference tensor"): the core must run steps under torch.no_grad here
-            extra={"inference_mode": False},
+            inference_mode=False,
         )
 
     # device -----------------------------------------------------------------------------------
