@@ -6,6 +6,7 @@ Layout (what the native kernel reads fastest; see native/paged_attention.c)::
     key_cache   = kv_cache[0] viewed as [num_blocks, Hkv, D, block_size]   (each tile transposed)
     value_cache = kv_cache[1]           [num_blocks, Hkv, block_size, D]
 
+(``key_transposed = False``, IPEX's layout: the key tile is [block_size, D] like the value's.)
 ``token_major`` gives both as [num_blocks, block_size, Hkv, D] views (the default layout's
 indexing), which write_kv / read_kv / the torch paths use.
 
@@ -30,11 +31,12 @@ from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMet
 from podium_plugin_api.reference import attend_one, attention_mask
 
 from .attention_plan import LongSeq, StepPlan, plan_for
-from .native_kernels import KERNEL_DTYPES, NativeKernels, Shape
+from .native_kernels import NativeKernels, Shape
 
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu-paged"
+    key_transposed = True  # key tiles stored [D, block_size]
 
     def __init__(self, kernels: NativeKernels | None = None) -> None:
         self.kernels = kernels
@@ -50,12 +52,22 @@ class CpuAttentionBackend(AttentionBackend):
             raise ValueError(
                 f"kv_cache must be a contiguous [2, blocks, Hkv, block_size, D] tensor, got {list(kv_cache.shape)}")
         blocks, hkv, block_size, head_size = kv_cache.shape[1:]
+        if not self.key_transposed:
+            return kv_cache[0], kv_cache[1]
         return kv_cache[0].view(blocks, hkv, head_size, block_size), kv_cache[1]
+
+    def token_major(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both caches as [blocks, block_size, Hkv, D] views."""
+        key_rows = key_cache.permute(0, 3, 1, 2) if self.key_transposed else key_cache.permute(0, 2, 1, 3)
+        return key_rows, value_cache.permute(0, 2, 1, 3)
 
     def write_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        key_cache, value_cache = token_major(*self.split_cache(kv_cache))
+        key_cache, value_cache = self.split_cache(kv_cache)
+        if self._native_write(key_cache, value_cache, key, value, slot_mapping):
+            return
+        key_cache, value_cache = self.token_major(key_cache, value_cache)
         slots = slot_mapping
         if slots.numel() and int(slots.min()) < 0:  # padding rows write nowhere
             keep = (slots >= 0).nonzero().flatten()
@@ -67,8 +79,25 @@ class CpuAttentionBackend(AttentionBackend):
         key_cache[blocks, offsets] = key.to(key_cache.dtype)
         value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
+    def _native_write(self, key_cache, value_cache, key, value, slot_mapping) -> bool:
+        """Write through the C kernel when the inputs fit it; False: the caller writes in torch."""
+        dtype = key_cache.dtype
+        if self.kernels is None or dtype not in self.kernels.write_kv or key.dtype != dtype or value.dtype != dtype:
+            return False
+        if not (_token_rows(key) and _token_rows(value) and key.shape == value.shape == (
+                slot_mapping.shape[0], value_cache.shape[1], value_cache.shape[3])):
+            return False
+        slots = slot_mapping.to(torch.int64).contiguous()
+        blocks, hkv, block_size, head_size = value_cache.shape
+        if slots.numel() and int(slots.max()) >= blocks * block_size:
+            raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the cache has {blocks * block_size} slots")
+        self.kernels.write_kv[dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                     key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), slots.numel(),
+                                     hkv, head_size, block_size)
+        return True
+
     def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key_cache, value_cache = token_major(*self.split_cache(kv_cache))
+        key_cache, value_cache = self.token_major(*self.split_cache(kv_cache))
         block_size = key_cache.shape[1]
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
         return key_cache[blocks, offsets], value_cache[blocks, offsets]
@@ -94,7 +123,7 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
         long_seqs = plan.long_seqs
         if plan.short_seqs:
-            if self.kernels is not None and query.dtype in KERNEL_DTYPES:
+            if self.kernels is not None and query.dtype in self.kernels.paged_attention:
                 self._native(layer, query, key_cache, value_cache, meta, plan, out)
             elif plan.decode_only:
                 self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
@@ -131,7 +160,7 @@ class CpuAttentionBackend(AttentionBackend):
         hkv, block_size, d = value_cache.shape[1:]
         rows, index, lengths, width = _decode_gather(plan, meta, block_size)
         n, group = rows.numel(), layer.num_heads // hkv
-        key_rows, value_rows = token_major(key_cache, value_cache)
+        key_rows, value_rows = self.token_major(key_cache, value_cache)
         keys = key_rows.index_select(0, index).reshape(n, width * block_size, hkv, d)  # [n, L, Hkv, D]
         values = value_rows.index_select(0, index).reshape(n, width * block_size, hkv, d)
         k_pos = torch.arange(width * block_size)[None, :]  # [1, L]
@@ -150,14 +179,13 @@ class CpuAttentionBackend(AttentionBackend):
             o = torch.matmul(probs, v.float()).to(q.dtype)
         out.index_copy_(0, rows, o.reshape(n, layer.num_heads, d))
 
-    @staticmethod
-    def _one_sequence(layer, query, key_cache, value_cache, seq: LongSeq, new_key, new_value) -> torch.Tensor:
+    def _one_sequence(self, layer, query, key_cache, value_cache, seq: LongSeq, new_key, new_value) -> torch.Tensor:
         """[hi - lo, H, D]: one sequence's query rows over its whole context."""
         q = query[seq.lo:seq.hi]  # [Q, H, D]
         if seq.fresh and new_key is not None:
             k, v = new_key[seq.lo:seq.hi], new_value[seq.lo:seq.hi]  # [Q, Hkv, D]
         else:
-            key_rows, value_rows = token_major(key_cache, value_cache)
+            key_rows, value_rows = self.token_major(key_cache, value_cache)
             k = key_rows.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]  # [L, Hkv, D]
             v = value_rows.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]
         if layer.soft_cap is not None:
@@ -195,9 +223,9 @@ def _decode_gather(plan: StepPlan, meta: AttentionMetadata, block_size: int):
     return plan.cache["decode"]
 
 
-def token_major(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """key [blocks, Hkv, D, B] and value [blocks, Hkv, B, D] caches as [blocks, B, Hkv, D] views."""
-    return key_cache.permute(0, 3, 1, 2), value_cache.permute(0, 2, 1, 3)
+def _token_rows(t: torch.Tensor) -> bool:
+    """[T, heads, D] with each token's heads contiguous (any token stride)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]
 
 
 def _check_kernel_inputs(layer, query, key_cache, value_cache, out) -> None:

@@ -13,13 +13,15 @@ Choices made here, from what the machine offers (``cpu_info``):
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from podium_plugin_api import AttentionBackend, Capabilities, Platform
 
-from . import fused_ops
 from .attention import CpuAttentionBackend
 from .cpu_info import has_native_bf16, usable_cores
+from .fused_ops import cpu_ops
 from .ipex_support import ipex_status
+from .linear_packing import pack_linear_layers
 from .native_kernels import load_kernels
 
 
@@ -31,21 +33,20 @@ class CpuPlatform(Platform):
     def __init__(self) -> None:
         self._backend: AttentionBackend | None = None
         self._backend_note = ""
-        self._native_bf16: bool | None = None
-
-    def native_bf16(self) -> bool:
-        if self._native_bf16 is None:
-            self._native_bf16 = has_native_bf16()
-        return self._native_bf16
+        self._capabilities: Capabilities | None = None
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(
-            dtypes=(torch.float32, torch.bfloat16, torch.float16),
-            default_dtype=torch.bfloat16 if self.native_bf16() else torch.float32,
-            graph_capture=False,
-            distributed_backend="gloo",
-            extra={"native_bf16": self.native_bf16(), "threads": usable_cores()},
-        )
+        """Worked out once (the runner asks every step): reads /proc and /sys."""
+        if self._capabilities is None:
+            native_bf16 = has_native_bf16()
+            self._capabilities = Capabilities(
+                dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                default_dtype=torch.bfloat16 if native_bf16 else torch.float32,
+                graph_capture=False,
+                distributed_backend="gloo",
+                extra={"native_bf16": native_bf16, "threads": usable_cores()},
+            )
+        return self._capabilities
 
     def config_defaults(self) -> dict:
         return {"kv_cache_memory": 1 << 30}
@@ -69,7 +70,12 @@ class CpuPlatform(Platform):
         return self._backend_note
 
     def custom_ops(self) -> dict:
-        return fused_ops.cpu_ops()
+        return cpu_ops(load_kernels()[0])
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Called once the weights are loaded: pack bf16 linear weights for oneDNN. Returns the model."""
+        pack_linear_layers(model)
+        return model
 
 
 def _make_backend() -> tuple[AttentionBackend, str]:

@@ -1,0 +1,130 @@
+"""What one step's attention needs, worked out once per step (not once per layer).
+
+A step's sequences split by query length:
+
+    short  (query_len <= SHORT_QUERY_MAX): decodes and small chunks. The native kernel computes all
+           of them in one call per layer, reading K/V through the block table. Without the kernel,
+           pure decodes are batched in torch (one gather per layer for all of them), the rest go
+           through the long path.
+    long   (prefill chunks): one fused SDPA call per sequence; a fresh prefill (no cached context)
+           attends to its own new keys/values without reading the cache at all.
+
+Everything here is host-side bookkeeping plus a few small index tensors; the first layer of a
+step builds it and keeps it in ``meta.extras`` for the other layers (``plan_for``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from podium_plugin_api import AttentionMetadata
+
+SHORT_QUERY_MAX = 16
+PLAN_KEY = "podium_cpu.plan"
+
+
+@dataclass
+class LongSeq:
+    """One sequence attended with SDPA: its query rows [lo, hi) and its context."""
+
+    index: int
+    lo: int
+    hi: int
+    seq_len: int
+    blocks: torch.Tensor  # int64 [ceil(seq_len / block_size)] its block ids
+
+    @property
+    def fresh(self) -> bool:
+        """No cached context: every key is one of this step's new tokens."""
+        return self.hi - self.lo == self.seq_len
+
+
+@dataclass
+class StepPlan:
+    block_size: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor  # the metadata's tensor this plan was built from
+    num_tokens: int
+    max_block: int  # the largest block id any sequence uses (validated against the cache)
+    short_seqs: list[int]
+    long_seqs: list[LongSeq]
+    # native kernel inputs: the short sequences' tokens, int64 [N] each
+    tokens: torch.Tensor
+    token_seqs: torch.Tensor
+    token_positions: torch.Tensor
+    max_short_span: int  # the most keys a short-sequence token attends to
+    decode_only: bool  # every short sequence is a single-token decode
+    cache: dict = field(default_factory=dict)  # derived tensors built on first use (torch decode path)
+
+
+def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
+    """The plan of ``meta``'s step; uses its host lists when the runner gave them."""
+    query_lens = meta.query_lens_host or torch.diff(meta.query_start_loc).tolist()
+    seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    tables = meta.block_tables
+    tables_host = tables.cpu().numpy()
+    short, long_seqs = [], []
+    tokens, token_seqs, positions = [], [], []
+    max_block, max_span = 0, 1
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        if q <= 0:
+            continue
+        if q > s:
+            raise ValueError(f"sequence {i}: query_len {q} exceeds seq_len {s}")
+        used = -(-s // block_size)
+        if used > tables.shape[1]:
+            raise ValueError(f"sequence {i}: seq_len {s} needs {used} blocks; block_tables has {tables.shape[1]}")
+        if q <= SHORT_QUERY_MAX:
+            short.append(i)
+            tokens.extend(range(starts[i], starts[i] + q))
+            token_seqs.extend([i] * q)
+            positions.extend(range(s - q, s))
+            max_span = max(max_span, s)
+        else:
+            long_seqs.append(LongSeq(i, starts[i], starts[i] + q, s, tables[i, :used].long()))
+        row = tables_host[i, :used]
+        max_block = max(max_block, int(row.max()))
+        if int(row.min()) < 0:
+            raise ValueError(f"sequence {i}: negative block id in block_tables")
+    return StepPlan(
+        block_size=block_size,
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        block_tables=tables,
+        num_tokens=starts[-1],
+        max_block=max_block,
+        short_seqs=short,
+        long_seqs=long_seqs,
+        tokens=torch.tensor(tokens, dtype=torch.int64),
+        token_seqs=torch.tensor(token_seqs, dtype=torch.int64),
+        token_positions=torch.tensor(positions, dtype=torch.int64),
+        max_short_span=max_span,
+        decode_only=all(query_lens[i] == 1 for i in short),
+    )
+
+
+def plan_for(meta: AttentionMetadata, block_size: int) -> StepPlan:
+    """The step's plan: the stored one while it still describes ``meta``, else a new one.
+
+    It is stored only when the runner gave host lists; a step without them (a captured step whose
+    tensors are refilled in place) gets a plan built from its tensors on every call.
+    """
+    plan = meta.extras.get(PLAN_KEY)
+    if (
+        plan is not None
+        and plan.block_size == block_size
+        and plan.block_tables is meta.block_tables
+        and plan.seq_lens == meta.seq_lens_host
+        and plan.query_lens == meta.query_lens_host
+    ):
+        return plan
+    plan = build_plan(meta, block_size)
+    if meta.seq_lens_host and meta.query_lens_host:
+        meta.extras[PLAN_KEY] = plan
+    return plan

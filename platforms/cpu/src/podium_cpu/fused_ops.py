@@ -1,0 +1,113 @@
+"""The CPU platform's overrides of the core's named ops (``podium_plugin_api.ops``).
+
+- rms_norm, fused_add_rms_norm: one native pass each (native/fused_ops.c) for bfloat16. They
+  round exactly where the references round but sum squares in their own order, so float32 keeps
+  the references (float32 output stays token-exact with transformers).
+- rotary_embedding: native for float32 and bfloat16; bit-identical to the reference.
+- top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
+  row are sorted instead of the whole vocabulary.
+Anything outside what a native op handles (other dtypes, odd strides) goes to the reference.
+silu_and_mul stays the reference: torch's own vectorised silu and mul were as fast as a fused pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from podium_plugin_api import ops as reference
+
+from .native_kernels import NativeKernels
+
+PREFILTER_MAX_FRACTION = 8  # the pre-filter pays when max(top_k) is at most vocab / 8
+
+
+def cpu_ops(kernels: NativeKernels | None) -> dict[str, Callable]:
+    ops: dict[str, Callable] = {"top_k_top_p": top_k_top_p}
+    if kernels is not None:
+        ops.update(
+            rms_norm=partial(rms_norm, kernels),
+            fused_add_rms_norm=partial(fused_add_rms_norm, kernels),
+            rotary_embedding=partial(rotary_embedding, kernels),
+        )
+    return ops
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """A 2-D tensor whose rows are contiguous (any row stride)."""
+    return x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
+
+
+def _norm_native(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    ok = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and _rows(x) and x.device.type == "cpu"
+    ok = ok and weight.is_contiguous() and weight.dim() == 1 and weight.shape[0] == x.shape[1]
+    if residual is not None:
+        ok = ok and residual.dtype == torch.bfloat16 and _rows(residual) and residual.shape == x.shape
+    return ok
+
+
+def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _norm_native(x, weight, None):
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)  # [T, hidden]
+    kernels.rms_norm[x.dtype](x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), None,
+                              x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
+    return out
+
+
+def fused_add_rms_norm(
+    kernels: NativeKernels, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _norm_native(x, weight, residual):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)  # [T, hidden]
+    summed = torch.empty(x.shape, dtype=x.dtype)
+    kernels.rms_norm[x.dtype](x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                              out.data_ptr(), summed.data_ptr(), x.shape[0], x.shape[1], float(eps),
+                              torch.get_num_threads())
+    return out, summed
+
+
+def _heads(t: torch.Tensor) -> bool:
+    """[T, heads, D] with each token's heads contiguous (any token stride)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]
+
+
+def rotary_embedding(
+    kernels: NativeKernels, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype, d = query.dtype, query.shape[-1]
+    usable = dtype in kernels.rotary and key.dtype == dtype and _heads(query) and _heads(key)
+    usable = usable and key.shape[0] == query.shape[0] == positions.shape[0] and key.shape[2] == d and d % 2 == 0
+    usable = usable and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d and query.device.type == "cpu"
+    if not usable:
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache)
+    positions = positions.to(torch.int64).contiguous()
+    if positions.numel():
+        low, high = torch.aminmax(positions)
+        if int(low) < 0 or int(high) >= cos_sin_cache.shape[0]:
+            raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}), got [{int(low)}, {int(high)}]")
+    table = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    table = table.contiguous()
+    q_out, k_out = torch.empty(query.shape, dtype=dtype), torch.empty(key.shape, dtype=dtype)
+    kernels.rotary[dtype](query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), q_out.data_ptr(),
+                          k_out.data_ptr(), positions.data_ptr(), table.data_ptr(), query.shape[0], query.shape[1],
+                          key.shape[1], d, torch.get_num_threads())
+    return q_out, k_out
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The reference's result, sorting only each row's top max(k) logits when every row has a top-k."""
+    vocab = logits.shape[-1]
+    if logits.dim() != 2 or not bool((top_k > 0).all()):
+        return reference.top_k_top_p(logits, top_k, top_p)
+    k = top_k.clamp(max=vocab)
+    kmax = int(k.max())
+    if kmax * PREFILTER_MAX_FRACTION > vocab:
+        return reference.top_k_top_p(logits, top_k, top_p)
+    top_values, top_index = logits.topk(kmax, dim=-1)  # [B, kmax], sorted descending
+    # entries ranked below a row's k are dropped by the reference too: its math on [B, kmax] is the same
+    kept = reference.top_k_top_p(top_values, k, top_p)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, top_index, kept)

@@ -1,0 +1,234 @@
+/* Paged attention of a flat ragged batch on the CPU, reading K/V straight through the block tables.
+ *
+ * Cache layout (one layer; H_kv kv heads, block size B, head size D):
+ *
+ *     key_cache   [num_blocks, H_kv, D, B]   each (block, head) tile stored transposed: for a fixed
+ *                                            d, the block's B keys are contiguous
+ *     value_cache [num_blocks, H_kv, B, D]
+ *
+ * The transposed key tile turns q.k into B-wide vector FMAs (one per d) with no horizontal sums;
+ * values are summed row by row (D-wide FMAs). One work item is (query token, kv head): the
+ * G = H / H_kv query heads sharing that kv head go together, so each tile is read once for all.
+ * A token at position p attends to [max(0, p - window + 1), p]; scores are scaled, optionally
+ * soft-capped, soft-maxed in float32 (scores first, then the weighted sum of values) and written
+ * in the query's dtype. query [T, H, D] rows are q_token_stride apart (heads contiguous); out
+ * likewise with o_token_stride.
+ *
+ * The caller (attention.py) validates every shape, stride, dtype and index range: this code
+ * trusts its arguments. Compiled on first use with the system C compiler and cached
+ * (native_kernels.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+typedef struct {
+    int64_t q_token_stride, o_token_stride, bt_stride;
+    int64_t num_heads, num_kv_heads, head_size, block_size;
+    int64_t window;        /* <= 0: no sliding window */
+    float scale, soft_cap; /* soft_cap <= 0: none */
+} Shape;
+
+static inline float bf16_to_f32(bf16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* round to nearest even, as torch's .to(bfloat16); NaN stays NaN. Branch-free: vectorises */
+static inline bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    return (bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+/* n values as float32: float data is used in place, bf16 is widened into tmp */
+static inline const float *as_f32_f32(const float *src, float *tmp, int64_t n) { (void)tmp; (void)n; return src; }
+static inline const float *as_f32_bf16(const bf16_t *src, float *tmp, int64_t n) {
+    for (int64_t i = 0; i < n; i++) tmp[i] = bf16_to_f32(src[i]);
+    return tmp;
+}
+static inline float load_f32(float x) { return x; }
+static inline float store_f32(float x) { return x; }
+
+/* e^x for x <= 0 (softmax weights), vectorisable: Cephes' expf polynomial, relative error ~2e-7;
+ * x below -87 (weights under 1e-38) gives 0 */
+static inline float exp_neg(float x) {
+    const float xc = x < -87.f ? -87.f : x;
+    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    const float r = xc - n * 0.693359375f + n * 2.12194440e-4f; /* xc - n * ln 2 in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n; n >= -126 here */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+typedef float v16f __attribute__((vector_size(64)));
+static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* ask for the next tile while this one is computed (tiles of one sequence are scattered) */
+static inline void prefetch_tile(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+}
+
+/* row[g * B + t] = q_g . k_t for one key tile kt [D][B] (keys transposed); qf [G][D] */
+static void tile_scores(const float *restrict qf, const float *restrict kt, float *restrict row,
+                        int64_t G, int64_t D, int64_t B) {
+    for (int64_t g = 0; g < G; g++) {
+        const float *restrict qg = qf + g * D;
+        if ((B & 15) == 0) { /* 16 keys per vector; four independent chains over d */
+            for (int64_t t = 0; t < B; t += 16) {
+                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                int64_t d = 0;
+                for (; d + 4 <= D; d += 4) {
+                    a0 += qg[d] * load16(kt + d * B + t);
+                    a1 += qg[d + 1] * load16(kt + (d + 1) * B + t);
+                    a2 += qg[d + 2] * load16(kt + (d + 2) * B + t);
+                    a3 += qg[d + 3] * load16(kt + (d + 3) * B + t);
+                }
+                for (; d < D; d++) a0 += qg[d] * load16(kt + d * B + t);
+                store16(row + g * B + t, (a0 + a1) + (a2 + a3));
+            }
+        } else {
+            for (int64_t t = 0; t < B; t++) row[g * B + t] = 0.f;
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t t = 0; t < B; t++) row[g * B + t] += qg[d] * kt[d * B + t];
+        }
+    }
+}
+
+/* acc[g] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t, for one value tile vt [B][D] */
+static void tile_accumulate(const float *restrict w, int64_t n, int64_t shift, const float *restrict vt,
+                            float *restrict acc, int64_t G, int64_t D, int64_t t0, int64_t t1) {
+    for (int64_t g = 0; g < G; g++) {
+        const float *restrict wg = w + g * n + shift; /* read at t >= t0, where shift + t >= 0 */
+        float *restrict ag = acc + g * D;
+        if ((D & 15) == 0) { /* the accumulator stays in a register across the tile's rows */
+            for (int64_t d = 0; d < D; d += 16) {
+                v16f a = load16(ag + d);
+                for (int64_t t = t0; t < t1; t++) a += wg[t] * load16(vt + t * D + d);
+                store16(ag + d, a);
+            }
+        } else {
+            for (int64_t t = t0; t < t1; t++)
+                for (int64_t d = 0; d < D; d++) ag[d] += wg[t] * vt[t * D + d];
+        }
+    }
+}
+
+/* scratch: qf [G*D], tile [B*D], row [G*B], acc [G*D], scores [G*n] */
+#define DEFINE_ITEM(NAME, T, AS_F32, LOAD, STORE)                                                     \
+static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *table,             \
+                 int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch) {             \
+    const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
+    const int64_t lo = (s->window > 0 && pos - s->window + 1 > 0) ? pos - s->window + 1 : 0;          \
+    const int64_t n = pos - lo + 1, first = lo / B, last = pos / B, tile_size = B * D;                \
+    float *qf = scratch, *tile = qf + G * D, *row = tile + B * D, *acc = row + G * B;                 \
+    float *scores = acc + G * D;                                                                      \
+    const T *q = query + token * s->q_token_stride + h * G * D;                                       \
+    for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(q[i]) * s->scale;                                \
+    float *mx = acc; /* [G] running maxima, before acc is used */                                    \
+    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;                                                \
+    for (int64_t b = first; b <= last; b++) {                                                         \
+        const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
+        const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
+        if (b < last) prefetch_tile(kc + ((int64_t)table[b + 1] * s->num_kv_heads + h) * tile_size,   \
+                                    tile_size * (int64_t)sizeof(T));                                  \
+        tile_scores(qf, AS_F32(kc + base, tile, tile_size), row, G, D, B);                            \
+        for (int64_t g = 0; g < G; g++) {                                                             \
+            float *sg = scores + g * n + b * B + t0 - lo; /* key position b * B + t0 */             \
+            for (int64_t t = t0; t < t1; t++, sg++) {                                                 \
+                float x = row[g * B + t];                                                             \
+                x = s->soft_cap > 0.f ? s->soft_cap * tanhf(x / s->soft_cap) : x;                     \
+                *sg = x;                                                                              \
+                mx[g] = x > mx[g] ? x : mx[g];                                                        \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int64_t g = 0; g < G; g++) {                                                                 \
+        float *sg = scores + g * n, sum = 0.f;                                                        \
+        const float m = mx[g];                                                                        \
+        _Pragma("omp simd reduction(+:sum)")                                                          \
+        for (int64_t j = 0; j < n; j++) { sg[j] = exp_neg(sg[j] - m); sum += sg[j]; }                \
+        const float inv = 1.f / sum;                                                                  \
+        for (int64_t j = 0; j < n; j++) sg[j] *= inv;                                                 \
+    }                                                                                                 \
+    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;                                                 \
+    for (int64_t b = first; b <= last; b++) {                                                         \
+        const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
+        const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
+        if (b < last) prefetch_tile(vc + ((int64_t)table[b + 1] * s->num_kv_heads + h) * tile_size,   \
+                                    tile_size * (int64_t)sizeof(T));                                  \
+        tile_accumulate(scores, n, b * B - lo, AS_F32(vc + base, tile, tile_size), acc, G, D, t0, t1); \
+    }                                                                                                 \
+    T *o = out + token * s->o_token_stride + h * G * D;                                               \
+    for (int64_t i = 0; i < G * D; i++) o[i] = STORE(acc[i]);                                         \
+}
+
+DEFINE_ITEM(item_f32, float, as_f32_f32, load_f32, store_f32)
+DEFINE_ITEM(item_bf16, bf16_t, as_f32_bf16, bf16_to_f32, f32_to_bf16)
+
+/* tokens[i], seqs[i], positions[i]: the i-th query token to compute, its sequence, its position.
+ * max_span: the most keys any of them sees (sizes the per-thread score buffer).
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+#define DEFINE_ENTRY(NAME, ITEM, T)                                                                   \
+int NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *block_tables,               \
+         const int64_t *tokens, const int64_t *seqs, const int64_t *positions, int64_t num_tokens,    \
+         int64_t max_span, const Shape *s, int num_threads) {                                         \
+    const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
+    const int64_t items = num_tokens * s->num_kv_heads;                                               \
+    int failed = 0;                                                                                   \
+    _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                              \
+    {                                                                                                 \
+        float *scratch = (float *)malloc(sizeof(float) * (2 * G * D + B * D + G * B + G * max_span));     \
+        if (!scratch) failed = 1;                                                                     \
+        _Pragma("omp for schedule(dynamic, 4)")                                                       \
+        for (int64_t it = 0; it < items; it++) {                                                      \
+            if (!scratch) continue;                                                                   \
+            const int64_t i = it / s->num_kv_heads, h = it % s->num_kv_heads;                         \
+            ITEM(query, kc, vc, out, block_tables + seqs[i] * s->bt_stride, tokens[i], positions[i],  \
+                 h, s, scratch);                                                                      \
+        }                                                                                             \
+        free(scratch);                                                                                \
+    }                                                                                                 \
+    return failed ? -1 : 0;                                                                           \
+}
+
+DEFINE_ENTRY(podium_paged_attention_f32, item_f32, float)
+DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, bf16_t)
+
+/* Store new tokens' key/value rows [T, H_kv, D] (token strides k_stride / v_stride, heads contiguous)
+ * at their slots (block * B + offset; negative: skip) in the layout above. */
+#define DEFINE_WRITE(NAME, T)                                                                         \
+int NAME(const T *key, int64_t k_stride, const T *value, int64_t v_stride, T *kc, T *vc,              \
+         const int64_t *slots, int64_t tokens, int64_t Hkv, int64_t D, int64_t B) {                  \
+    for (int64_t t = 0; t < tokens; t++) {                                                            \
+        const int64_t slot = slots[t];                                                                \
+        if (slot < 0) continue;                                                                       \
+        const int64_t block = slot / B, offset = slot % B;                                            \
+        for (int64_t h = 0; h < Hkv; h++) {                                                           \
+            const int64_t base = (block * Hkv + h) * B * D;                                           \
+            const T *k = key + t * k_stride + h * D, *v = value + t * v_stride + h * D;               \
+            for (int64_t d = 0; d < D; d++) kc[base + d * B + offset] = k[d];                         \
+            for (int64_t d = 0; d < D; d++) vc[base + offset * D + d] = v[d];                         \
+        }                                                                                             \
+    }                                                                                                 \
+    return 0;                                                                                         \
+}
+
+DEFINE_WRITE(podium_write_kv_f32, float)
+DEFINE_WRITE(podium_write_kv_bf16, bf16_t)

@@ -1,0 +1,181 @@
+"""The CPU platform's native kernels: C sources compiled on first use, cached, called through ctypes.
+
+Why native: paged attention in pure torch must either gather every sequence's K/V into a dense
+copy per layer (which doubles the step's memory traffic) or loop per sequence in Python; a small
+C kernel reads each key/value row once, straight through the block table. The decoder's
+RMSNorm and rotary embedding are one pass each in C instead of 5-10 torch ops.
+
+Build: the system C compiler (``cc``, ``gcc`` or ``clang``) with ``-O3 -march=native -fopenmp``,
+about a second, once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
+(``~/.cache`` by default); later processes load the cached library in milliseconds. The library
+links the same ``libgomp.so.1`` torch has already loaded, so it shares torch's thread pool. Where
+no compiler works, ``load_kernels`` says why and the backend runs its pure-torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+NATIVE_DIR = Path(__file__).parent / "native"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
+# library name -> (source, extra flags); fused ops round like torch's separate kernels (no FMA contraction)
+LIBRARIES = {
+    "paged_attention": (NATIVE_DIR / "paged_attention.c", ()),
+    "fused_ops": (NATIVE_DIR / "fused_ops.c", ("-ffp-contract=off",)),
+}
+COMPILERS = ("cc", "gcc", "clang")
+COMPILE_TIMEOUT_S = 120
+
+
+class Shape(ctypes.Structure):
+    """Mirror of the C ``Shape`` struct (strides and sizes in elements)."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "q_token_stride", "o_token_stride", "bt_stride",
+            "num_heads", "num_kv_heads", "head_size", "block_size", "window",
+        )
+    ] + [("scale", ctypes.c_float), ("soft_cap", ctypes.c_float)]
+
+
+@dataclass
+class NativeKernels:
+    """The loaded libraries' entry points, by op name and dtype (``paged_attention[torch.bfloat16]``)."""
+
+    paths: list[Path]
+    paged_attention: dict
+    write_kv: dict
+    rms_norm: dict
+    rotary: dict
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "podium" / "cpu-kernels"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` code is only valid on a CPU that has them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> tuple[str, str] | None:
+    """(path, version line) of the first C compiler found, or None."""
+    for name in COMPILERS:
+        path = shutil.which(name)
+        if path is None:
+            continue
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.returncode == 0:
+            return path, out.stdout.splitlines()[0] if out.stdout else name
+    return None
+
+
+def _build(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
+    """Compile ``source`` to ``target`` atomically (a concurrent process may build the same file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *flags, "-o", tmp, str(source), "-lm"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if out.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _remove_stale(name: str, keep: Path) -> None:
+    """Drop builds of older sources (a process still using one keeps its mapping after unlink)."""
+    for old in keep.parent.glob(f"{name}-*.so"):
+        if old != keep:
+            try:
+                old.unlink()
+            except OSError:
+                pass
+
+
+_PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
+    "podium_paged_attention": ([_PTR] * 8 + [_I64, _I64, ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
+    "podium_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ("f32", "bf16")),
+    "podium_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], ("bf16",)),
+    "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], ("f32", "bf16")),
+}
+SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _bind(libs: list[ctypes.CDLL]) -> dict[str, dict]:
+    """Entry points by C prefix and dtype, with ctypes signatures set."""
+    entries: dict[str, dict] = {}
+    for prefix, (argtypes, suffixes) in SIGNATURES.items():
+        entries[prefix] = {}
+        for suffix in suffixes:
+            name = f"{prefix}_{suffix}"
+            fn = next((getattr(lib, name) for lib in libs if hasattr(lib, name)), None)
+            if fn is None:
+                raise AttributeError(f"native library lacks {name}")
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            entries[prefix][SUFFIX_DTYPES[suffix]] = fn
+    return entries
+
+
+_LOADED: dict[str, tuple[NativeKernels | None, str]] = {}
+
+
+def load_kernels() -> tuple[NativeKernels | None, str]:
+    """(kernels, "") or (None, why not), built and loaded once per process. Never raises."""
+    if "kernels" not in _LOADED:
+        _LOADED["kernels"] = _load()
+    return _LOADED["kernels"]
+
+
+def _load() -> tuple[NativeKernels | None, str]:
+    found = _compiler()
+    if found is None:
+        return None, f"no C compiler found (tried {', '.join(COMPILERS)}); using pure-torch attention and ops"
+    compiler, version = found
+    paths = []
+    try:
+        for name, (source, extra) in LIBRARIES.items():
+            flags = FLAGS + extra
+            key = hashlib.sha256(
+                b"\0".join([source.read_bytes(), version.encode(), " ".join(flags).encode(), _cpu_flags().encode()])
+            ).hexdigest()[:16]
+            target = cache_dir() / f"{name}-{key}.so"
+            if not target.exists():
+                _build(compiler, source, flags, target)
+                _remove_stale(name, target)
+            paths.append(target)
+        entries = _bind([ctypes.CDLL(str(p)) for p in paths])
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        return None, f"native kernels unavailable ({exc}); using pure-torch attention and ops"
+    return NativeKernels(
+        paths=paths,
+        paged_attention=entries["podium_paged_attention"],
+        write_kv=entries["podium_write_kv"],
+        rms_norm=entries["podium_rms_norm"],
+        rotary=entries["podium_rotary"],
+    ), ""

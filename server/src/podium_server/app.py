@@ -1,0 +1,122 @@
+"""The FastAPI app: ``create_app(settings, engine=None)``; no global state, several apps may coexist.
+
+The lifespan builds the engine if none was given (off the event loop), starts the engine thread
+and the handlers, and on shutdown stops the thread after uvicorn has let in-flight requests end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import podium
+
+from . import __version__
+from .async_engine import AsyncEngine
+from .errors import APIError, install_error_handlers, logger
+from .logprobs import TokenText
+from .metrics import ServerMetrics
+from .middleware import GuardMiddleware
+from .protocol import ModelCard, ModelList
+from .serving_base import ServerContext
+from .serving_chat import ChatHandler
+from .serving_completions import CompletionsHandler
+from .serving_tokens import DetokenizeHandler, TokenizeHandler
+from .settings import ServerSettings
+
+
+def build_engine(settings: ServerSettings) -> Any:
+    from podium.engine import LLMEngine
+
+    return LLMEngine(settings.engine)
+
+
+def _context(engine: Any, settings: ServerSettings, listener: ServerMetrics) -> ServerContext:
+    aliases = {settings.engine.model, getattr(engine.config, "model", settings.engine.model)}
+    return ServerContext(engine=AsyncEngine(engine, listener), model_name=engine.model_name,
+                         model_aliases=frozenset(aliases), max_model_len=engine.max_model_len,
+                         tokenizer=engine.tokenizer, token_text=TokenText(engine.tokenizer))
+
+
+def create_app(settings: ServerSettings | None = None, engine: Any = None) -> FastAPI:
+    """An app serving ``engine`` (an ``LLMEngine``), or one built from ``settings.engine`` at startup."""
+    settings = settings or ServerSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        core = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
+        metrics = ServerMetrics(core.model_name)
+        ctx = _context(core, settings, metrics)
+        metrics.watch_engine(lambda: ctx.engine.stats)
+        app.state.ctx, app.state.metrics = ctx, metrics
+        app.state.handlers = {"completions": CompletionsHandler(ctx), "chat": ChatHandler(ctx),
+                              "tokenize": TokenizeHandler(ctx), "detokenize": DetokenizeHandler(ctx)}
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            if ctx.engine.num_open_requests:
+                logger.info("aborting %d requests still open at shutdown", ctx.engine.num_open_requests)
+            await ctx.engine.stop()
+
+    app = FastAPI(title="Podium", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API of the Podium inference engine")
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes)
+    install_error_handlers(app)
+    _add_routes(app)
+    return app
+
+
+def _add_routes(app: FastAPI) -> None:
+    def ctx_of(request: Request) -> ServerContext:
+        return request.app.state.ctx
+
+    async def completions(request: Request) -> Response:
+        return await request.app.state.handlers["completions"].handle(request)
+
+    async def chat(request: Request) -> Response:
+        return await request.app.state.handlers["chat"].handle(request)
+
+    async def tokenize(request: Request) -> Response:
+        return await request.app.state.handlers["tokenize"].handle(request)
+
+    async def detokenize(request: Request) -> Response:
+        return await request.app.state.handlers["detokenize"].handle(request)
+
+    async def models(request: Request) -> ModelList:
+        ctx = ctx_of(request)
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)])
+
+    async def model(request: Request, model_id: str) -> ModelCard:
+        ctx = ctx_of(request)
+        if model_id != ctx.model_name and model_id not in ctx.model_aliases:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return ModelCard(id=model_id, root=ctx.model_name, max_model_len=ctx.max_model_len)
+
+    async def health(request: Request) -> Response:
+        engine = ctx_of(request).engine
+        if not engine.alive:
+            return APIError(503, "the engine loop is not running", code="engine_dead").response()
+        return JSONResponse({"status": "ok"})
+
+    async def version() -> dict:
+        return {"version": __version__, "podium": podium.__version__}
+
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET"])
+    app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])

@@ -1,0 +1,267 @@
+"""What every generating endpoint shares: parse -> validate -> SamplingParams -> stream or not.
+
+A handler (``serving_completions``, ``serving_chat``) parses its request model, turns it into
+token-id prompts and ``SamplingParams`` with the helpers here, adds the requests to the async
+engine, then either streams Server-Sent Events or waits for the final outputs while watching for
+the client to go away. Whatever way a request ends, its engine requests are released (aborted if
+unfinished), so their KV blocks are free at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from podium.outputs import RequestOutput
+from podium.sampling_params import SamplingParams
+
+from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .errors import APIError, bad_request, context_length_error, from_validation_error, logger, not_supported
+from .logprobs import TokenText
+from .protocol import SamplingFields
+
+M = TypeVar("M", bound=BaseModel)
+_CONTEXT_ERROR = "maximum context length"
+
+
+class BodyTooLarge(Exception):
+    """Raised by the body-size guard's ``receive`` while the body is being read."""
+
+
+@dataclass
+class ServerContext:
+    """Everything a handler needs, built once in the app's lifespan."""
+
+    engine: AsyncEngine
+    model_name: str  # the name clients use (served_model_name or the model argument)
+    model_aliases: frozenset[str]  # other names accepted in requests
+    max_model_len: int
+    tokenizer: Any
+    token_text: TokenText
+
+
+class ServingBase:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    # -- parse and validate ---------------------------------------------------------------------
+    @staticmethod
+    async def parse(request: Request, model: type[M]) -> M:
+        try:
+            body = await request.body()
+        except BodyTooLarge as exc:
+            raise APIError(413, str(exc), code="request_too_large") from None
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"The request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.ctx.model_name and name not in self.ctx.model_aliases:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.ctx.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def check_sampling(self, req: SamplingFields) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        vocab = len(self.ctx.tokenizer) if self.ctx.tokenizer is not None else None
+        for key in req.logit_bias or {}:
+            if vocab is not None and not 0 <= int(key) < vocab:
+                raise bad_request(f"logit_bias: token id {key} is out of range [0, {vocab})", param="logit_bias")
+
+    def max_tokens_for(self, prompt_len: int, max_tokens: int | None, param: str) -> int | None:
+        """Checks the prompt plus the completion fit the context; None means 'until the context is full'."""
+        limit = self.ctx.max_model_len
+        if max_tokens is None:
+            if prompt_len >= limit:
+                raise bad_request(
+                    f"This model's maximum context length is {limit} tokens, but you requested {prompt_len} tokens "
+                    f"in the prompt, which leaves none for the completion. Please reduce the length of the prompt.",
+                    param=param, code="context_length_exceeded")
+            return None
+        if prompt_len + max_tokens > limit:
+            raise context_length_error(limit, prompt_len, max_tokens, param)
+        return max_tokens
+
+    @staticmethod
+    def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None, seed=req.seed,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    # -- engine requests ------------------------------------------------------------------------
+    async def add_all(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+                      param: str) -> list[RequestStream]:
+        """Add one engine request per prompt (ids ``request_id-i`` when several), all at once; all or none."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(*(self.ctx.engine.add(rid, prompt, p) for rid, prompt, p in
+                                         zip(ids, prompts, params)), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if not isinstance(r, RequestStream)]
+        if not errors:
+            return streams
+        self.release(streams)
+        exc = errors[0]
+        if isinstance(exc, EngineDeadError):
+            raise APIError(503, str(exc)) from None
+        if isinstance(exc, ValueError):
+            code = "context_length_exceeded" if _CONTEXT_ERROR in str(exc) else None
+            raise bad_request(str(exc), param=param, code=code) from None
+        raise exc
+
+    def release(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            self.ctx.engine.release(stream)
+
+    async def finals(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """The final output of every stream (released whatever happens)."""
+        try:
+            return list(await asyncio.gather(*(s.final() for s in streams)))
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc)) from None
+        finally:
+            self.release(streams)
+
+    @staticmethod
+    async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+        """Await ``work``, cancelling it (and so aborting its requests) if the client goes away first."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            return Response(status_code=499)  # nobody is there to read it
+        return task.result()
+
+    # -- streaming ------------------------------------------------------------------------------
+    @staticmethod
+    def event_stream(events: AsyncIterator[BaseModel | dict]) -> StreamingResponse:
+        return StreamingResponse(_sse(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several streams as they come, tagged with the stream's position."""
+        if len(streams) == 1:
+            async for output in streams[0].outputs():
+                yield 0, output
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream.outputs():
+                    queue.put_nowait((i, output, None))
+            except Exception as exc:
+                queue.put_nowait((i, None, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        try:
+            while remaining:
+                i, output, error = await queue.get()
+                if error is not None:
+                    raise error
+                remaining -= output.finished
+                yield i, output
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def _sse(events: AsyncIterator[BaseModel | dict]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            body = event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)
+            yield f"data: {body}\n\n"
+    except (APIError, EngineDeadError) as exc:  # after the 200 went out: report in-band, then end
+        error = exc if isinstance(exc, APIError) else APIError(503, str(exc))
+        yield f"data: {json.dumps(error.body())}\n\n"
+    except Exception as exc:
+        logger.exception("a stream failed")
+        yield f"data: {json.dumps(APIError(500, f'internal server error: {type(exc).__name__}: {exc}').body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class StreamCursor:
+    """How much of one choice has been streamed; ``advance`` returns what is new."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def advance(self, output: Any, stop: list[str]) -> tuple[str, list[int], list] | None:
+        """(new text, new token ids, their logprob positions), or None if nothing changed.
+
+        ``output`` is a cumulative CompletionOutput. Unfinished text that could still turn into a
+        stop string is held back; the final call releases everything left.
+        """
+        if self.finished:
+            return None
+        self.finished = output.finish_reason is not None
+        token_ids = output.token_ids  # a snapshot; ``output.logprobs`` may grow behind it
+        visible = len(output.text) if self.finished or not stop else holdback(output.text, stop)
+        text = output.text[self.text_len:visible] if visible > self.text_len else ""
+        new_ids = token_ids[self.num_tokens:]
+        positions = (output.logprobs or [])[self.num_tokens:len(token_ids)]
+        if not text and not new_ids and not self.finished:
+            return None
+        self.text_len, self.num_tokens = max(self.text_len, visible), len(token_ids)
+        return text, new_ids, positions
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def reject_unsupported(condition: Any, feature: str, param: str) -> None:
+    if condition:
+        raise not_supported(feature, param)
+
+
+def holdback(text: str, stop: list[str]) -> int:
+    """How many leading characters of unfinished ``text`` may be streamed: a suffix that could still
+    become a stop string is held back (the engine would cut the text there)."""
+    held = 0
+    for s in stop:
+        for k in range(min(len(s), len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return len(text) - held

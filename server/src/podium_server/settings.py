@@ -1,0 +1,35 @@
+"""The server's settings: one validated object built at the edge (``podium serve``), then read-only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from podium.config import EngineConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None or "": no authentication
+    log_level: str = "info"
+    max_request_bytes: int = 16 * 2**20  # larger bodies get 413
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"

@@ -1,0 +1,113 @@
+"""The CPU platform's paged attention against the pure-torch reference, on random ragged batches.
+
+Every path is exercised: the native kernel (or IPEX's, in `make test-ipex`), the pure-torch
+batched decode and per-sequence SDPA used without a compiler, and the generic (non-vectorised)
+branches of the kernel (block sizes and head sizes that are not multiples of 16).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from podium_cpu import CpuPlatform
+from podium_cpu.attention import CpuAttentionBackend
+from podium_cpu.native_kernels import load_kernels
+from podium_plugin_api import AttentionMetadata
+from podium_plugin_api.testing.batches import AttentionCase, build_batch
+from podium_plugin_api.testing.report import check_close
+
+CASES = [
+    AttentionCase("decodes-gqa", ((1, 5), (1, 16), (1, 17), (1, 100), (1, 1)), num_heads=9, num_kv_heads=3),
+    AttentionCase("mixed", ((1, 37), (23, 23), (9, 49), (1, 16), (40, 40), (17, 60)), num_heads=8, num_kv_heads=2),
+    AttentionCase("window", ((1, 70), (25, 60), (3, 20), (33, 33)), num_heads=4, num_kv_heads=2, sliding_window=19),
+    AttentionCase("soft-cap", ((1, 30), (12, 12), (5, 26), (20, 45)), num_heads=4, num_kv_heads=1, soft_cap=2.5),
+    AttentionCase("block4-head80", ((1, 9), (6, 6), (2, 13)), num_heads=4, num_kv_heads=2, head_size=80, block_size=4),
+    AttentionCase("block32-mha", ((1, 70), (12, 45), (1, 33)), num_heads=4, num_kv_heads=4, block_size=32),
+]
+
+
+@pytest.fixture(scope="module")
+def platform():
+    return CpuPlatform()
+
+
+def run_case(platform, backend, case, dtype, seed=0):
+    batch = build_batch(platform, backend, case, dtype, seed)
+    layer = case.layer()
+    out = backend.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, batch.meta)
+    check_close(out, batch.reference_output(), what=f"{backend.name} {case.name}", dtype=dtype, locate=batch.locate)
+    again = backend.attend(layer, batch.query, batch.kv_cache, batch.meta)
+    check_close(again, out, what=f"{backend.name} {case.name}: attend over the cache", dtype=dtype)
+    return batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_platform_backend_matches_reference(platform, case, dtype):
+    run_case(platform, platform.attention_backend(), case, dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+def test_pure_torch_paths_match_reference(platform, case, dtype):
+    run_case(platform, CpuAttentionBackend(kernels=None), case, dtype, seed=2)
+
+
+def test_native_kernel_is_built_here():
+    if os.environ.get("PODIUM_EXPECT_IPEX"):
+        pytest.skip("the IPEX environment runs IPEX's kernels")
+    kernels, why = load_kernels()
+    assert kernels is not None, why
+    assert CpuPlatform().attention_backend().name == "cpu-paged-native"
+
+
+def test_ipex_backend_is_active_when_expected():
+    if not os.environ.get("PODIUM_EXPECT_IPEX"):
+        pytest.skip("not the IPEX environment")
+    platform = CpuPlatform()
+    assert platform.attention_backend().name == "cpu-ipex", platform.attention_note
+
+
+def test_plan_follows_metadata_changed_in_place(platform):
+    """A step's plan is reused by its layers, but not once the metadata it described changed."""
+    backend = platform.attention_backend()
+    case = AttentionCase("grow", ((1, 20), (1, 35)), num_heads=4, num_kv_heads=2)
+    batch = run_case(platform, backend, case, torch.float32)
+    meta = batch.meta
+    # both sequences one token shorter: their last keys must no longer be seen
+    shorter = AttentionMetadata.from_lengths([1, 1], [19, 34], batch.ref_meta.block_tables.tolist(), 16)
+    meta.seq_lens.copy_(shorter.seq_lens)
+    meta.seq_lens_host[:] = [19, 34]
+    batch.ref_meta.seq_lens.copy_(shorter.seq_lens)
+    out = backend.attend(case.layer(), batch.query, batch.kv_cache, meta)
+    check_close(out, batch.reference_output(), what="after the lengths changed in place", dtype=torch.float32)
+
+
+def test_block_ids_beyond_the_cache_are_rejected(platform):
+    backend = platform.attention_backend()
+    case = AttentionCase("bad", ((1, 20),), num_heads=4, num_kv_heads=2)
+    batch = build_batch(platform, backend, case, torch.float32, 0)
+    batch.meta.block_tables[0, 0] = 10_000
+    with pytest.raises(ValueError, match="block"):
+        backend.forward(case.layer(), batch.query, batch.key, batch.value, batch.kv_cache, batch.meta)
+
+
+def test_write_outside_the_cache_is_rejected(platform):
+    backend = platform.attention_backend()
+    case = AttentionCase("w", ((1, 4),), num_heads=4, num_kv_heads=2)
+    batch = build_batch(platform, backend, case, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="slot"):
+        backend.write_kv(batch.kv_cache, batch.key, batch.value, torch.tensor([10_000]))
+
+
+def test_kernel_refuses_a_foreign_cache_layout(platform):
+    """A cache tensor in another layout must raise, not reach the native code."""
+    backend = platform.attention_backend()
+    case = AttentionCase("layout", ((1, 20),), num_heads=4, num_kv_heads=2)
+    batch = build_batch(platform, backend, case, torch.float32, 0)
+    wrong = batch.kv_cache.transpose(2, 3)  # [2, blocks, block_size, Hkv, D], not contiguous
+    with pytest.raises(ValueError):
+        backend.attend(case.layer(), batch.query, wrong, batch.meta)

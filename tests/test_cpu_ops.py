@@ -1,0 +1,98 @@
+"""The CPU platform's fused ops and packed linears against the pure-torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from podium_cpu import fused_ops
+from podium_cpu.linear_packing import PackedLinear, can_pack, pack_linear_layers
+from podium_cpu.native_kernels import load_kernels
+from podium_plugin_api import ops as reference
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    kernels, why = load_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    return kernels
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (both bf16)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 576), (33, 576), (5, 96), (300, 64)])
+def test_rms_norm_bf16_rounds_like_the_reference(kernels, rows, cols):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, cols, generator=gen) * 3).bfloat16()
+    residual = torch.randn(rows, cols, generator=gen).bfloat16()
+    weight = torch.randn(cols, generator=gen).bfloat16()
+    got = fused_ops.rms_norm(kernels, x, weight, 1e-5)
+    want = reference.rms_norm(x, weight, 1e-5)
+    # only the sum of squares runs in another order: at most one bf16 ulp, on few elements
+    assert bf16_ulps(got, want).max() <= 1 and (got != want).float().mean() < 0.02
+    normed, summed = fused_ops.fused_add_rms_norm(kernels, x, residual, weight, 1e-5)
+    want_normed, want_summed = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, want_summed)
+    assert bf16_ulps(normed, want_normed).max() <= 1 and (normed != want_normed).float().mean() < 0.02
+
+
+def test_rms_norm_strided_rows_and_fallbacks(kernels):
+    wide = torch.randn(7, 200).bfloat16()
+    x = wide[:, :96]  # rows 200 apart
+    weight = torch.randn(96).bfloat16()
+    assert bf16_ulps(fused_ops.rms_norm(kernels, x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)).max() <= 1
+    x32 = torch.randn(4, 96)
+    assert torch.equal(fused_ops.rms_norm(kernels, x32, weight.float(), 1e-6), reference.rms_norm(x32, weight.float(), 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_is_bit_identical_to_the_reference(kernels, dtype):
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, d = 11, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)  # strided views, as the model passes them
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    angles = torch.arange(100)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randint(0, 100, (tokens,), generator=gen)
+    got_q, got_k = fused_ops.rotary_embedding(kernels, positions, q, k, cos_sin)
+    want_q, want_k = reference.rotary_embedding(positions, q, k, cos_sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    with pytest.raises(ValueError, match="positions"):
+        fused_ops.rotary_embedding(kernels, torch.tensor([100] * tokens), q, k, cos_sin)
+
+
+def test_top_k_prefilter_keeps_what_the_reference_keeps():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.stack([torch.randperm(5000, generator=gen) for _ in range(6)]).float().mul(0.01)
+    top_k = torch.tensor([1, 5, 50, 300, 20, 7])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 0.3, 1.0])
+    got = fused_ops.top_k_top_p(logits, top_k, top_p)
+    want = reference.top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(got, want)
+    # a row without top-k needs the whole sort: same answer through the reference
+    top_k[2] = 0
+    assert torch.equal(fused_ops.top_k_top_p(logits, top_k, top_p), reference.top_k_top_p(logits, top_k, top_p))
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN linear packing unavailable in this torch")
+def test_packed_linear_is_bit_identical_to_f_linear():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 200, bias=True), nn.ReLU(), nn.Linear(200, 64, bias=False)).bfloat16()
+    x = torch.randn(5, 3, 96).bfloat16()
+    want = model(x)
+    first_weight = model[0].weight
+    assert pack_linear_layers(model) == 2
+    assert isinstance(model[0], PackedLinear) and model[0].weight is first_weight
+    assert sorted(dict(model.named_parameters())) == ["0.bias", "0.weight", "2.weight"]
+    for rows in (1, 7, 64):
+        xs = torch.randn(rows, 96).bfloat16()
+        assert torch.equal(model[0](xs), F.linear(xs, first_weight, model[0].bias))
+    assert torch.equal(model(x), want)
+    assert pack_linear_layers(nn.Sequential(nn.Linear(4, 4))) == 0  # float32 stays unpacked
