@@ -1,8 +1,9 @@
 """The CPU platform's paged attention against the pure-torch reference, on random ragged batches.
 
 Every path is exercised: the native kernel (or IPEX's, in `make test-ipex`), the pure-torch
-batched decode and per-sequence SDPA used without a compiler, and the generic (non-vectorised)
-branches of the kernel (block sizes and head sizes that are not multiples of 16).
+batched decode and per-sequence SDPA used without a compiler, the generic (non-vectorised)
+branches of the kernel (block sizes and head sizes that are not multiples of 16), and the bf16
+key layout's fallback for odd head sizes (no (d, d+1) pairs: torch paths).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
+from podium_cpu.ipex_support import ipex_status
 from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import AttentionMetadata
 from podium_plugin_api.testing.batches import AttentionCase, build_batch
@@ -26,6 +28,10 @@ CASES = [
     AttentionCase("soft-cap", ((1, 30), (12, 12), (5, 26), (20, 45)), num_heads=4, num_kv_heads=1, soft_cap=2.5),
     AttentionCase("block4-head80", ((1, 9), (6, 6), (2, 13)), num_heads=4, num_kv_heads=2, head_size=80, block_size=4),
     AttentionCase("block32-mha", ((1, 70), (12, 45), (1, 33)), num_heads=4, num_kv_heads=4, block_size=32),
+    AttentionCase("head72", ((1, 40), (5, 21)), num_heads=6, num_kv_heads=2, head_size=72),
+    AttentionCase("odd-head33", ((1, 40), (5, 21)), num_heads=2, num_kv_heads=1, head_size=33),  # keys not paired
+    AttentionCase("decodes-window", ((1, 70), (1, 5), (1, 33)), num_heads=4, num_kv_heads=2, sliding_window=19),
+    AttentionCase("decodes-soft-cap", ((1, 30), (1, 64)), num_heads=4, num_kv_heads=1, soft_cap=2.5),
 ]
 
 
@@ -57,18 +63,26 @@ def test_pure_torch_paths_match_reference(platform, case, dtype):
 
 
 def test_native_kernel_is_built_here():
-    if os.environ.get("PODIUM_EXPECT_IPEX"):
-        pytest.skip("the IPEX environment runs IPEX's kernels")
     kernels, why = load_kernels()
     assert kernels is not None, why
     assert CpuPlatform().attention_backend().name == "cpu-paged-native"
 
 
-def test_ipex_backend_is_active_when_expected():
-    if not os.environ.get("PODIUM_EXPECT_IPEX"):
-        pytest.skip("not the IPEX environment")
-    platform = CpuPlatform()
-    assert platform.attention_backend().name == "cpu-ipex", platform.attention_note
+def ipex_backend():
+    ipex, why = ipex_status()
+    if ipex is None:
+        if os.environ.get("PODIUM_EXPECT_IPEX"):  # `make test-ipex`: IPEX must load there
+            pytest.fail(f"intel_extension_for_pytorch did not load: {why or 'not installed'}")
+        pytest.skip("intel_extension_for_pytorch is not installed")
+    from podium_cpu.ipex_attention import IpexAttentionBackend
+
+    return IpexAttentionBackend(ipex)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_ipex_backend_matches_reference(platform, case, dtype):
+    run_case(platform, ipex_backend(), case, dtype, seed=3)
 
 
 def test_plan_follows_metadata_changed_in_place(platform):

@@ -1,10 +1,13 @@
 """SmolLM2 end to end on the CPU platform: its fast paths give the same greedy tokens as its plain ones.
 
-float32, EOS ignored: the platform as installed (native kernel and fused ops, or IPEX's attention in
-`make test-ipex`) against the same platform with the pure-torch attention and the reference ops.
+float32, EOS ignored: the platform as installed (native kernel and fused ops) and, where IPEX
+imports (`make test-ipex`), the platform on IPEX's attention, each against the same platform with
+the pure-torch attention and the reference ops.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from podium.discovery import PlatformEntry
 from podium.engine import LLMEngine
 from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
+from podium_cpu.ipex_support import ipex_status
 from podium_plugin_api import Availability
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
@@ -29,22 +33,50 @@ class PlainCpuPlatform(CpuPlatform):
         return {}
 
 
+class IpexCpuPlatform(CpuPlatform):
+    """The CPU platform on IPEX's paged attention."""
+
+    def attention_backend(self):
+        from podium_cpu.ipex_attention import IpexAttentionBackend
+
+        return IpexAttentionBackend(ipex_status()[0])
+
+
+def on_platform(monkeypatch, platform) -> LLM:
+    entry = PlatformEntry(platform, "test", "0", Availability(True))
+    monkeypatch.setattr("podium.engine.select_platform", lambda name: entry)
+    return LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256)
+
+
 def greedy(llm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+@pytest.fixture(scope="module")
+def plain_tokens():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        llm = on_platform(monkeypatch, PlainCpuPlatform())
+        assert llm.engine.platform.attention_backend().name == "cpu-paged"
+        return greedy(llm)
+
+
 @pytest.mark.slow
-def test_fast_paths_give_the_plain_paths_tokens(monkeypatch):
+def test_native_paths_give_the_plain_paths_tokens(plain_tokens):
     fast = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=256)
-    assert fast.engine.platform.attention_backend().name in ("cpu-paged-native", "cpu-ipex", "cpu-paged")
-    want_fast = greedy(fast)
-    del fast
-    entry = PlatformEntry(PlainCpuPlatform(), "test", "0", Availability(True))
-    monkeypatch.setattr("podium.engine.select_platform", lambda name: entry)
-    plain = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256)
-    assert plain.engine.platform.attention_backend().name == "cpu-paged"
-    assert greedy(plain) == want_fast
+    assert fast.engine.platform.attention_backend().name == "cpu-paged-native"
+    assert greedy(fast) == plain_tokens
+
+
+@pytest.mark.slow
+def test_ipex_attention_gives_the_plain_paths_tokens(plain_tokens, monkeypatch):
+    if ipex_status()[0] is None:
+        if os.environ.get("PODIUM_EXPECT_IPEX"):
+            pytest.fail(f"intel_extension_for_pytorch did not load: {ipex_status()[1]}")
+        pytest.skip("intel_extension_for_pytorch is not installed")
+    llm = on_platform(monkeypatch, IpexCpuPlatform())
+    assert llm.engine.platform.attention_backend().name == "cpu-ipex"
+    assert greedy(llm) == plain_tokens
 
 
 def test_auto_dtype_is_bf16_where_the_cpu_has_it():

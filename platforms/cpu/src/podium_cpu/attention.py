@@ -3,12 +3,14 @@
 Layout (what the native kernel reads fastest; see native/paged_attention.c)::
 
     kv_cache   [2, num_blocks, Hkv, block_size, D]
-    key_cache   = kv_cache[0] viewed as [num_blocks, Hkv, D, block_size]   (each tile transposed)
-    value_cache = kv_cache[1]           [num_blocks, Hkv, block_size, D]
+    key_cache   = kv_cache[0] viewed as  [num_blocks, Hkv, D, block_size]        float32: tiles transposed
+                                      or [num_blocks, Hkv, D/2, block_size, 2]  2-byte dtypes: transposed,
+                                                                                 dims d, d+1 paired
+    value_cache = kv_cache[1]            [num_blocks, Hkv, block_size, D]
 
 (``key_transposed = False``, IPEX's layout: the key tile is [block_size, D] like the value's.)
-``token_major`` gives both as [num_blocks, block_size, Hkv, D] views (the default layout's
-indexing), which write_kv / read_kv / the torch paths use.
+``token_major`` gives both as [num_blocks, block_size, Hkv, ...] views (the default layout's
+indexing; paired keys end in [D/2, 2]), which write_kv / read_kv / the torch paths use.
 
 Per layer (the step's bookkeeping is done once, in ``prepare_metadata``; see ``attention_plan``):
 
@@ -54,11 +56,18 @@ class CpuAttentionBackend(AttentionBackend):
         blocks, hkv, block_size, head_size = kv_cache.shape[1:]
         if not self.key_transposed:
             return kv_cache[0], kv_cache[1]
+        if kv_cache.element_size() == 2 and head_size % 2 == 0:
+            return kv_cache[0].view(blocks, hkv, head_size // 2, block_size, 2), kv_cache[1]
         return kv_cache[0].view(blocks, hkv, head_size, block_size), kv_cache[1]
 
     def token_major(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both caches as [blocks, block_size, Hkv, D] views."""
-        key_rows = key_cache.permute(0, 3, 1, 2) if self.key_transposed else key_cache.permute(0, 2, 1, 3)
+        """Both caches as [blocks, block_size, Hkv, D] views ([..., D/2, 2] for paired keys)."""
+        if key_cache.dim() == 5:
+            key_rows = key_cache.permute(0, 3, 1, 2, 4)
+        elif self.key_transposed:
+            key_rows = key_cache.permute(0, 3, 1, 2)
+        else:
+            key_rows = key_cache.permute(0, 2, 1, 3)
         return key_rows, value_cache.permute(0, 2, 1, 3)
 
     def write_kv(
@@ -76,13 +85,13 @@ class CpuAttentionBackend(AttentionBackend):
         if slots.numel() and int(slots.max()) >= num_slots:
             raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the cache has {num_slots} slots")
         blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = key.to(key_cache.dtype)
+        key_cache[blocks, offsets] = key.to(key_cache.dtype).reshape(key.shape[0], *key_cache.shape[2:])
         value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
     def _native_write(self, key_cache, value_cache, key, value, slot_mapping) -> bool:
         """Write through the C kernel when the inputs fit it; False: the caller writes in torch."""
         dtype = key_cache.dtype
-        if self.kernels is None or dtype not in self.kernels.write_kv or key.dtype != dtype or value.dtype != dtype:
+        if not self._native_layout(key_cache) or key.dtype != dtype or value.dtype != dtype:
             return False
         if not (_token_rows(key) and _token_rows(value) and key.shape == value.shape == (
                 slot_mapping.shape[0], value_cache.shape[1], value_cache.shape[3])):
@@ -96,11 +105,18 @@ class CpuAttentionBackend(AttentionBackend):
                                      hkv, head_size, block_size)
         return True
 
+    def _native_layout(self, key_cache: torch.Tensor) -> bool:
+        """The native kernels handle this cache: float32 transposed keys, bf16 paired keys."""
+        if self.kernels is None or not self.key_transposed or key_cache.dtype not in self.kernels.paged_attention:
+            return False
+        return key_cache.dim() == (5 if key_cache.dtype == torch.bfloat16 else 4)
+
     def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key_cache, value_cache = self.token_major(*self.split_cache(kv_cache))
         block_size = key_cache.shape[1]
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        return key_cache[blocks, offsets], value_cache[blocks, offsets]
+        values = value_cache[blocks, offsets]  # [T, Hkv, D]
+        return key_cache[blocks, offsets].reshape(values.shape), values
 
     # -- attention -----------------------------------------------------------------------------
     def forward(self, layer, query, key, value, kv_cache, meta):
@@ -123,7 +139,7 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
         long_seqs = plan.long_seqs
         if plan.short_seqs:
-            if self.kernels is not None and query.dtype in self.kernels.paged_attention:
+            if self._native_layout(key_cache) and query.dtype == key_cache.dtype:
                 self._native(layer, query, key_cache, value_cache, meta, plan, out)
             elif plan.decode_only:
                 self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
@@ -186,8 +202,9 @@ class CpuAttentionBackend(AttentionBackend):
             k, v = new_key[seq.lo:seq.hi], new_value[seq.lo:seq.hi]  # [Q, Hkv, D]
         else:
             key_rows, value_rows = self.token_major(key_cache, value_cache)
-            k = key_rows.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]  # [L, Hkv, D]
-            v = value_rows.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]
+            hkv, d = value_cache.shape[1], value_cache.shape[3]
+            k = key_rows.index_select(0, seq.blocks).reshape(-1, hkv, d)[: seq.seq_len]  # [L, Hkv, D]
+            v = value_rows.index_select(0, seq.blocks).reshape(-1, hkv, d)[: seq.seq_len]
         if layer.soft_cap is not None:
             mask = attention_mask(q.shape[0], seq.seq_len, layer.sliding_window, q.device)
             return attend_one(q.float(), k.float(), v.float(), mask, layer.scale, layer.soft_cap).to(q.dtype)
@@ -236,7 +253,9 @@ def _check_kernel_inputs(layer, query, key_cache, value_cache, out) -> None:
     if query.stride(2) != 1 or query.stride(1) != d:
         raise ValueError(f"query rows must hold heads contiguously (strides {query.stride()})")
     blocks, block_size = value_cache.shape[0], value_cache.shape[2]
-    for name, cache, shape in (("key_cache", key_cache, (blocks, hkv, d, block_size)),
+    paired = query.dtype == torch.bfloat16  # the kernel's bf16 keys come in (d, d+1) pairs
+    key_shape = (blocks, hkv, d // 2, block_size, 2) if paired else (blocks, hkv, d, block_size)
+    for name, cache, shape in (("key_cache", key_cache, key_shape),
                                ("value_cache", value_cache, (blocks, hkv, block_size, d))):
         if tuple(cache.shape) != shape or not cache.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {list(shape)} tensor, got {list(cache.shape)} "

@@ -5,17 +5,20 @@ Choices made here, from what the machine offers (``cpu_info``):
   otherwise; every dtype stays selectable.
 - threads: ``set_device`` caps torch's thread count at the physical cores this process may use
   (affinity and cgroup quota), never raising a count the user lowered.
-- attention: IPEX's paged attention when ``intel_extension_for_pytorch`` imports (optional), else
-  the native C kernel (compiled on first use), else pure torch. ``attention_backend().name`` says
-  which one runs, ``attention_note`` why not a faster one.
+- attention: the native C kernel (compiled on first use), else IPEX's paged attention when
+  ``intel_extension_for_pytorch`` imports (optional), else pure torch. ``attention_backend().name``
+  says which one runs, ``attention_note`` why not a faster one.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from torch import nn
 
-from podium_plugin_api import AttentionBackend, Capabilities, Platform
+from podium_plugin_api import AttentionBackend, Capabilities, KVCacheSpec, Platform
 
 from .attention import CpuAttentionBackend
 from .cpu_info import has_native_bf16, usable_cores
@@ -69,6 +72,15 @@ class CpuPlatform(Platform):
         self.attention_backend()
         return self._backend_note
 
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+        """Zeroed caches whose pages the OS zeroes on first touch (``calloc``), not all up front.
+
+        ``torch.zeros`` writes every byte (about half a second per GiB); numpy's zeros are lazily
+        zeroed pages, so startup pays only for the bytes a run actually uses.
+        """
+        shape = self.attention_backend().kv_cache_shape(spec, num_blocks)
+        return [_lazy_zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
+
     def custom_ops(self) -> dict:
         return cpu_ops(load_kernels()[0])
 
@@ -78,13 +90,28 @@ class CpuPlatform(Platform):
         return model
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> torch.Tensor:
+    """A zeroed, ``align``-byte aligned tensor from calloc'd memory (pages zeroed on first touch)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
 def _make_backend() -> tuple[AttentionBackend, str]:
-    """(backend, note): IPEX's when importable, else ours with the native kernel if it builds."""
+    """(backend, note): the native kernel when it builds, else IPEX's when importable, else torch.
+
+    The native kernel comes first because it measured faster here: 32 bf16 decodes over ~100
+    tokens of context took 377 us per layer against IPEX 2.8's 660 us (flash_attn_varlen_func) or
+    468 us (single_query_cached_kv_attention, attention alone). IPEX covers machines without a C
+    compiler.
+    """
+    kernels, reason = load_kernels()
+    if kernels is not None:
+        return CpuAttentionBackend(kernels), ""
     ipex, why = ipex_status()
     if ipex is not None:
         from .ipex_attention import IpexAttentionBackend
 
-        return IpexAttentionBackend(ipex), why
-    kernels, reason = load_kernels()
-    note = "; ".join(x for x in (why, reason) if x)
-    return CpuAttentionBackend(kernels), note
+        return IpexAttentionBackend(ipex), reason
+    return CpuAttentionBackend(None), "; ".join(x for x in (reason, why) if x)

@@ -2,12 +2,15 @@
  *
  * Cache layout (one layer; H_kv kv heads, block size B, head size D):
  *
- *     key_cache   [num_blocks, H_kv, D, B]   each (block, head) tile stored transposed: for a fixed
- *                                            d, the block's B keys are contiguous
- *     value_cache [num_blocks, H_kv, B, D]
+ *     float32 key_cache   [num_blocks, H_kv, D, B]       each (block, head) tile transposed: for a
+ *                                                        fixed d, the block's B keys are contiguous
+ *     bf16    key_cache   [num_blocks, H_kv, D/2, B, 2]  the same, with dims d and d+1 of a key
+ *                                                        side by side (one 32-bit pair)
+ *             value_cache [num_blocks, H_kv, B, D]
  *
  * The transposed key tile turns q.k into B-wide vector FMAs (one per d) with no horizontal sums;
- * values are summed row by row (D-wide FMAs). One work item is (query token, kv head): the
+ * bf16 pairs feed AVX512-BF16's dot product (two d per instruction, no conversion) where the CPU
+ * has it, and are widened to the float32 tile otherwise. Values are summed row by row. One work item is (query token, kv head): the
  * G = H / H_kv query heads sharing that kv head go together, so each tile is read once for all.
  * A token at position p attends to [max(0, p - window + 1), p]; scores are scaled, optionally
  * soft-capped, soft-maxed in float32 (scores first, then the weighted sum of values) and written
@@ -20,6 +23,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,12 +83,42 @@ static inline float exp_neg(float x) {
 }
 
 typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
-/* ask for the next tile while this one is computed (tiles of one sequence are scattered) */
-static inline void prefetch_tile(const void *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+/* ask for a tile before it is needed (a sequence's tiles are scattered); locality 3: L1, 2: L2 */
+#define prefetch_tile(p, bytes, locality)                                                             \
+    do {                                                                                              \
+        for (int64_t off_ = 0; off_ < (bytes); off_ += 64)                                            \
+            __builtin_prefetch((const char *)(p) + off_, 0, locality);                                \
+    } while (0)
+
+/* x[0..n) <- softmax(soft_cap * tanh(x / soft_cap)) (soft_cap <= 0: no cap), in place */
+static void softmax_row(float *restrict x, int64_t n, float soft_cap) {
+    if (soft_cap > 0.f)
+        for (int64_t j = 0; j < n; j++) x[j] = soft_cap * tanhf(x[j] / soft_cap);
+    v16f m16 = {0};
+    int64_t j = 0;
+    float m = x[0];
+    if (n >= 16) {
+        m16 = load16(x);
+        for (j = 16; j + 16 <= n; j += 16) {
+            const v16f v = load16(x + j);
+            m16 = (v16f)(((v16i)v & (v16i)(v > m16)) | ((v16i)m16 & ~(v16i)(v > m16)));
+        }
+        for (int k = 0; k < 16; k++) m = m16[k] > m ? m16[k] : m;
+    }
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+    for (int64_t k = 0; k < n; k++) {
+        x[k] = exp_neg(x[k] - m);
+        sum += x[k];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) x[k] *= inv;
 }
 
 /* row[g * B + t] = q_g . k_t for one key tile kt [D][B] (keys transposed); qf [G][D] */
@@ -111,6 +147,54 @@ static void tile_scores(const float *restrict qf, const float *restrict kt, floa
     }
 }
 
+/* A bf16 pair tile [D/2][B][2] widened to the float32 tile [D][B] */
+static void widen_pairs(const bf16_t *restrict kt, float *restrict out, int64_t D, int64_t B) {
+    for (int64_t p = 0; p < D / 2; p++) {
+        const bf16_t *src = kt + p * 2 * B;
+        float *even = out + 2 * p * B, *odd = even + B;
+        for (int64_t t = 0; t < B; t++) {
+            even[t] = bf16_to_f32(src[2 * t]);
+            odd[t] = bf16_to_f32(src[2 * t + 1]);
+        }
+    }
+}
+
+/* row[g * B + t] = q_g . k_t for a bf16 pair tile; q [G][D] bf16, qf the same widened */
+static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf, const bf16_t *restrict kt,
+                              float *restrict tile, float *restrict row, int64_t G, int64_t D, int64_t B) {
+#ifdef __AVX512BF16__
+    if ((B & 15) == 0) { /* vdpbf16ps: 16 keys x one (d, d+1) pair per instruction, float32 sums */
+        for (int64_t g = 0; g < G; g++) {
+            const bf16_t *qg = q + g * D;
+            for (int64_t t = 0; t < B; t += 16) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+                int64_t p = 0;
+                for (; p + 2 <= D / 2; p += 2) {
+                    uint32_t q0, q1;
+                    memcpy(&q0, qg + 2 * p, sizeof q0);
+                    memcpy(&q1, qg + 2 * p + 2, sizeof q1);
+                    const __m512i k0 = _mm512_loadu_si512(kt + p * 2 * B + 2 * t);
+                    const __m512i k1 = _mm512_loadu_si512(kt + (p + 1) * 2 * B + 2 * t);
+                    a0 = _mm512_dpbf16_ps(a0, (__m512bh)k0, (__m512bh)_mm512_set1_epi32((int)q0));
+                    a1 = _mm512_dpbf16_ps(a1, (__m512bh)k1, (__m512bh)_mm512_set1_epi32((int)q1));
+                }
+                for (; p < D / 2; p++) {
+                    uint32_t q0;
+                    memcpy(&q0, qg + 2 * p, sizeof q0);
+                    const __m512i k0 = _mm512_loadu_si512(kt + p * 2 * B + 2 * t);
+                    a0 = _mm512_dpbf16_ps(a0, (__m512bh)k0, (__m512bh)_mm512_set1_epi32((int)q0));
+                }
+                _mm512_storeu_ps(row + g * B + t, _mm512_add_ps(a0, a1));
+            }
+        }
+        return;
+    }
+#endif
+    (void)q;
+    widen_pairs(kt, tile, D, B);
+    tile_scores(qf, tile, row, G, D, B);
+}
+
 /* acc[g] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t, for one value tile vt [B][D] */
 static void tile_accumulate(const float *restrict w, int64_t n, int64_t shift, const float *restrict vt,
                             float *restrict acc, int64_t G, int64_t D, int64_t t0, int64_t t1) {
@@ -130,8 +214,12 @@ static void tile_accumulate(const float *restrict w, int64_t n, int64_t shift, c
     }
 }
 
+/* scores of key tile kt into row: float32 tiles directly, bf16 pair tiles through tile_scores_pairs */
+#define SCORES_F32(q, qf, kt, tile, row, G, D, B) tile_scores(qf, kt, row, G, D, B)
+#define SCORES_BF16(q, qf, kt, tile, row, G, D, B) tile_scores_pairs(q, qf, kt, tile, row, G, D, B)
+
 /* scratch: qf [G*D], tile [B*D], row [G*B], acc [G*D], scores [G*n] */
-#define DEFINE_ITEM(NAME, T, AS_F32, LOAD, STORE)                                                     \
+#define DEFINE_ITEM(NAME, T, SCORES, AS_F32, LOAD, STORE)                                             \
 static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *table,             \
                  int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch) {             \
     const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
@@ -140,47 +228,32 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     float *qf = scratch, *tile = qf + G * D, *row = tile + B * D, *acc = row + G * B;                 \
     float *scores = acc + G * D;                                                                      \
     const T *q = query + token * s->q_token_stride + h * G * D;                                       \
-    for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(q[i]) * s->scale;                                \
-    float *mx = acc; /* [G] running maxima, before acc is used */                                    \
-    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;                                                \
+    for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(q[i]);                                           \
     for (int64_t b = first; b <= last; b++) {                                                         \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
         const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
         if (b < last) prefetch_tile(kc + ((int64_t)table[b + 1] * s->num_kv_heads + h) * tile_size,   \
-                                    tile_size * (int64_t)sizeof(T));                                  \
-        tile_scores(qf, AS_F32(kc + base, tile, tile_size), row, G, D, B);                            \
-        for (int64_t g = 0; g < G; g++) {                                                             \
-            float *sg = scores + g * n + b * B + t0 - lo; /* key position b * B + t0 */             \
-            for (int64_t t = t0; t < t1; t++, sg++) {                                                 \
-                float x = row[g * B + t];                                                             \
-                x = s->soft_cap > 0.f ? s->soft_cap * tanhf(x / s->soft_cap) : x;                     \
-                *sg = x;                                                                              \
-                mx[g] = x > mx[g] ? x : mx[g];                                                        \
-            }                                                                                         \
+                                    tile_size * (int64_t)sizeof(T), 3);                               \
+        prefetch_tile(vc + base, tile_size * (int64_t)sizeof(T), 2); /* for the value pass, into L2 */ \
+        SCORES(q, qf, kc + base, tile, row, G, D, B);                                                 \
+        for (int64_t g = 0; g < G; g++) { /* key positions b * B + t0 .. b * B + t1 - 1 */           \
+            float *sg = scores + g * n + b * B + t0 - lo;                                             \
+            for (int64_t t = t0; t < t1; t++) sg[t - t0] = row[g * B + t] * s->scale;                 \
         }                                                                                             \
     }                                                                                                 \
-    for (int64_t g = 0; g < G; g++) {                                                                 \
-        float *sg = scores + g * n, sum = 0.f;                                                        \
-        const float m = mx[g];                                                                        \
-        _Pragma("omp simd reduction(+:sum)")                                                          \
-        for (int64_t j = 0; j < n; j++) { sg[j] = exp_neg(sg[j] - m); sum += sg[j]; }                \
-        const float inv = 1.f / sum;                                                                  \
-        for (int64_t j = 0; j < n; j++) sg[j] *= inv;                                                 \
-    }                                                                                                 \
+    for (int64_t g = 0; g < G; g++) softmax_row(scores + g * n, n, s->soft_cap);                     \
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;                                                 \
     for (int64_t b = first; b <= last; b++) {                                                         \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
         const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
-        if (b < last) prefetch_tile(vc + ((int64_t)table[b + 1] * s->num_kv_heads + h) * tile_size,   \
-                                    tile_size * (int64_t)sizeof(T));                                  \
         tile_accumulate(scores, n, b * B - lo, AS_F32(vc + base, tile, tile_size), acc, G, D, t0, t1); \
     }                                                                                                 \
     T *o = out + token * s->o_token_stride + h * G * D;                                               \
     for (int64_t i = 0; i < G * D; i++) o[i] = STORE(acc[i]);                                         \
 }
 
-DEFINE_ITEM(item_f32, float, as_f32_f32, load_f32, store_f32)
-DEFINE_ITEM(item_bf16, bf16_t, as_f32_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_ITEM(item_f32, float, SCORES_F32, as_f32_f32, load_f32, store_f32)
+DEFINE_ITEM(item_bf16, bf16_t, SCORES_BF16, as_f32_bf16, bf16_to_f32, f32_to_bf16)
 
 /* tokens[i], seqs[i], positions[i]: the i-th query token to compute, its sequence, its position.
  * max_span: the most keys any of them sees (sizes the per-thread score buffer).
@@ -212,8 +285,11 @@ DEFINE_ENTRY(podium_paged_attention_f32, item_f32, float)
 DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, bf16_t)
 
 /* Store new tokens' key/value rows [T, H_kv, D] (token strides k_stride / v_stride, heads contiguous)
- * at their slots (block * B + offset; negative: skip) in the layout above. */
-#define DEFINE_WRITE(NAME, T)                                                                         \
+ * at their slots (block * B + offset; negative: skip) in the layout above. KEY_AT(d, offset) is the
+ * key element's index in its tile. */
+#define KEY_AT_F32(d, offset, B) ((d) * (B) + (offset))
+#define KEY_AT_PAIRS(d, offset, B) (((d) >> 1) * 2 * (B) + 2 * (offset) + ((d) & 1))
+#define DEFINE_WRITE(NAME, T, KEY_AT)                                                                 \
 int NAME(const T *key, int64_t k_stride, const T *value, int64_t v_stride, T *kc, T *vc,              \
          const int64_t *slots, int64_t tokens, int64_t Hkv, int64_t D, int64_t B) {                  \
     for (int64_t t = 0; t < tokens; t++) {                                                            \
@@ -223,12 +299,12 @@ int NAME(const T *key, int64_t k_stride, const T *value, int64_t v_stride, T *kc
         for (int64_t h = 0; h < Hkv; h++) {                                                           \
             const int64_t base = (block * Hkv + h) * B * D;                                           \
             const T *k = key + t * k_stride + h * D, *v = value + t * v_stride + h * D;               \
-            for (int64_t d = 0; d < D; d++) kc[base + d * B + offset] = k[d];                         \
+            for (int64_t d = 0; d < D; d++) kc[base + KEY_AT(d, offset, B)] = k[d];                   \
             for (int64_t d = 0; d < D; d++) vc[base + offset * D + d] = v[d];                         \
         }                                                                                             \
     }                                                                                                 \
     return 0;                                                                                         \
 }
 
-DEFINE_WRITE(podium_write_kv_f32, float)
-DEFINE_WRITE(podium_write_kv_bf16, bf16_t)
+DEFINE_WRITE(podium_write_kv_f32, float, KEY_AT_F32)
+DEFINE_WRITE(podium_write_kv_bf16, bf16_t, KEY_AT_PAIRS)
