@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from podium_plugin_api import AttentionBackend, AttentionMetadata, KVCacheSpec, reference_paged_attention
 
 
@@ -46,7 +47,7 @@ def random_case(rng: random.Random, block_size: int, num_heads: int, num_kv_head
     # full context K/V per sequence; the earlier (cached) part is written first, as a previous step would
     contexts = [(torch.randn(s, num_kv_heads, head_size, dtype=torch.float64),
                  torch.randn(s, num_kv_heads, head_size, dtype=torch.float64)) for s in seq_lens]
-    for (k, v), table, s, q in zip(contexts, tables, seq_lens, query_lens):
+    for (k, v), table, s in zip(contexts, tables, seq_lens):
         old = AttentionMetadata.from_lengths([s], [s], [table], block_size)
         backend.write_kv(cache, k, v, old.slot_mapping)
     query = torch.randn(sum(query_lens), num_heads, head_size, dtype=torch.float64)

@@ -26,7 +26,7 @@ from .loader import resolve_model
 from .model_runner import ModelRunner, grad_off
 from .models.context import ForwardContext
 from .models.registry import build_model, init_random_weights
-from .output_processor import OutputProcessor, RequestState
+from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
 from .request import Sequence
 from .sampler import Sampler
@@ -171,9 +171,19 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, final_only: bool = False) -> None:
-        """Queue a request. ``final_only``: step() reports it once, finished (no per-token outputs)."""
+                    arrival_time: float | None = None, priority: int = 0, output_kind: OutputKind = "cumulative",
+                    final_only: bool = False) -> None:
+        """Queue a request.
+
+        ``output_kind`` says what ``step()`` reports for it (see ``output_processor``): "cumulative"
+        (the whole output each step), "delta" (what is new each step) or "final" (once, finished).
+        ``final_only=True`` is the older spelling of ``output_kind="final"``.
+        """
         params = params or SamplingParams()
+        if final_only:
+            output_kind = "final"
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
@@ -184,7 +194,7 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, arrival, priority) for i in range(params.n)]
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],
-                                                  RequestMetrics(arrival_time=arrival), final_only=final_only)
+                                                  RequestMetrics(arrival_time=arrival), output_kind=output_kind)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -204,47 +214,63 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the reports of the requests it changed (see ``output_kind``).
+
+        The hot path: one pass over the sampled tokens appends each, checks its stop rules and,
+        for a single-sample request, builds its report while its state is still in cache.
+        """
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             self.runner.release(seq)
-        changed: dict[str, RequestState] = {}
+        outputs: list[RequestOutput] = []
+        several: dict[str, RequestState] = {}  # requests reported after the pass (n > 1, or ended early)
         for seq in plan.finished:  # sequences the scheduler ended itself (could never fit)
             self._forget(seq)
             if seq.request_id in self._requests:
-                changed[seq.request_id] = self._requests[seq.request_id]
+                several[seq.request_id] = self._requests[seq.request_id]
         if not plan.scheduled:
-            return self._collect(changed)
+            return self._collect(several, outputs)
         now = time.time()
         result = self.runner.execute(plan)
         self.scheduler.advance(plan)
-        for s in plan.scheduled:
-            req = self._requests.get(s.seq.request_id)
+        requests = self._requests
+        for seq in plan.admitted:
+            req = requests.get(seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         for seq_id, entries in result.prompt_logprobs.items():
             self._add_prompt_logprobs(seq_id, entries, plan)
         done = time.time()
+        append, build, scheduler = self.processor.append, self.processor.build_output, self.scheduler
         for (seq, token), logprobs in zip(result.sampled, result.logprobs):
-            req = self._requests[seq.request_id]
-            state = req.sequences[seq.sample_index]
-            finish = self.processor.append(state, token, logprobs)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = done
-            req.metrics.last_token_time = done
+            req = requests[seq.request_id]
+            finish = append(req.sequences[seq.sample_index], token, logprobs)
+            metrics = req.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = done
+                metrics.num_cached_prompt_tokens = seq.num_cached_tokens
+            metrics.last_token_time = done
             if finish is not None:
-                self.scheduler.finish(seq, *finish)
+                scheduler.finish(seq, *finish)
                 self._forget(seq)
-            changed[seq.request_id] = req
-        return self._collect(changed)
+            if len(req.sequences) > 1 or seq.request_id in several:
+                several[seq.request_id] = req
+            elif finish is not None:
+                outputs.append(build(req))
+                del requests[seq.request_id]
+            elif req.output_kind != "final":
+                outputs.append(build(req))
+        return self._collect(several, outputs)
 
-    def _collect(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
-        outputs = []
+    def _collect(self, changed: dict[str, RequestState], outputs: list[RequestOutput]) -> list[RequestOutput]:
+        build = self.processor.build_output
         for rid, req in changed.items():
-            if req.final_only and not req.finished:
+            finished = req.finished
+            if not finished and req.output_kind == "final":
                 continue
             req.metrics.num_cached_prompt_tokens = req.sequences[0].seq.num_cached_tokens
-            outputs.append(self.processor.build_output(req))
-            if req.finished:
+            outputs.append(build(req))
+            if finished:
                 del self._requests[rid]
         return outputs
 

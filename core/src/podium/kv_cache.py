@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from podium_plugin_api import KVCacheSpec, Platform
 
 from .config import EngineConfig, parse_size

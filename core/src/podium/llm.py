@@ -43,7 +43,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, self._prompt_input(prompt), p, final_only=True)
+                self.engine.add_request(rid, self._prompt_input(prompt), p, output_kind="final")
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)

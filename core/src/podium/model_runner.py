@@ -210,9 +210,11 @@ class ModelRunner:
         """Logprobs of prompt tokens computed this step, for sequences that asked for them."""
         result: dict[int, list] = {}
         for i, s in enumerate(plan.scheduled):
-            seq, k = s.seq, s.seq.params.prompt_logprobs
-            start = s.start
-            if k is None or start >= seq.num_prompt_tokens or seq.sample_index != 0 or seq.num_output_tokens:
+            k = s.seq.params.prompt_logprobs
+            if k is None:
+                continue
+            seq, start = s.seq, s.start
+            if start >= seq.num_prompt_tokens or seq.sample_index != 0 or seq.num_output_tokens:
                 continue  # (after a preemption the prompt's logprobs are already known)
             end = min(start + s.num_new_tokens, seq.num_prompt_tokens)
             # hidden at position p predicts token p + 1

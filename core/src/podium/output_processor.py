@@ -6,20 +6,32 @@ that id as stop_reason; a stop string completed by the new text -> "stop", text 
 ``max_tokens`` outputs -> "length"; the context full (``max_model_len``) -> "length".
 While a sequence runs, its reported text holds back any tail that could still become a stop
 string, so a stream never shows text that a stop string later cuts.
+
+What a request reports (``output_kind``, chosen per request, like vLLM's ``RequestOutputKind``):
+
+- ``"cumulative"``: every step that changed it, the whole output so far (token ids, text, logprobs);
+- ``"delta"``: every step that changed it, only what is new since its last report, and only the
+  samples that changed (a streaming server's case: no per-step copy that grows with the output);
+- ``"final"``: once, when every sample has finished, the whole output (offline ``generate``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .detokenizer import IncrementalDetokenizer, decode_token
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .request import Sequence
+from .request import Sequence, SequenceStatus
 from .stop import find_stop, safe_text_len
 
+OutputKind = Literal["cumulative", "delta", "final"]
+OUTPUT_KINDS: tuple[str, ...] = ("cumulative", "delta", "final")
+_FINISHED = SequenceStatus.FINISHED
 
-@dataclass
+
+@dataclass(slots=True)
 class SequenceState:
     """What the engine tracks per sequence besides its tokens."""
 
@@ -28,9 +40,13 @@ class SequenceState:
     text: str = ""
     cumulative_logprob: float | None = None
     logprobs: list | None = None
+    # "delta" reports: output tokens / characters / whether the finish already went out
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_finish: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str
     prompt: str | None
@@ -38,12 +54,16 @@ class RequestState:
     sequences: list[SequenceState]
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
-    final_only: bool = False  # report the request once, when it finishes (offline generate)
+    output_kind: OutputKind = "cumulative"
+    prompt_logprobs_sent: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
-        return all(s.seq.is_finished for s in self.sequences)
+        for s in self.sequences:
+            if s.seq.status is not _FINISHED:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -63,8 +83,10 @@ class OutputProcessor:
 
     def append(self, state: SequenceState, token_id: int, logprobs) -> tuple[str, str | int | None] | None:
         """Append one sampled token; returns (finish_reason, stop_reason) if the sequence is done."""
-        seq, p = state.seq, state.seq.params
-        seq.append_token(token_id)
+        seq = state.seq
+        p = seq.params
+        token_ids = seq.token_ids
+        token_ids.append(token_id)
         if logprobs is not None and state.logprobs is not None:
             if self.tokenizer is not None:
                 for tid, lp in logprobs.items():
@@ -74,48 +96,74 @@ class OutputProcessor:
         new_len = 0
         if state.detokenizer is not None:
             delta = state.detokenizer.append([token_id])
-            state.text += delta
-            new_len = len(delta)
-        can_stop = seq.num_output_tokens >= p.min_tokens
-        if can_stop and not p.ignore_eos and token_id in self.eos_token_ids:
-            return "stop", None
-        if can_stop and token_id in p.stop_token_ids:
-            return "stop", token_id
-        if can_stop and p.stop and state.detokenizer is not None:
-            stop_str, cut = find_stop(state.text, new_len, p.stop, p.include_stop_str_in_output)
-            if stop_str is not None:
-                state.text = state.text[:cut]
-                return "stop", stop_str
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            if delta:
+                state.text += delta
+                new_len = len(delta)
+        num_output = len(token_ids) - len(seq.prompt_token_ids)
+        if num_output >= p.min_tokens:
+            if token_id in self.eos_token_ids and not p.ignore_eos:
+                return "stop", None
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                return "stop", token_id
+            if p.stop and state.detokenizer is not None:
+                stop_str, cut = find_stop(state.text, new_len, p.stop, p.include_stop_str_in_output)
+                if stop_str is not None:
+                    state.text = state.text[:cut]
+                    return "stop", stop_str
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len:
             return "length", None
         return None
 
     @staticmethod
     def build_output(req: RequestState) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=s.seq.sample_index,
-                text=s.text if s.seq.is_finished else s.text[: safe_text_len(s.text, s.seq.params.stop)],
-                token_ids=s.seq.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs,
-                finish_reason=s.seq.finish_reason,
-                stop_reason=s.seq.stop_reason,
-            )
-            for s in req.sequences
-        ]
+        """The request's report for this step, in its ``output_kind``."""
         finished = req.finished
-        if finished and req.metrics.finished_time is None:
-            req.metrics.finished_time = time.time()
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            prompt_logprobs=req.prompt_logprobs,
-            metrics=req.metrics,
-            num_cached_tokens=req.sequences[0].seq.num_cached_tokens,
-        )
+        if req.output_kind == "delta":
+            outputs = [o for o in map(_delta_output, req.sequences) if o is not None]
+            prompt_logprobs = None
+            if not req.prompt_logprobs_sent and req.prompt_logprobs is not None:
+                prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        else:
+            outputs = list(map(_cumulative_output, req.sequences))
+            prompt_logprobs = req.prompt_logprobs
+        metrics = req.metrics
+        if finished and metrics.finished_time is None:
+            metrics.finished_time = time.time()
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, prompt_logprobs,
+                             metrics, req.sequences[0].seq.num_cached_tokens)
+
+
+def _visible_text(s: SequenceState, finished: bool) -> int:
+    """How much of the text may be reported: all once finished, else short of a possible stop string."""
+    stop = s.seq.params.stop
+    return len(s.text) if finished or not stop else safe_text_len(s.text, stop)
+
+
+def _cumulative_output(s: SequenceState) -> CompletionOutput:
+    seq = s.seq
+    finished = seq.status is _FINISHED
+    text = s.text if finished or not seq.params.stop else s.text[: _visible_text(s, False)]
+    logprobs = list(s.logprobs) if s.logprobs is not None else None  # a snapshot: later steps append
+    return CompletionOutput(seq.sample_index, text, seq.token_ids[len(seq.prompt_token_ids):], s.cumulative_logprob,
+                            logprobs, seq.finish_reason, seq.stop_reason)
+
+
+def _delta_output(s: SequenceState) -> CompletionOutput | None:
+    """What is new since this sequence's last report; None when nothing is."""
+    seq = s.seq
+    token_ids = seq.token_ids
+    start = len(seq.prompt_token_ids) + s.sent_tokens  # the first token not yet reported
+    finished = seq.status is _FINISHED
+    if start == len(token_ids) and (s.sent_finish or not finished):
+        return None
+    text, sent_text, stop = s.text, s.sent_text, seq.params.stop
+    visible = len(text) if finished or not stop else safe_text_len(text, stop)
+    delta = text[sent_text:visible] if visible > sent_text else ""
+    logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+    s.sent_tokens = len(token_ids) - len(seq.prompt_token_ids)
+    s.sent_text = visible if visible > sent_text else sent_text
+    s.sent_finish = finished
+    return CompletionOutput(seq.sample_index, delta, token_ids[start:], s.cumulative_logprob, logprobs,
+                            seq.finish_reason, seq.stop_reason)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int | None = None  # 1 = the most likely token
@@ -16,7 +16,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -30,7 +30,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -40,7 +40,7 @@ class RequestMetrics:
     num_cached_prompt_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

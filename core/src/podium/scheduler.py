@@ -56,6 +56,7 @@ class SchedulerOutput:
     preempted: list[Sequence]
     num_batched_tokens: int
     finished: list[Sequence] = field(default_factory=list)  # finished by the scheduler ("length")
+    admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running this step
 
     @property
     def is_empty(self) -> bool:
@@ -177,6 +178,7 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         running, allocate = self._running, self.block_manager.allocate
+        block_size, scheduled = self.block_manager.block_size, out.scheduled
         index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
@@ -188,10 +190,11 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until the engine appends its sampled token
                 index += 1
                 continue
-            while not allocate(seq, seq.num_computed_tokens + num_new):
-                if self._preempt_newest(out) is seq:
-                    return budget
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:  # needs a block
+                while not allocate(seq, seq.num_computed_tokens + num_new):
+                    if self._preempt_newest(out) is seq:
+                        return budget
+            scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
             index += 1
         return budget
@@ -212,6 +215,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             insort(self._running, seq, key=self._order_key)
             out.scheduled.append(ScheduledSequence(seq, num_new))
+            out.admitted.append(seq)
             budget -= num_new
         return budget
 
