@@ -41,6 +41,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact block count (overrides sizing; tests, tools)
     gpu_memory_utilization: float = 0.90  # where sized from free memory (accelerators)
     enforce_eager: bool = False  # no graph capture
+    # plan and launch step N+1 while step N's sampled tokens are still on the device, hiding the
+    # host's work behind the device's; None: the platform's choice (config_defaults), else off
+    async_scheduling: bool | None = None
     seed: int = 0
     served_model_name: str | None = None
 

@@ -4,6 +4,16 @@ Startup: choose the platform -> resolve the model -> build it on the device -> s
 the KV cache -> capture decode graphs where the platform can. A step: the scheduler plans, the
 runner executes the plan, the scheduler advances computed tokens, the output processor appends
 sampled tokens and finishes sequences. Everything platform-specific goes through the platform.
+
+Async scheduling (``async_scheduling``; on where the platform asks for it: accelerators, whose
+steps run while the host goes on). A step N whose sampling needs nothing from the host is left
+in flight: each of its sequences gets a placeholder token (-1) and ``step()`` returns. The next
+``step()`` plans and launches N+1 at once (the placeholders read N's tokens on the device), and
+only then waits for N's tokens, fills the placeholders, applies the stop rules and reports N,
+so the host's work overlaps the device's. A sequence that N finished (EOS, a stop string) has
+computed one token too many in N+1; it is dropped. A sequence that N ends by length gets no
+placeholder, and steps that need tokens on the host (penalties, logprobs, prompt logprobs) run
+synchronously. Reports therefore come one ``step()`` later; the tokens are the same.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from .config import EngineConfig
 from .discovery import build_plugin_manager, select_platform
 from .kv_cache import kv_cache_bytes, kv_cache_spec, num_kv_blocks, profile_activation_bytes
 from .loader import resolve_model
-from .model_runner import ModelRunner, grad_off
+from .model_runner import LaunchedStep, ModelRunner, StepResult, grad_off
 from .models.context import ForwardContext
 from .models.registry import build_model, init_random_weights
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
@@ -95,6 +105,8 @@ class LLMEngine:
                                 "kv_cache": t3 - t2, "graph_capture": capture,
                                 "total": time.perf_counter() - t0}
         self.processor = OutputProcessor(self.tokenizer, source.eos_token_ids, self.max_model_len)
+        self.async_scheduling = bool(config.async_scheduling) and not platform.capabilities().static_shapes
+        self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
 
@@ -217,8 +229,10 @@ class LLMEngine:
         """Run one step; returns the reports of the requests it changed (see ``output_kind``).
 
         The hot path: one pass over the sampled tokens appends each, checks its stop rules and,
-        for a single-sample request, builds its report while its state is still in cache.
+        for a single-sample request, builds its report while its state is still in cache. With
+        async scheduling the tokens reported are those of the step launched by the previous call.
         """
+        previous, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             self.runner.release(seq)
@@ -228,23 +242,65 @@ class LLMEngine:
             self._forget(seq)
             if seq.request_id in self._requests:
                 several[seq.request_id] = self._requests[seq.request_id]
-        if not plan.scheduled:
-            return self._collect(several, outputs)
-        now = time.time()
-        result = self.runner.execute(plan)
-        self.scheduler.advance(plan)
-        requests = self._requests
-        for seq in plan.admitted:
-            req = requests.get(seq.request_id)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        for seq_id, entries in result.prompt_logprobs.items():
-            self._add_prompt_logprobs(seq_id, entries, plan)
+        launched = None
+        if plan.scheduled:
+            now = time.time()
+            defer = self.async_scheduling and self._can_defer(plan)
+            launched = self.runner.execute(plan, feed=previous, defer=defer)
+            for seq in plan.admitted:
+                req = self._requests.get(seq.request_id)
+                if req is not None and req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+            if defer:
+                self._add_placeholders(launched)
+        if previous is not None:  # wait for the previous step's tokens while this one runs
+            self._take_tokens(previous.result(), previous.indices, outputs, several)
+        if launched is not None:
+            self.scheduler.advance(plan)
+            if isinstance(launched, LaunchedStep):
+                self._in_flight = launched
+            else:
+                for seq_id, entries in launched.prompt_logprobs.items():
+                    self._add_prompt_logprobs(seq_id, entries, plan)
+                self._take_tokens(launched, None, outputs, several)
+        return self._collect(several, outputs)
+
+    def _can_defer(self, plan) -> bool:
+        seqs = []
+        for s in plan.scheduled:
+            if s.seq.params.prompt_logprobs is not None:
+                return False
+            if s.samples:
+                seqs.append(s.seq)
+        return self.sampler.can_defer(seqs)
+
+    def _add_placeholders(self, launched: LaunchedStep) -> None:
+        """Give each sequence of an in-flight step a placeholder for its token, unless that token
+        ends it by length (then the next step has nothing to compute for it)."""
+        room = min(self.max_model_len, self.block_manager.capacity_tokens)
+        indices = launched.indices
+        for seq in launched.seqs:
+            token_ids = seq.token_ids
+            indices.append(len(token_ids))
+            max_tokens = seq.params.max_tokens
+            if len(token_ids) + 1 >= room or (
+                    max_tokens is not None and len(token_ids) + 1 - len(seq.prompt_token_ids) >= max_tokens):
+                continue
+            token_ids.append(-1)
+            seq.num_pending_tokens += 1
+
+    def _take_tokens(self, result: StepResult, indices: list[int] | None, outputs: list[RequestOutput],
+                     several: dict[str, RequestState]) -> None:
+        """Book a step's sampled tokens: append (or fill placeholders), stop rules, reports."""
         done = time.time()
-        append, build, scheduler = self.processor.append, self.processor.build_output, self.scheduler
-        for (seq, token), logprobs in zip(result.sampled, result.logprobs):
+        requests, append, build, scheduler = self._requests, self.processor.append, self.processor.build_output, \
+            self.scheduler
+        for i, ((seq, token), logprobs) in enumerate(zip(result.sampled, result.logprobs)):
+            if seq.is_finished:  # aborted, or ended by the previous step while this one ran
+                continue
             req = requests[seq.request_id]
-            finish = append(req.sequences[seq.sample_index], token, logprobs)
+            finish = append(req.sequences[seq.sample_index], token, logprobs,
+                            indices[i] if indices is not None else None)
             metrics = req.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = done
@@ -260,7 +316,6 @@ class LLMEngine:
                 del requests[seq.request_id]
             elif req.output_kind != "final":
                 outputs.append(build(req))
-        return self._collect(several, outputs)
 
     def _collect(self, changed: dict[str, RequestState], outputs: list[RequestOutput]) -> list[RequestOutput]:
         build = self.processor.build_output

@@ -12,12 +12,17 @@ the rows that sample (the last token of each sequence that has caught up with it
 
 Pure-decode steps whose batch fits a captured size replay a captured graph (when the platform
 can capture): inputs are copied into static buffers, padded rows write nowhere (slot -1).
+
+Async scheduling: ``execute(plan, feed=previous, defer=True)`` returns a ``LaunchedStep`` whose
+tokens are still being computed; a token the previous step sampled but the host has not read yet
+(a -1 placeholder in ``token_ids``) is taken on the device from ``feed.tokens``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +43,26 @@ class StepResult:
     prompt_logprobs: dict[int, list]  # seq_id -> prompt logprob entries computed this step
     num_tokens: int
     used_graph: bool
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens [N] are on the device; ``result()`` waits for them."""
+
+    seqs: list[Sequence]  # the sequences that sampled, in row order
+    tokens: torch.Tensor  # [N] long, on the device: the next step's inputs read it there
+    host: torch.Tensor  # [N] long on the host, filled by a non-blocking copy
+    ready: Any  # an event recorded after that copy (None: ``host`` is already valid)
+    num_tokens: int
+    used_graph: bool
+    rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row of ``tokens``
+    indices: list[int] = field(default_factory=list)  # where each token goes in its seq's token_ids
+
+    def result(self) -> StepResult:
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids = self.host.tolist()
+        return StepResult(list(zip(self.seqs, ids)), [None] * len(ids), {}, self.num_tokens, self.used_graph)
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -166,24 +191,52 @@ class ModelRunner:
         )
 
     # -- execution -----------------------------------------------------------------------------
-    def execute(self, plan: SchedulerOutput) -> StepResult:
+    def execute(self, plan: SchedulerOutput, feed: LaunchedStep | None = None,
+                defer: bool = False) -> StepResult | LaunchedStep:
+        """Run ``plan``. ``feed``: the previous step, if its tokens are not read yet (placeholders
+        in this plan take them on the device). ``defer``: return a ``LaunchedStep`` without waiting
+        for this step's tokens (the sampler must ``can_defer`` them; no prompt logprobs)."""
         with grad_off(self.platform):
-            return self._execute(plan)
+            return self._execute(plan, feed, defer)
 
-    def _execute(self, plan: SchedulerOutput) -> StepResult:
+    def _placeholder_fill(self, plan: SchedulerOutput, tokens: list[int], query_lens: np.ndarray,
+                          feed: LaunchedStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(destination rows of input_ids, source rows of feed.tokens) for placeholder tokens."""
+        if feed is None:
+            return None
+        dst = [i for i, t in enumerate(tokens) if t < 0]
+        if not dst:
+            return None
+        if len(tokens) == len(plan.scheduled):  # one token per sequence
+            owners = dst
+        else:
+            owners = np.repeat(np.arange(len(plan.scheduled)), query_lens)[dst].tolist()
+        src = [feed.rows[plan.scheduled[i].seq.seq_id] for i in owners]
+        to = self.device
+        return (torch.tensor(dst, dtype=torch.long).to(to, non_blocking=True),
+                torch.tensor(src, dtype=torch.long).to(to, non_blocking=True))
+
+    def _execute(self, plan: SchedulerOutput, feed: LaunchedStep | None, defer: bool) -> StepResult | LaunchedStep:
         tokens, positions, slots, cu, seq_lens, rows, query_lens = self._host_batch(plan)
+        fill = self._placeholder_fill(plan, tokens, query_lens, feed)
+        if fill is None and feed is None and tokens and min(tokens) < 0:
+            raise RuntimeError("a placeholder token without the step that produces it")
         if self.static_shapes:
             tokens, positions, slots, cu, seq_lens, rows, query_lens = pad_to_buckets(
                 tokens, positions, slots, cu, seq_lens, rows, query_lens)
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.samples]
         graph_size = self._graph_size(len(tokens)) if int(query_lens.max()) == 1 else None
         if graph_size is not None:
-            logits = self._replay(graph_size, tokens, positions, slots, seq_lens, rows)
-            logits = (logits.cpu() if self.static_shapes else logits)[sample_idx]
+            logits = self._replay(graph_size, tokens, positions, slots, seq_lens, rows, fill, feed)
+            logits = logits.cpu() if self.static_shapes else logits
+            if len(sample_idx) != len(plan.scheduled):
+                logits = logits[torch.tensor(sample_idx).to(logits.device, non_blocking=True)]
         else:
             meta = self.backend.prepare_metadata(self._metadata(cu, seq_lens, rows, slots, query_lens))
             ctx = ForwardContext(meta, self.kv_caches, self.backend)
             input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+            if fill is not None:
+                input_ids.index_copy_(0, fill[0], feed.tokens.index_select(0, fill[1]))
             pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
             hidden = self.model(input_ids, pos, ctx)
             if self.static_shapes:  # one graph per bucket: cut here, then logits at the padded row count
@@ -198,6 +251,8 @@ class ModelRunner:
             prompt_lp = self._prompt_logprobs(plan, hidden, cu)
         self.last_used_graph = graph_size is not None
         seqs = [plan.scheduled[i].seq for i in sample_idx]
+        if defer:
+            return self._launched(logits, seqs, len(tokens), graph_size is not None)
         if seqs:
             out = self.sampler.sample(logits, seqs)
             sampled, logprobs = list(zip(seqs, out.token_ids)), out.logprobs
@@ -205,6 +260,21 @@ class ModelRunner:
             sampled, logprobs = [], []
         return StepResult(sampled, logprobs, {} if graph_size is not None else prompt_lp, len(tokens),
                           graph_size is not None)
+
+    def _launched(self, logits, seqs: list[Sequence], num_tokens: int, used_graph: bool) -> LaunchedStep:
+        if seqs:
+            tokens = self.sampler.sample_device(logits, seqs)  # [N] long, on the device
+        else:
+            tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        if tokens.device.type == "cpu":
+            host, ready = tokens, None
+        else:  # start the copy now; the host waits for it only when it reads the tokens
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.Event(device=tokens.device)
+            ready.record()
+        return LaunchedStep(seqs, tokens, host, ready, num_tokens, used_graph,
+                            rows={seq.seq_id: i for i, seq in enumerate(seqs)})
 
     def _prompt_logprobs(self, plan: SchedulerOutput, hidden: torch.Tensor, cu: np.ndarray) -> dict[int, list]:
         """Logprobs of prompt tokens computed this step, for sequences that asked for them."""
@@ -276,7 +346,7 @@ class ModelRunner:
 
         return runner.capture(step), buf
 
-    def _replay(self, size, tokens, positions, slots, seq_lens, rows) -> torch.Tensor:
+    def _replay(self, size, tokens, positions, slots, seq_lens, rows, fill=None, feed=None) -> torch.Tensor:
         replay, buf = self.graphs[size]
         n = len(tokens)
         host = np.zeros((4, size), dtype=np.int64)
@@ -285,6 +355,8 @@ class ModelRunner:
         host[3, :], host[3, :n] = 1, seq_lens
         staged = torch.from_numpy(host).to(self.device, non_blocking=True)
         buf["input_ids"].copy_(staged[0])
+        if fill is not None:  # placeholders: the previous step's tokens, still on the device
+            buf["input_ids"].index_copy_(0, fill[0], feed.tokens.index_select(0, fill[1]))
         buf["positions"].copy_(staged[1])
         buf["slot_mapping"].copy_(staged[2])
         buf["seq_lens"].copy_(staged[3])

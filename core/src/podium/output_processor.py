@@ -81,12 +81,30 @@ class OutputProcessor:
         return SequenceState(seq, detok, cumulative_logprob=0.0 if p.logprobs is not None else None,
                              logprobs=[] if p.logprobs is not None else None)
 
-    def append(self, state: SequenceState, token_id: int, logprobs) -> tuple[str, str | int | None] | None:
-        """Append one sampled token; returns (finish_reason, stop_reason) if the sequence is done."""
+    def append(self, state: SequenceState, token_id: int, logprobs,
+               index: int | None = None) -> tuple[str, str | int | None] | None:
+        """Append one sampled token; returns (finish_reason, stop_reason) if the sequence is done.
+
+        ``index``: where the token goes in ``token_ids`` when it fills a placeholder (async
+        scheduling); a finished sequence drops the placeholders after it.
+        """
+        seq = state.seq
+        token_ids = seq.token_ids
+        if index is None or index == len(token_ids):
+            token_ids.append(token_id)
+        else:
+            token_ids[index] = token_id
+            seq.num_pending_tokens -= 1
+        finish = self._check(state, token_id, logprobs, len(token_ids) if index is None else index + 1)
+        if finish is not None and seq.num_pending_tokens:
+            del token_ids[len(token_ids) - seq.num_pending_tokens:]
+            seq.num_pending_tokens = 0
+        return finish
+
+    def _check(self, state: SequenceState, token_id: int, logprobs, length: int) -> tuple[str, str | int | None] | None:
+        """Book the token now at ``length - 1`` (logprobs, text) and apply the stop rules."""
         seq = state.seq
         p = seq.params
-        token_ids = seq.token_ids
-        token_ids.append(token_id)
         if logprobs is not None and state.logprobs is not None:
             if self.tokenizer is not None:
                 for tid, lp in logprobs.items():
@@ -99,7 +117,7 @@ class OutputProcessor:
             if delta:
                 state.text += delta
                 new_len = len(delta)
-        num_output = len(token_ids) - len(seq.prompt_token_ids)
+        num_output = length - len(seq.prompt_token_ids)
         if num_output >= p.min_tokens:
             if token_id in self.eos_token_ids and not p.ignore_eos:
                 return "stop", None
@@ -112,7 +130,7 @@ class OutputProcessor:
                     return "stop", stop_str
         if p.max_tokens is not None and num_output >= p.max_tokens:
             return "length", None
-        if len(token_ids) >= self.max_model_len:
+        if length >= self.max_model_len:
             return "length", None
         return None
 
@@ -146,7 +164,7 @@ def _cumulative_output(s: SequenceState) -> CompletionOutput:
     finished = seq.status is _FINISHED
     text = s.text if finished or not seq.params.stop else s.text[: _visible_text(s, False)]
     logprobs = list(s.logprobs) if s.logprobs is not None else None  # a snapshot: later steps append
-    return CompletionOutput(seq.sample_index, text, seq.token_ids[len(seq.prompt_token_ids):], s.cumulative_logprob,
+    return CompletionOutput(seq.sample_index, text, seq.output_token_ids, s.cumulative_logprob,
                             logprobs, seq.finish_reason, seq.stop_reason)
 
 
@@ -155,15 +173,16 @@ def _delta_output(s: SequenceState) -> CompletionOutput | None:
     seq = s.seq
     token_ids = seq.token_ids
     start = len(seq.prompt_token_ids) + s.sent_tokens  # the first token not yet reported
+    end = len(token_ids) - seq.num_pending_tokens  # placeholders are not reported
     finished = seq.status is _FINISHED
-    if start == len(token_ids) and (s.sent_finish or not finished):
+    if start == end and (s.sent_finish or not finished):
         return None
     text, sent_text, stop = s.text, s.sent_text, seq.params.stop
     visible = len(text) if finished or not stop else safe_text_len(text, stop)
     delta = text[sent_text:visible] if visible > sent_text else ""
     logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
-    s.sent_tokens = len(token_ids) - len(seq.prompt_token_ids)
+    s.sent_tokens = end - len(seq.prompt_token_ids)
     s.sent_text = visible if visible > sent_text else sent_text
     s.sent_finish = finished
-    return CompletionOutput(seq.sample_index, delta, token_ids[start:], s.cumulative_logprob, logprobs,
+    return CompletionOutput(seq.sample_index, delta, token_ids[start:end], s.cumulative_logprob, logprobs,
                             seq.finish_reason, seq.stop_reason)

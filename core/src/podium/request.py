@@ -5,6 +5,10 @@ A request with ``n`` samples becomes ``n`` sequences with the same ``request_id`
 number that drives scheduling is ``num_computed_tokens``: how many of ``token_ids`` already have
 their K/V in the cache. A step computes tokens ``[num_computed_tokens, num_computed_tokens + k)``;
 when that reaches ``num_tokens`` a new token is sampled.
+
+With async scheduling (see ``engine``) a sampled token may still be on the device when the next
+step is planned: ``token_ids`` then ends in ``num_pending_tokens`` placeholders (-1) that the
+engine fills in when it reads the token. Outputs never show placeholders.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # trailing placeholders in token_ids: sampled, not yet read back
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -58,7 +63,8 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        """The output tokens known on the host (placeholders excluded)."""
+        return self.token_ids[len(self.prompt_token_ids):len(self.token_ids) - self.num_pending_tokens]
 
     @property
     def last_token_id(self) -> int:

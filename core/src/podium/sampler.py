@@ -168,12 +168,19 @@ class Sampler:
         return state
 
     # -- sampling --------------------------------------------------------------------------------
+    def can_defer(self, seqs: list[Sequence]) -> bool:
+        """Whether ``sample_device`` serves these sequences: none reads its token history
+        (penalties) or wants logprobs, both of which need the previous tokens on the host."""
+        for seq in seqs:
+            state = self._state(seq)
+            if state.slot >= 0 or seq.params.logprobs is not None:
+                return False
+        return True
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits [N, V] float32, one row per sequence in ``seqs`` -> one token (and logprobs) each."""
-        if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] != self.vocab_size:
-            raise ValueError(f"logits must be [{len(seqs)}, {self.vocab_size}] (sequences, vocab), "
-                             f"got {list(logits.shape)}")
+        self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):  # the common greedy case: nothing but an argmax
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
@@ -182,13 +189,7 @@ class Sampler:
         if batch.logprob_rows:  # [L, V], taken before any edit below
             rows = torch.tensor(batch.logprob_rows, device=logits.device)
             raw_logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
-        if batch.edit_rows:
-            index = torch.tensor([batch.edit_rows, batch.edit_ids], device=logits.device)  # [2, M]
-            values = torch.tensor(batch.edit_values, dtype=logits.dtype, device=logits.device)
-            logits.index_put_((index[0], index[1]), values, accumulate=True)
-        if batch.penalty_rows:
-            self._apply_penalties(logits, seqs, states, batch.penalty_rows)
-        tokens = self._choose(logits, batch)  # [N]
+        tokens = self._tokens(logits, seqs, states, batch)  # [N]
         logprobs: list[PositionLogprobs | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             chosen = tokens.index_select(0, rows)  # [L]
@@ -196,6 +197,31 @@ class Sampler:
                 logprobs[row] = entry
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, logprobs)
+
+    @torch.inference_mode()
+    def sample_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The tokens [N] (long, on the logits' device) without waiting for them: no host sync.
+        Only for sequences ``can_defer`` accepts (no penalties, no logprobs)."""
+        self._check(logits, seqs)
+        states = [self._state(s) for s in seqs]
+        if all(st.plain for st in states):
+            return logits.argmax(dim=-1)
+        return self._tokens(logits, seqs, states, self._gather(seqs, states))
+
+    def _check(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be [{len(seqs)}, {self.vocab_size}] (sequences, vocab), "
+                             f"got {list(logits.shape)}")
+
+    def _tokens(self, logits: torch.Tensor, seqs: list[Sequence], states: list[_SeqState], batch: _Batch) -> torch.Tensor:
+        """Edits (bias, min_tokens), penalties, then the choice of each row -> [N] on the device."""
+        if batch.edit_rows:
+            index = _on(logits.device, [batch.edit_rows, batch.edit_ids])  # [2, M]
+            values = _on(logits.device, batch.edit_values, logits.dtype)
+            logits.index_put_((index[0], index[1]), values, accumulate=True)
+        if batch.penalty_rows:
+            self._apply_penalties(logits, seqs, states, batch.penalty_rows)
+        return self._choose(logits, batch)
 
     def _gather(self, seqs: list[Sequence], states: list[_SeqState]) -> _Batch:
         b = _Batch()
@@ -256,17 +282,17 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1) if any(b.greedy) else None  # [N]
         if all(b.greedy):
             return greedy_tokens
-        temperature = torch.tensor(b.temperature, dtype=logits.dtype, device=device)
+        temperature = _on(device, b.temperature, logits.dtype)
         top_k = top_p = min_p = None
         if any(k > 0 for k in b.top_k) or any(p < 1.0 for p in b.top_p):
-            top_k, top_p = torch.tensor(b.top_k, device=device), torch.tensor(b.top_p, device=device)
+            top_k, top_p = _on(device, b.top_k), _on(device, b.top_p)
         if any(m > 0.0 for m in b.min_p):
-            min_p = torch.tensor(b.min_p, device=device)
+            min_p = _on(device, b.min_p)
         probs = sampling_probs(logits, temperature, top_k, top_p, min_p, self._top_k_top_p)  # [N, V]
         sampled = self._draw(probs, b.seeded_rows, b.seeded_uniforms)  # [N]
         if greedy_tokens is None:
             return sampled
-        return torch.where(torch.tensor(b.greedy, device=device), greedy_tokens, sampled)
+        return torch.where(_on(device, b.greedy), greedy_tokens, sampled)
 
     def _draw(self, probs: torch.Tensor, seeded_rows: list[int], seeded_uniforms: list[float]) -> torch.Tensor:
         """One token per row of probs [N, V] (>= 0, unnormalised) by inverse CDF -> [N] long.
@@ -305,6 +331,12 @@ class Sampler:
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
         chosen = torch.tensor(token_ids, device=logits.device)
         return position_logprobs(logprobs, chosen, [k] * len(token_ids))
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on ``device``, copied without waiting for the device's queue (a
+    ``torch.tensor(..., device=gpu)`` would synchronise the stream and stall async scheduling)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor | None,

@@ -73,7 +73,7 @@ class CudaPlatform(Platform):
         )
 
     def config_defaults(self) -> dict:
-        return {"gpu_memory_utilization": 0.90, "max_num_batched_tokens": 8192}
+        return {"gpu_memory_utilization": 0.90, "max_num_batched_tokens": 8192, "async_scheduling": True}
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
