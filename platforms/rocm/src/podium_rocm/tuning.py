@@ -6,7 +6,8 @@ parameters change, through ``podium_cuda.tuning.KernelTuning``. Nothing here imp
 Written for CDNA3 (MI300X: 304 compute units, 4 SIMDs each, 64-lane wavefronts, 64 KiB of LDS
 per CU, 512 VGPRs per lane, 16x16 / 32x32 MFMA matrix instructions). These values follow AMD's
 published guidance for Triton on MI300X and the arithmetic below; they have NOT been timed on an
-AMD GPU (we have none). On the H200 they are only proven correct, through the test-only switch.
+AMD GPU (we have none). On the H200 they are only proven correct, through the test-only switch
+(platforms/rocm/NOTES.md says what ran where).
 
 Rules of thumb behind them:
 - One Triton "warp" is a 64-lane wavefront on CDNA, so ``num_warps=4`` is 256 threads: one
