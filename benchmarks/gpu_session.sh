@@ -2,7 +2,8 @@
 # One device call on an H200: install Podium without dependencies (the image has torch, triton,
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
-# Steps: engine_tests kernel_tests rocm_tests tp_fixed_8b tp_sharegpt_8b step_profile_8b latency_8b latency_1b
+# Steps: engine_tests kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_sharegpt_8b step_profile_8b
+#        latency_8b latency_1b
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/podium_gpu_out}
@@ -28,6 +29,8 @@ for s in $steps; do
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;
     tp_fixed_8b) run_step $s 200 podium bench throughput $shape8b --dataset random --input-len 512 \
       --output-len 256 --num-prompts 256 --compare hf --hf-batch-size 256 --json-out "$OUT/$s.json" ;;
+    tp_fixed_8b_sync) run_step $s 150 podium bench throughput $shape8b --dataset random --input-len 512 \
+      --output-len 256 --num-prompts 256 --no-async-scheduling --json-out "$OUT/$s.json" ;;
     tp_sharegpt_8b) run_step $s 400 podium bench throughput --model llama-3.1-8b-shape --no-progress \
       --dataset sharegpt-like --num-prompts 256 --compare hf --hf-batch-size 64 --json-out "$OUT/$s.json" ;;
     step_profile_8b) run_step $s 150 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape ;;

@@ -89,3 +89,21 @@ def test_cuda_graphs_were_captured_and_eager_agrees(model_dir, prompts, cuda_llm
     batch = [{"prompt_token_ids": p} for p in prompts[:6]]
     assert tokens(eager.generate(batch, GREEDY, use_tqdm=False)) == tokens(
         cuda_llm.generate(batch, GREEDY, use_tqdm=False))
+
+
+def test_cuda_async_scheduling_equals_sync(model_dir, prompts, cuda_llm):
+    """The engine overlaps host and GPU by default here; the tokens equal a synchronous engine's,
+    with sampling, stop token ids and EOS ending sequences while the next step is in flight."""
+    assert cuda_llm.engine.async_scheduling
+    sync = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=64, kv_cache_memory="2GiB",
+               async_scheduling=False)
+    assert not sync.engine.async_scheduling
+    rng = random.Random(2)
+    params = [SamplingParams(temperature=0.8, top_k=50, seed=i, max_tokens=rng.randint(1, 40),
+                             stop_token_ids=[rng.randrange(4096) for _ in range(40)]) if i % 2 else GREEDY
+              for i in range(len(prompts))]
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = tokens(sync.generate(batch, params, use_tqdm=False))
+    got = tokens(cuda_llm.generate(batch, params, use_tqdm=False))
+    assert got == want
+    assert all_free(cuda_llm)

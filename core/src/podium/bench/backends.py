@@ -36,13 +36,14 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     kv_cache_memory: str | None = None
     seed: int = 0
+    async_scheduling: bool | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
             "device": self.device, "dtype": self.dtype, "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
             "enforce_eager": self.enforce_eager, "enable_prefix_caching": self.enable_prefix_caching,
-            "kv_cache_memory": self.kv_cache_memory, "seed": self.seed,
+            "kv_cache_memory": self.kv_cache_memory, "seed": self.seed, "async_scheduling": self.async_scheduling,
         }
 
 

@@ -69,6 +69,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", default=None, help="KV cache size where sized by amount, e.g. 4GiB")
     group.add_argument("--enforce-eager", action="store_true", help="no graph capture")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="overlap the host's work with the device's (default: the platform's choice)")
     group.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads for both backends (default: torch's choice)")
 
@@ -139,7 +141,7 @@ def engine_options(args: argparse.Namespace):
 
     return EngineOptions(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
                          args.max_num_batched_tokens, args.enforce_eager, args.enable_prefix_caching,
-                         args.kv_cache_memory, args.seed)
+                         args.kv_cache_memory, args.seed, args.async_scheduling)
 
 
 def throughput_backends(args: argparse.Namespace) -> list[str]:
