@@ -10,7 +10,7 @@ import numpy as np
 from .datasets import BenchRequest, TokenSpace
 from .metrics import ThroughputResult
 
-WARMUP_PROMPTS, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, WARMUP_SEED = 2, 16, 4, 987_654_321
+WARMUP_PROMPTS, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, WARMUP_SEED = 16, 16, 8, 987_654_321
 
 
 class PodiumBackend:
@@ -55,13 +55,17 @@ class PodiumBackend:
         return outputs
 
     def warmup(self, requests: list[BenchRequest] | None = None) -> None:
-        """A short untimed generate on prompts that share nothing with the benchmark's (no cache hits)."""
+        """An untimed generate shaped like the benchmark's first requests (their prompt lengths, a
+        few output tokens) on prompts that share nothing with them (no cache hits), so the kernels
+        and shapes the run needs are compiled before the clock starts."""
         space = self.token_space()
         allowed = space.allowed_ids()
         rng = np.random.default_rng(WARMUP_SEED)
-        length = max(1, min(WARMUP_INPUT_LEN, space.max_model_len - WARMUP_OUTPUT_LEN - 1))
-        warm = [BenchRequest(tuple(int(t) for t in rng.choice(allowed, length)), WARMUP_OUTPUT_LEN)
-                for _ in range(WARMUP_PROMPTS)]
+        lengths = sorted((len(r.prompt_token_ids) for r in requests or ()), reverse=True)[:WARMUP_PROMPTS]
+        lengths = lengths or [WARMUP_INPUT_LEN] * 2
+        limit = max(1, space.max_model_len - WARMUP_OUTPUT_LEN - 1)
+        warm = [BenchRequest(tuple(int(t) for t in rng.choice(allowed, min(n, limit))), WARMUP_OUTPUT_LEN)
+                for n in lengths]
         self.generate(warm)
 
     def run(self, requests: list[BenchRequest], progress: bool = True) -> ThroughputResult:
