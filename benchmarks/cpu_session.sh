@@ -74,6 +74,7 @@ environment() {
     echo "       FIXED=$FIXED_PROMPTS x $FIXED_IN/$FIXED_OUT SHAREGPT_PROMPTS=$SHAREGPT_PROMPTS STARTUP_RUNS=$STARTUP_RUNS"
     echo "       VLLM_EAGER=$VLLM_EAGER DTYPES=$DTYPES"
     "$PY" -c "import torch, transformers; print('podium venv: torch', torch.__version__, 'transformers', transformers.__version__)"
+    "$PODIUM" platforms --verbose 2>/dev/null | sed -n '/^cpu /,/attention:/p'
 }
 environment | tee "$OUT/environment.txt"
 
