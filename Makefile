@@ -65,8 +65,11 @@ test-tpu: $(TPU_STAMP)
 # Keyed by the sha256 of platforms/cpu/requirements-ipex.txt and the Python version, cached outside
 # the checkout: a fresh machine builds it from nothing (PyPI's CUDA torch wheels, ~7 GB installed),
 # later runs reuse it. The checkout's packages are (re)installed editable on every run. With IPEX
-# importable the CPU platform takes its IPEX attention; the tests run the CPU platform's own tests,
-# the vendor kit (from an empty folder) and a SmolLM2 greedy check against the non-IPEX path.
+# importable the CPU platform still prefers its native kernel (measured faster); the run checks
+# IPEX's path explicitly: the CPU platform's own tests (IPEX attention against the reference, SmolLM2
+# greedy tokens through PODIUM_CPU_ATTENTION=ipex against the plain path; PODIUM_EXPECT_IPEX turns
+# "IPEX did not load" into a failure, not a skip), then the vendor kit from an empty folder, once as
+# installed and once with PODIUM_CPU_ATTENTION=ipex.
 IPEX_REQS := platforms/cpu/requirements-ipex.txt
 IPEX_ENV_KEY := $(shell { cat $(IPEX_REQS); $(PYTHON) -V; } 2>&1 | sha256sum | cut -c1-16)
 IPEX_VENV := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/podium/ipex-venv-$(IPEX_ENV_KEY)
@@ -90,5 +93,7 @@ test-ipex: $(IPEX_STAMP)
 	$(IPEX_PY) -m pip install -q --no-deps --no-build-isolation $(IPEX_DISTS)
 	$(IPEX_PY) -c "import intel_extension_for_pytorch as ipex, torch; print('torch', torch.__version__, 'ipex', ipex.__version__)"
 	PODIUM_EXPECT_IPEX=1 $(IPEX_PY) -m pytest -p no:cacheprovider -q tests/test_cpu_*.py $(PYTEST_ARGS)
-	kit_dir=$$(mktemp -d) && cd $$kit_dir && $(IPEX_PY) -m pytest -p no:cacheprovider -q --podium-platform cpu $(PYTEST_ARGS); \
+	kit_dir=$$(mktemp -d) && cd $$kit_dir && \
+		$(IPEX_PY) -m pytest -p no:cacheprovider -q --podium-platform cpu $(PYTEST_ARGS) && \
+		PODIUM_CPU_ATTENTION=ipex $(IPEX_PY) -m pytest -p no:cacheprovider -q --podium-platform cpu $(PYTEST_ARGS); \
 		status=$$?; rm -rf $$kit_dir; exit $$status

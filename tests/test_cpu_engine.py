@@ -1,8 +1,9 @@
 """SmolLM2 end to end on the CPU platform: its fast paths give the same greedy tokens as its plain ones.
 
 float32, EOS ignored: the platform as installed (native kernel and fused ops) and, where IPEX
-imports (`make test-ipex`), the platform on IPEX's attention, each against the same platform with
-the pure-torch attention and the reference ops.
+imports (`make test-ipex`), the platform on IPEX's attention (chosen the way a user would, with
+PODIUM_CPU_ATTENTION=ipex and the engine's own platform selection), each against the same
+platform with the pure-torch attention and the reference ops.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from podium.engine import LLMEngine
 from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.ipex_support import ipex_status
+from podium_cpu.platform import ATTENTION_ENV
 from podium_plugin_api import Availability
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
@@ -31,15 +33,6 @@ class PlainCpuPlatform(CpuPlatform):
 
     def custom_ops(self) -> dict:
         return {}
-
-
-class IpexCpuPlatform(CpuPlatform):
-    """The CPU platform on IPEX's paged attention."""
-
-    def attention_backend(self):
-        from podium_cpu.ipex_attention import IpexAttentionBackend
-
-        return IpexAttentionBackend(ipex_status()[0])
 
 
 def on_platform(monkeypatch, platform) -> LLM:
@@ -74,7 +67,8 @@ def test_ipex_attention_gives_the_plain_paths_tokens(plain_tokens, monkeypatch):
         if os.environ.get("PODIUM_EXPECT_IPEX"):
             pytest.fail(f"intel_extension_for_pytorch did not load: {ipex_status()[1]}")
         pytest.skip("intel_extension_for_pytorch is not installed")
-    llm = on_platform(monkeypatch, IpexCpuPlatform())
+    monkeypatch.setenv(ATTENTION_ENV, "ipex")
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=256)
     assert llm.engine.platform.attention_backend().name == "cpu-ipex"
     assert greedy(llm) == plain_tokens
 

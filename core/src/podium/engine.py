@@ -19,6 +19,7 @@ synchronously. Reports therefore come one ``step()`` later; the tokens are the s
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ from .request import Sequence
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .startup import StartupTimer, format_startup
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,14 +71,16 @@ def context_error(max_model_len: int, prompt_len: int) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        t0 = time.perf_counter()
+        timer = StartupTimer()  # see podium.startup for the stages
         config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         entry = select_platform(config.device)
         self.platform = platform = entry.platform
         self.platform_name = entry.name
         self.config = config = config.with_defaults(platform.config_defaults())
         pm, _ = build_plugin_manager()
+        timer.lap("platform")
         source = resolve_model(config.model, config.tokenizer)
+        timer.lap("config", inner=source.load_seconds)
         self.source, self.tokenizer = source, source.tokenizer
         self.model_name = config.served_model_name or config.model
         self.max_model_len = self._max_model_len(config, source.max_model_len)
@@ -87,23 +93,23 @@ class LLMEngine:
         extra_archs: dict = {}
         for archs in pm.hook.podium_model_architectures():
             extra_archs.update(archs or {})
-        t1 = time.perf_counter()
+        timer.lap("custom_ops")
         self.model = build_model(source.hf_config, build_op_table(overrides), self.dtype, self.device, extra_archs)
+        timer.lap("model_build")
         weights = source.weights()
         if weights is None:
             init_random_weights(self.model, config.seed)
         else:
             self.model.load_weights(weights)
         self.model.eval()
-        t2 = time.perf_counter()
+        timer.lap("weights")
         self._build_cache_and_runner(source)
-        t3 = time.perf_counter()
-        capture = 0.0
+        timer.lap("kv_cache")
         if platform.capabilities().graph_capture and not config.enforce_eager:
-            capture = self.runner.capture_graphs(config.max_num_seqs)
-        self.startup_seconds = {"platform_and_model_files": t1 - t0, "weights": t2 - t1,
-                                "kv_cache": t3 - t2, "graph_capture": capture,
-                                "total": time.perf_counter() - t0}
+            self.runner.capture_graphs(config.max_num_seqs)
+        timer.lap("graph_capture")
+        self.startup_seconds = timer.finish()
+        logger.info("%s (model %s on %s)", format_startup(self.startup_seconds), self.model_name, self.platform_name)
         self.processor = OutputProcessor(self.tokenizer, source.eos_token_ids, self.max_model_len)
         self.async_scheduling = bool(config.async_scheduling) and not platform.capabilities().static_shapes
         self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread

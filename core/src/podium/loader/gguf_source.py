@@ -8,6 +8,7 @@ llama.cpp runs them as Llama, without a sliding window); ``qwen2`` and ``qwen3``
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +109,10 @@ def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None 
     meta = gguf.metadata
     eos = token_id_list(*(meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    started = time.perf_counter()
     if tokenizer is None and "tokenizer.ggml.model" in meta:
         tokenizer = gguf_tokenizer(path)
+    tokenizer_seconds = time.perf_counter() - started
 
     def stream():
         return gguf_weights(read_gguf(path), heads, kv_heads)
@@ -122,4 +125,5 @@ def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None 
         max_model_len=max_model_len(config),
         description=description or f"GGUF file {path} ({gguf.architecture}, {len(gguf.tensors)} tensors)",
         path=str(path),
+        load_seconds={"tokenizer": tokenizer_seconds},
     )

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from .gguf_quants import dequantize_blocks
 from .gguf_reader import GGUFFile, GGUFTensorInfo
 
 # ggml type ids (gguf.GGMLQuantizationType) Podium dequantizes
@@ -85,6 +86,9 @@ def dequantize(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
         return torch.from_numpy(np.array(raw)).view(dtype).reshape(info.shape)
     if ggml_type == BF16:
         return torch.from_numpy(np.array(raw)).view(torch.bfloat16).reshape(info.shape).float()
+    fast = dequantize_blocks(raw, ggml_type)  # Q4_0, Q4_1, Q8_0 in torch (gguf_quants)
+    if fast is not None:
+        return fast.reshape(info.shape)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 

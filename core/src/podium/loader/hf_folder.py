@@ -10,6 +10,7 @@ sampling defaults. Tensors are streamed one at a time, never all held at once.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,9 @@ def load_folder(folder: Path, tokenizer: Any | None = None) -> ModelSource:
         )
     files, fmt = weight_files(folder)
     generation = _generation_config(folder)
+    started = time.perf_counter()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
+    tokenizer_seconds = time.perf_counter() - started
     eos = token_id_list(generation.get("eos_token_id"), getattr(config, "eos_token_id", None))
     if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
@@ -119,4 +122,5 @@ def load_folder(folder: Path, tokenizer: Any | None = None) -> ModelSource:
         description=f"Hugging Face folder {folder} ({architectures}, {len(files)} {fmt} file(s))",
         dtype=config_dtype(config),
         path=str(folder),
+        load_seconds={"tokenizer": tokenizer_seconds},
     )

@@ -11,6 +11,7 @@ Nothing is downloaded and no code from a model folder is executed.
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,17 @@ def resolve_model(model: str, tokenizer: str | None = None) -> ModelSource:
     """The ModelSource for ``model`` (see the module docstring); ValueError saying what was tried."""
     if not isinstance(model, str | Path) or not str(model).strip():
         raise ValueError(f"model must be a non-empty string, got {model!r}")
-    model = str(model).strip()
+    started = time.perf_counter()
     own_tokenizer = resolve_tokenizer(tokenizer) if tokenizer else None
+    own_seconds = time.perf_counter() - started
+    source = _resolve(str(model).strip(), own_tokenizer)
+    if own_tokenizer is not None:
+        source.load_seconds["tokenizer"] = source.load_seconds.get("tokenizer", 0.0) + own_seconds
+    return source
+
+
+def _resolve(model: str, own_tokenizer: Any | None) -> ModelSource:
+    """The ModelSource for a stripped model argument, with ``own_tokenizer`` (or its own) as tokenizer."""
     if model.lower() == EMBEDDED_DEFAULT:
         path = embedded_gguf_path()
         return load_gguf(path, own_tokenizer, description=f"{EMBEDDED_DEFAULT} (embedded GGUF {path})")

@@ -41,6 +41,7 @@ class ModelSource:
     description: str = ""
     dtype: torch.dtype = torch.float32
     path: str | None = None  # the folder or file loaded from; None for a named shape
+    load_seconds: dict[str, float] = field(default_factory=dict)  # e.g. {"tokenizer": 0.4}: startup stages
 
     def weights(self) -> WeightStream | None:
         return None if self.weight_stream is None else self.weight_stream()

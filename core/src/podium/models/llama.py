@@ -60,7 +60,10 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config, ops: Ops, attention_options: dict) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built with its weight (uninitialized; the loader fills it): nn.Embedding's own init on the
+        # meta device imports torch._dynamo for its normal_ decomposition, ~0.5 s of startup
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, ops, attention_options) for i in range(config.num_hidden_layers)
         )

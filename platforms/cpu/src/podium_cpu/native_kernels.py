@@ -6,7 +6,7 @@ C kernel reads each key/value row once, straight through the block table. The de
 RMSNorm and rotary embedding are one pass each in C instead of 5-10 torch ops.
 
 Build: the system C compiler (``cc``, ``gcc`` or ``clang``) with ``-O3 -march=native -fopenmp``,
-about a second, once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
+about a second (the libraries build in parallel), once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
 (``~/.cache`` by default); later processes load the cached library in milliseconds. The library
 links the same ``libgomp.so.1`` torch has already loaded, so it shares torch's thread pool. Where
 no compiler works, ``load_kernels`` says why and the backend runs its pure-torch paths.
@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +143,14 @@ def _bind(libs: list[ctypes.CDLL]) -> dict[str, dict]:
     return entries
 
 
+def _target(name: str, source: Path, flags: tuple[str, ...], compiler_version: str) -> Path:
+    """The cached library's path, keyed by everything the build depends on."""
+    key = hashlib.sha256(
+        b"\0".join([source.read_bytes(), compiler_version.encode(), " ".join(flags).encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    return cache_dir() / f"{name}-{key}.so"
+
+
 _LOADED: dict[str, tuple[NativeKernels | None, str]] = {}
 
 
@@ -157,18 +166,17 @@ def _load() -> tuple[NativeKernels | None, str]:
     if found is None:
         return None, f"no C compiler found (tried {', '.join(COMPILERS)}); using pure-torch attention and ops"
     compiler, version = found
-    paths = []
     try:
-        for name, (source, extra) in LIBRARIES.items():
-            flags = FLAGS + extra
-            key = hashlib.sha256(
-                b"\0".join([source.read_bytes(), version.encode(), " ".join(flags).encode(), _cpu_flags().encode()])
-            ).hexdigest()[:16]
-            target = cache_dir() / f"{name}-{key}.so"
-            if not target.exists():
-                _build(compiler, source, flags, target)
-                _remove_stale(name, target)
-            paths.append(target)
+        targets = {name: _target(name, source, FLAGS + extra, version) for name, (source, extra) in LIBRARIES.items()}
+        missing = [name for name, target in targets.items() if not target.exists()]
+        with ThreadPoolExecutor(max_workers=max(1, len(missing))) as pool:  # one compiler process per library
+            builds = [pool.submit(_build, compiler, LIBRARIES[name][0], FLAGS + LIBRARIES[name][1], targets[name])
+                      for name in missing]
+            for build in builds:
+                build.result()
+        for name in missing:
+            _remove_stale(name, targets[name])
+        paths = list(targets.values())
         entries = _bind([ctypes.CDLL(str(p)) for p in paths])
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"native kernels unavailable ({exc}); using pure-torch attention and ops"

@@ -6,13 +6,16 @@ Choices made here, from what the machine offers (``cpu_info``):
 - threads: ``set_device`` caps torch's thread count at the physical cores this process may use
   (affinity and cgroup quota), never raising a count the user lowered.
 - attention: the native C kernel (compiled on first use), else IPEX's paged attention when
-  ``intel_extension_for_pytorch`` imports (optional), else pure torch. ``attention_backend().name``
-  says which one runs, ``attention_note`` why not a faster one.
+  ``intel_extension_for_pytorch`` imports (optional), else pure torch. ``PODIUM_CPU_ATTENTION``
+  (``native``, ``ipex`` or ``torch``; unset or ``auto``: that order) forces one, and an explicit
+  choice that cannot load is an error, never a silent fallback. ``attention_backend().name`` says
+  which one runs, ``attention_note`` why (a forced choice, or why not a faster one).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -26,6 +29,9 @@ from .fused_ops import cpu_ops
 from .ipex_support import ipex_status
 from .linear_packing import pack_linear_layers
 from .native_kernels import load_kernels
+
+ATTENTION_ENV = "PODIUM_CPU_ATTENTION"
+ATTENTION_CHOICES = ("auto", "native", "ipex", "torch")
 
 
 class CpuPlatform(Platform):
@@ -47,7 +53,7 @@ class CpuPlatform(Platform):
                 default_dtype=torch.bfloat16 if native_bf16 else torch.float32,
                 graph_capture=False,
                 distributed_backend="gloo",
-                extra={"native_bf16": native_bf16, "threads": usable_cores()},
+                extra={"native_bf16": native_bf16, "threads": usable_cores(), "attention": _attention_setting()},
             )
         return self._capabilities
 
@@ -64,7 +70,7 @@ class CpuPlatform(Platform):
 
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
-            self._backend, self._backend_note = _make_backend()
+            self._backend, self._backend_note = _make_backend(requested_attention())
         return self._backend
 
     @property
@@ -98,20 +104,49 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> 
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
-def _make_backend() -> tuple[AttentionBackend, str]:
-    """(backend, note): the native kernel when it builds, else IPEX's when importable, else torch.
+def requested_attention() -> str:
+    """``$PODIUM_CPU_ATTENTION`` validated: auto (unset), native, ipex or torch."""
+    value = os.environ.get(ATTENTION_ENV, "").strip().lower() or "auto"
+    if value not in ATTENTION_CHOICES:
+        raise ValueError(f"{ATTENTION_ENV}={os.environ[ATTENTION_ENV]!r} is not a CPU attention backend; "
+                         f"choose one of {', '.join(ATTENTION_CHOICES[1:])}, or unset it (auto)")
+    return value
+
+
+def _attention_setting() -> str:
+    """The attention choice as ``podium platforms --verbose`` shows it; cheap (builds nothing)."""
+    try:
+        value = requested_attention()
+    except ValueError as exc:
+        return f"invalid: {exc}"
+    if value == "auto":
+        return f"auto: native kernel, else IPEX, else torch ({ATTENTION_ENV}=native|ipex|torch forces one)"
+    return f"{value} (forced by {ATTENTION_ENV})"
+
+
+def _make_backend(choice: str = "auto") -> tuple[AttentionBackend, str]:
+    """(backend, note) for ``choice``; auto: the native kernel when it builds, else IPEX's, else torch.
 
     The native kernel comes first because it measured faster here: 32 bf16 decodes over ~100
     tokens of context took 377 us per layer against IPEX 2.8's 660 us (flash_attn_varlen_func) or
     468 us (single_query_cached_kv_attention, attention alone). IPEX covers machines without a C
-    compiler.
+    compiler. A forced choice that cannot load raises RuntimeError saying why.
     """
-    kernels, reason = load_kernels()
-    if kernels is not None:
-        return CpuAttentionBackend(kernels), ""
+    forced, reason = f"forced by {ATTENTION_ENV}={choice}", ""
+    if choice == "torch":
+        return CpuAttentionBackend(None), forced
+    if choice in ("auto", "native"):
+        kernels, reason = load_kernels()
+        if kernels is not None:
+            return CpuAttentionBackend(kernels), forced if choice == "native" else ""
+        if choice == "native":
+            raise RuntimeError(f"{ATTENTION_ENV}=native, but the native kernels did not load: {reason}")
     ipex, why = ipex_status()
     if ipex is not None:
         from .ipex_attention import IpexAttentionBackend
 
-        return IpexAttentionBackend(ipex), reason
+        return IpexAttentionBackend(ipex), forced if choice == "ipex" else reason
+    if choice == "ipex":
+        raise RuntimeError(f"{ATTENTION_ENV}=ipex, but {why or 'intel_extension_for_pytorch is not installed'} "
+                           "(install intel-extension-for-pytorch built for this torch release)")
     return CpuAttentionBackend(None), "; ".join(x for x in (reason, why) if x)
