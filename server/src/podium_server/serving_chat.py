@@ -31,7 +31,7 @@ from .protocol import (
     Usage,
     random_id,
 )
-from .serving_base import ServingBase, StreamCursor, reject_unsupported, stop_list
+from .serving_base import ChunkTemplate, ServingBase, StreamCursor, reject_unsupported, stop_list
 
 _PART_NAMES = {"image_url": "images are", "input_image": "images are", "input_audio": "audio input is",
                "file": "file inputs are", "video_url": "video inputs are"}
@@ -127,12 +127,18 @@ class ChatHandler(ServingBase):
             for index in range(req.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
             cursors = [StreamCursor() for _ in range(req.n)]
+            templates = [ChunkTemplate(chunk([ChatStreamChoice(index=index, delta=DeltaMessage(
+                content=ChunkTemplate.PLACEHOLDER))])) for index in range(req.n)]  # plain content deltas
             last = None
             async for out in stream.outputs():
                 last = out
                 for c in sorted(out.outputs, key=lambda c: c.index):
                     choice = self._delta(req, c, cursors[c.index], stop)
-                    if choice is not None:
+                    if choice is None:
+                        continue
+                    if not continuous and choice.logprobs is None and choice.finish_reason is None:
+                        yield templates[c.index].render(choice.delta.content)
+                    else:
                         yield chunk([choice], _usage(prompt_len, out) if continuous else None)
             if include_usage and last is not None:
                 yield chunk([], _usage(prompt_len, last))
