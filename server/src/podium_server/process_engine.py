@@ -6,9 +6,11 @@
 
 The engine and the HTTP server no longer share an interpreter: the model's Python work and the
 event loop's never wait for each other's GIL. A report is one pickled message per step, holding
-only what is new (output_deltas.py). The event loop reads it when the pipe is readable (no
-reader thread in the server); the engine process reads commands on a thread, so the server's
-sends never wait for a step.
+only what is new (output_deltas.py). The event loop never blocks on the pipes: it reads and
+writes them through asyncio's pipe transports (multiprocessing.Connection's framing, so the
+engine process uses plain ``Connection.recv``/``send``), and the commands of one event-loop turn
+go as one message (128 requests arriving at once are one write, not 128 that fill the pipe and
+each wait for the engine process's reader thread to get the GIL: seen as 310 ms stalls).
 
 Startup: ``ProcessEngine.launch(factory)`` spawns the child, which builds the engine with
 ``factory()`` (a picklable callable) and answers with its ``EngineInfo``, tokenizer included (the
@@ -30,6 +32,7 @@ import multiprocessing as mp
 import pickle
 import queue
 import signal
+import struct
 import sys
 import threading
 from collections.abc import Callable
@@ -52,8 +55,12 @@ class ProcessEngine(AsyncEngine):
         super().__init__(info, stats)
         self.process = process
         self._commands, self._reports = commands, reports
+        self._writer: asyncio.WriteTransport | None = None
+        self._reader: asyncio.ReadTransport | None = None
+        self._outbox: list[Add | Abort | Stop] = []  # commands of this event-loop turn, sent as one message
         self._decoder = DeltaDecoder()
-        self._stopping = False
+        self._stopping = False  # a stop was asked for: the pipes closing is no news
+        self._detached = False
 
     @classmethod
     def launch(cls, factory: Callable[[], Any]) -> ProcessEngine:
@@ -83,23 +90,36 @@ class ProcessEngine(AsyncEngine):
         self._stopping = True
         _reap(self.process, self._commands)
 
-    # -- transport ----------------------------------------------------------------------------
+    # -- transport (event loop) ---------------------------------------------------------------
     def _launch(self) -> None:
-        self._loop.add_reader(self._reports.fileno(), self._on_readable)
+        self._loop.create_task(self._connect())
+
+    async def _connect(self) -> None:
+        self._writer, _ = await self._loop.connect_write_pipe(asyncio.Protocol, self._commands)
+        self._reader, _ = await self._loop.connect_read_pipe(lambda: _Frames(self._on_message, self._died),
+                                                             self._reports)
+        self._flush()
 
     def _send(self, command: Add | Abort | Stop) -> None:
         if isinstance(command, Add):
             self._decoder.open(command.request_id, command.prompt)
         elif isinstance(command, Abort):
             self._decoder.close(command.request_id)
-        try:
-            self._commands.send(command)
-        except (OSError, ValueError):  # the engine process is gone: its pipe's EOF reports that
-            pass
+        if not self._outbox:
+            self._loop.call_soon(self._flush)
+        self._outbox.append(command)
+
+    def _flush(self) -> None:
+        if not self._outbox or self._writer is None:
+            return  # nothing to send, or not connected yet (_connect flushes)
+        commands, self._outbox = self._outbox, []
+        if not self._writer.is_closing():  # else the engine process is gone: the report pipe's EOF says so
+            self._writer.write(_frame(commands))
 
     async def _shutdown(self) -> None:
         self._stopping = True
         self._send(Stop())
+        self._flush()
         await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
         if self.process.is_alive():
             logger.warning("the engine process did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
@@ -111,17 +131,11 @@ class ProcessEngine(AsyncEngine):
         return self.process.is_alive()
 
     # -- reports (event loop) -----------------------------------------------------------------
-    def _on_readable(self) -> None:
-        try:
-            while self._reports.poll():
-                message = self._reports.recv()
-                if message[0] == "report":
-                    self._on_report(self._decode(message))
-                else:  # "died"
-                    self._died(message[1])
-                    return
-        except (EOFError, OSError):
-            self._died(None)
+    def _on_message(self, message: tuple) -> None:
+        if message[0] == "report":
+            self._on_report(self._decode(message))
+        else:  # "died"
+            self._died(message[1])
 
     def _decode(self, message: tuple) -> Report:
         _, stats, answers, deltas, aborted = message
@@ -131,7 +145,10 @@ class ProcessEngine(AsyncEngine):
         outputs = [output for output in map(self._decoder.decode, deltas) if output is not None]
         return Report(stats, answers, outputs, aborted)
 
-    def _died(self, reason: str | None) -> None:
+    def _died(self, reason: str | None = None) -> None:
+        """The report pipe closed (or said why first): the engine process is gone or going."""
+        if self._detached:
+            return
         self._detach()
         if self._stopping:
             return
@@ -141,10 +158,46 @@ class ProcessEngine(AsyncEngine):
         self._fail_all(EngineDeadError(reason))
 
     def _detach(self) -> None:
-        if self._loop is not None and not self._reports.closed:
-            self._loop.remove_reader(self._reports.fileno())
-        self._reports.close()
+        self._detached = True
+        for transport in (self._reader, self._writer):
+            if transport is not None:
+                transport.close()
         self._commands.close()
+        self._reports.close()
+
+
+class _Frames(asyncio.Protocol):
+    """Messages in multiprocessing.Connection's framing, read without ever blocking the event loop."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_eof: Callable[[], None]) -> None:
+        self._on_message, self._on_eof = on_message, on_eof
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= 4:
+            (size,), start = struct.unpack_from("!i", buffer), 4
+            if size == -1:  # a message over 2 GiB: an 8-byte size follows
+                if len(buffer) < 12:
+                    return
+                (size,), start = struct.unpack_from("!Q", buffer, 4), 12
+            if len(buffer) < start + size:
+                return
+            with memoryview(buffer) as view:
+                message = pickle.loads(view[start:start + size])
+            del buffer[:start + size]
+            self._on_message(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_eof()
+
+
+def _frame(obj: Any) -> bytes:
+    """``obj`` pickled in multiprocessing.Connection's framing (what ``Connection.recv`` reads)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = struct.pack("!i", len(data)) if len(data) <= 0x7FFFFFFF else struct.pack("!iQ", -1, len(data))
+    return size + data
 
 
 def _reap(process: mp.process.BaseProcess, commands: Connection) -> None:
@@ -192,7 +245,8 @@ def _forward(commands: Connection, inbox: queue.SimpleQueue) -> None:
     """The engine process's reader: every command into the loop's inbox; Stop when the server is gone."""
     try:
         while True:
-            inbox.put(commands.recv())
+            for command in commands.recv():
+                inbox.put(command)
     except (EOFError, OSError):
         inbox.put(Stop())
 
