@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app, launch_engine
+    from .process_engine import freeze_startup_objects
 
     settings = settings_from_args(args)
     engine = launch_engine(settings)
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                                 log_level=settings.log_level,
                                 timeout_graceful_shutdown=settings.shutdown_timeout or None,
                                 access_log=settings.log_level in ("debug", "trace"))
+        freeze_startup_objects()
         uvicorn.Server(config).run()
     finally:
         signal.signal(signal.SIGTERM, previous)

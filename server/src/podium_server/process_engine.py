@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import logging
 import multiprocessing as mp
 import pickle
@@ -221,6 +222,7 @@ def serve_engine(factory: Callable[[], Any], commands: Connection, reports: Conn
     except BaseException as exc:
         reports.send(("failed", portable(exc)))
         sys.exit(1)
+    freeze_startup_objects()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_forward, args=(commands, inbox), name="podium-commands", daemon=True).start()
     encoder = DeltaEncoder()
@@ -249,6 +251,14 @@ def _forward(commands: Connection, inbox: queue.SimpleQueue) -> None:
                 inbox.put(command)
     except (EOFError, OSError):
         inbox.put(Stop())
+
+
+def freeze_startup_objects() -> None:
+    """Keep the objects made while starting (model, tokenizer, imported modules: millions) out of
+    every later garbage collection: a full collection over them stopped the server's event loop
+    for 300-400 ms under load (seen with /health probes)."""
+    gc.collect()
+    gc.freeze()
 
 
 def portable(error: BaseException | None) -> BaseException | None:
