@@ -232,15 +232,28 @@ def serve_engine(factory: Callable[[], Any], commands: Connection, reports: Conn
         answers = [(request_id, portable(error)) for request_id, error in r.answers]
         reports.send(("report", r.stats, answers, [encoder.encode(output) for output in r.outputs], r.aborted))
 
-    try:
-        EngineLoop(engine, inbox, report).run()
-    except BaseException as exc:
-        logger.exception("the engine loop died")
+    failure: list[BaseException] = []
+    # Steps run on a thread other than the one that built the engine: on a crowded CPU, without
+    # OMP_WAIT_POLICY=PASSIVE, torch on the loading thread ran ~6x slower (OpenMP spin-waiting
+    # for cores); the thread mode and the offline benchmark step on fresh threads too.
+    stepper = threading.Thread(target=_run_loop, args=(EngineLoop(engine, inbox, report), failure),
+                               name="podium-engine")
+    stepper.start()
+    stepper.join()
+    if failure:
         try:
-            reports.send(("died", f"the engine loop died: {type(exc).__name__}: {exc}"))
+            reports.send(("died", f"the engine loop died: {type(failure[0]).__name__}: {failure[0]}"))
         except OSError:
             pass
         sys.exit(1)
+
+
+def _run_loop(loop: EngineLoop, failure: list[BaseException]) -> None:
+    try:
+        loop.run()
+    except BaseException as exc:
+        logger.exception("the engine loop died")
+        failure.append(exc)
 
 
 def _forward(commands: Connection, inbox: queue.SimpleQueue) -> None:
