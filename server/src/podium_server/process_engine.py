@@ -56,6 +56,7 @@ class ProcessEngine(AsyncEngine):
         super().__init__(info, stats)
         self.process = process
         self._commands, self._reports = commands, reports
+        self._connected: asyncio.Task | None = None  # attaching the pipes to the event loop
         self._writer: asyncio.WriteTransport | None = None
         self._reader: asyncio.ReadTransport | None = None
         self._outbox: list[Add | Abort | Stop] = []  # commands of this event-loop turn, sent as one message
@@ -93,7 +94,7 @@ class ProcessEngine(AsyncEngine):
 
     # -- transport (event loop) ---------------------------------------------------------------
     def _launch(self) -> None:
-        self._loop.create_task(self._connect())
+        self._connected = self._loop.create_task(self._connect())
 
     async def _connect(self) -> None:
         self._writer, _ = await self._loop.connect_write_pipe(asyncio.Protocol, self._commands)
@@ -119,6 +120,7 @@ class ProcessEngine(AsyncEngine):
 
     async def _shutdown(self) -> None:
         self._stopping = True
+        await self._connected
         self._send(Stop())
         self._flush()
         await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
@@ -159,12 +161,13 @@ class ProcessEngine(AsyncEngine):
         self._fail_all(EngineDeadError(reason))
 
     def _detach(self) -> None:
+        """Close both pipes (a transport closes its own, once it has written what it holds)."""
         self._detached = True
-        for transport in (self._reader, self._writer):
+        for transport, pipe in ((self._reader, self._reports), (self._writer, self._commands)):
             if transport is not None:
                 transport.close()
-        self._commands.close()
-        self._reports.close()
+            else:
+                pipe.close()
 
 
 class _Frames(asyncio.Protocol):
