@@ -197,7 +197,7 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     texts = prompts(args.num_prompts)
     print(f"saturation: {args.num_prompts} prompts x {args.output_len} tokens, {args.rounds} rounds, "
-          f"model {args.model}, {os.cpu_count()} CPUs, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}",
+          f"model {args.model}, {os.cpu_count()} CPUs, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
           flush=True)
     servers = {mode: start_server(args.model, mode) for mode in modes}
     try:
