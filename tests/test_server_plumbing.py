@@ -1,152 +1,34 @@
-"""The server's plumbing against a scripted engine, in-process (fast, no model).
+"""The server's plumbing against a scripted engine (fast, no model), in both engine modes.
 
-``ScriptedEngine`` has ``LLMEngine``'s public interface and a rule a bug would break: the k-th
-token of a request is ``(sum(prompt) + 7 * sample_index + k) % 26``, shown as one letter. So every
-stream's expected text is known exactly, whatever else runs. Blocks are accounted like the real
-block manager's (a block per 4 tokens, freed on finish and abort), so leaks show in ``/metrics``.
-The real-model tests (``test_server_openai.py``) cover the same paths end to end.
+``ScriptedEngine`` (scripted_engine.py) knows every stream's expected text exactly and accounts
+blocks like the real block manager, so mixed-up streams and leaked blocks show. Every test runs
+with the engine on a thread and in a child process (``--engine-mode``); a few test what only the
+process mode has (a killed engine process, startup errors, its exit). The real-model tests
+(``test_server_openai.py``) cover the same paths end to end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
+import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
 import uvicorn
+from scripted_engine import LETTERS, Knobs, LetterTokenizer, ScriptedEngine, broken_engine, expected
 
-from podium.config import EngineConfig
-from podium.outputs import CompletionOutput, Logprob, RequestOutput
-from podium.sampling_params import SamplingParams
 from podium_server.app import create_app
+from podium_server.async_engine import AsyncEngine
+from podium_server.process_engine import ProcessEngine
 from podium_server.serving_base import holdback
-from podium_server.settings import ServerSettings
-
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-BLOCK = 4
-
-
-class LetterTokenizer:
-    """One token per lowercase letter; ids 0..25; 26 is EOS."""
-
-    chat_template = "letters"
-    eos_token_id = 26
-
-    def __len__(self) -> int:
-        return 27
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [LETTERS.index(ch) for ch in text.lower() if ch in LETTERS]
-
-    def decode(self, ids: list[int], **_) -> str:
-        return "".join(LETTERS[i] for i in ids if i < 26)
-
-    def convert_ids_to_tokens(self, ids):
-        return [self.decode([i]) for i in ids] if isinstance(ids, list) else self.decode([ids])
-
-    def get_vocab(self) -> dict[str, int]:
-        return {ch: i for i, ch in enumerate(LETTERS)}
-
-
-@dataclass
-class Stats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-
-
-def expected(prompt_ids: list[int], index: int, k: int) -> str:
-    return "".join(LETTERS[(sum(prompt_ids) + 7 * index + j) % 26] for j in range(k))
-
-
-class ScriptedEngine:
-    def __init__(self, step_seconds: float = 0.002, num_blocks: int = 4096, max_model_len: int = 64) -> None:
-        self.tokenizer = LetterTokenizer()
-        self.model_name, self.max_model_len, self.platform_name = "letters", max_model_len, "scripted"
-        self.config = EngineConfig(model="letters")
-        self.kv_capacity_tokens = num_blocks * BLOCK
-        self.num_blocks, self.free_blocks = num_blocks, num_blocks
-        self.step_seconds = step_seconds
-        self.requests: dict[str, dict] = {}
-        self.crash_on_step = False
-
-    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, priority=0) -> None:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if any(not 0 <= t < 27 for t in ids):
-            raise ValueError("prompt token ids must be in [0, 27)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                             f"has {len(ids)} tokens")
-        outs = [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
-                for i in range(params.n)]
-        blocks = params.n * -(-len(ids) // BLOCK)
-        self.free_blocks -= blocks
-        self.requests[request_id] = {"ids": ids, "params": params, "outs": outs, "blocks": blocks}
-
-    def abort_request(self, request_id) -> None:
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
-            req = self.requests.pop(rid, None)
-            if req is not None:
-                self.free_blocks += req["blocks"]
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        if self.crash_on_step:
-            raise RuntimeError("scripted crash")
-        time.sleep(self.step_seconds)
-        outputs = []
-        for rid, req in list(self.requests.items()):
-            p: SamplingParams = req["params"]
-            for out in req["outs"]:
-                if out.finish_reason is None:
-                    self._advance(req, out, p)
-            finished = all(o.finish_reason for o in req["outs"])
-            outputs.append(RequestOutput(rid, None, req["ids"], [CompletionOutput(
-                o.index, o.text, list(o.token_ids), None, o.logprobs, o.finish_reason, o.stop_reason)
-                for o in req["outs"]], finished))
-            if finished:
-                self.abort_request(rid)
-        return outputs
-
-    def _advance(self, req: dict, out: CompletionOutput, p: SamplingParams) -> None:
-        token = (sum(req["ids"]) + 7 * out.index + len(out.token_ids)) % 26
-        out.token_ids.append(token)
-        if out.logprobs is not None:
-            entry = {token: Logprob(-0.5, 1, LETTERS[token])}
-            for r in range(1, p.logprobs):
-                entry[(token + r) % 26] = Logprob(-1.0 - r, r + 1, LETTERS[(token + r) % 26])
-            out.logprobs.append(entry)
-        out.text += LETTERS[token]
-        if (len(req["ids"]) + len(out.token_ids)) % BLOCK == 1:
-            req["blocks"] += 1
-            self.free_blocks -= 1
-        for s in p.stop:
-            if s in out.text:
-                out.text, out.finish_reason, out.stop_reason = out.text[: out.text.index(s)], "stop", s
-                return
-        if len(out.token_ids) >= (p.max_tokens or self.max_model_len - len(req["ids"])):
-            out.finish_reason = "length"
-
-    def stats(self) -> Stats:
-        used = self.num_blocks - self.free_blocks
-        return Stats(len(self.requests), 0, self.free_blocks, self.num_blocks, used / self.num_blocks)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True) -> list[int]:
-        return self.tokenizer.encode("".join(m["role"][0] + m["content"] for m in messages) + "a")
+from podium_server.settings import ENGINE_MODES, ServerSettings
+from podium_server.thread_engine import ThreadEngine
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -179,14 +61,25 @@ class ThreadServer:
         self.thread.join(timeout=20)
 
 
-@pytest.fixture(scope="module")
-def engine() -> ScriptedEngine:
-    return ScriptedEngine()
+def scripted(mode: str, knobs: Knobs, **kwargs) -> AsyncEngine:
+    """A ScriptedEngine served in ``mode``, not started yet."""
+    factory = functools.partial(ScriptedEngine, knobs, **kwargs)
+    return ProcessEngine.launch(factory) if mode == "process" else ThreadEngine(factory())
+
+
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def mode(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with ThreadServer(create_app(ServerSettings(max_request_bytes=4096), engine)) as srv:
+def knobs() -> Knobs:
+    return Knobs()
+
+
+@pytest.fixture(scope="module")
+def server(mode, knobs):
+    with ThreadServer(create_app(ServerSettings(max_request_bytes=4096), scripted(mode, knobs))) as srv:
         yield srv
 
 
@@ -205,14 +98,15 @@ def sse_events(response: httpx.Response) -> list:
     return events
 
 
+def gauge(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"podium:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
 def free_blocks(client: httpx.Client) -> tuple[float, float]:
-    text = client.get("/metrics").text
-    values = {}
-    for line in text.splitlines():
-        for name in ("podium:num_free_kv_blocks", "podium:num_kv_blocks"):
-            if line.startswith(name + "{"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values["podium:num_free_kv_blocks"], values["podium:num_kv_blocks"]
+    return gauge(client, "num_free_kv_blocks"), gauge(client, "num_kv_blocks")
 
 
 # -- tests -------------------------------------------------------------------------------------
@@ -286,8 +180,8 @@ def test_many_concurrent_streams_are_not_mixed(server, client):
     assert free_blocks(client)[0] == free_blocks(client)[1]
 
 
-def test_disconnect_mid_stream_frees_blocks(server, client, engine):
-    engine.step_seconds = 0.02
+def test_disconnect_mid_stream_frees_blocks(server, client, knobs):
+    knobs.step_seconds = 0.02
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 50, "stream": True}) as r:
@@ -300,9 +194,9 @@ def test_disconnect_mid_stream_frees_blocks(server, client, engine):
         while free_blocks(client)[0] != total and time.time() < deadline:
             time.sleep(0.02)
         assert free_blocks(client) == (total, total)
-        assert not engine.requests
+        assert gauge(client, "num_requests_running") == 0
     finally:
-        engine.step_seconds = 0.002
+        knobs.step_seconds = 0.002
 
 
 def aborted(client: httpx.Client) -> float:
@@ -312,20 +206,21 @@ def aborted(client: httpx.Client) -> float:
     return 0.0
 
 
-def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server, client, engine):
-    engine.step_seconds = 0.05
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server, client, knobs):
+    knobs.step_seconds = 0.05
     before = aborted(client)
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/v1/completions", json={"prompt": "abc", "max_tokens": 60}, timeout=0.3)
         deadline = time.time() + 5
-        while engine.requests and time.time() < deadline:
+        while gauge(client, "num_requests_running") and time.time() < deadline:
             time.sleep(0.02)
-        assert not engine.requests and aborted(client) == before + 1  # not left to run its 60 steps
+        assert gauge(client, "num_requests_running") == 0  # not left to run its 60 steps
+        assert aborted(client) == before + 1
         free, total = free_blocks(client)
         assert free == total
     finally:
-        engine.step_seconds = 0.002
+        knobs.step_seconds = 0.002
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
@@ -398,9 +293,9 @@ def test_small_endpoints(client):
         assert name in metrics, name
 
 
-def test_auth_and_dead_engine():
-    engine = ScriptedEngine()
-    with ThreadServer(create_app(ServerSettings(api_key="sesame"), engine)) as srv, \
+def test_auth_and_dead_engine(mode):
+    knobs = Knobs()
+    with ThreadServer(create_app(ServerSettings(api_key="sesame"), scripted(mode, knobs))) as srv, \
             httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.post("/v1/completions", json={"prompt": "a"}).status_code == 401
         r = c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer wrong"})
@@ -408,7 +303,7 @@ def test_auth_and_dead_engine():
         ok = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}, headers={"Authorization": "Bearer sesame"})
         assert ok.status_code == 200
         assert c.get("/health").status_code == 200  # open without a key
-        engine.crash_on_step = True
+        knobs.crash_on_step = True
         r = c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sesame"})
         assert r.status_code == 503
         assert c.get("/health").status_code == 503
@@ -418,3 +313,53 @@ def test_holdback_keeps_possible_stop_prefixes():
     assert holdback("hello wor", ["world"]) == 6
     assert holdback("hello", ["xyz"]) == 5
     assert holdback("abab", ["aba", "b"]) == 2
+
+
+# -- what only the process mode has ------------------------------------------------------------
+def _stream_lines(url: str, body: dict, into: list) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        into.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+
+def test_killed_engine_process_fails_open_requests_and_health():
+    knobs = Knobs()
+    knobs.step_seconds = 0.02
+    engine = scripted("process", knobs)
+    with ThreadServer(create_app(ServerSettings(), engine)) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        lines: list[str] = []
+        reader = threading.Thread(target=_stream_lines, args=(srv.url, {"prompt": "a", "max_tokens": 60,
+                                                                         "stream": True}, lines))
+        reader.start()
+        deadline = time.time() + 10
+        while len(lines) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        os.kill(engine.process.pid, signal.SIGINT)  # a Ctrl-C reaches the whole process group: ignored
+        time.sleep(0.1)
+        assert engine.process.is_alive() and c.get("/health").status_code == 200
+        os.kill(engine.process.pid, signal.SIGKILL)
+        reader.join(timeout=10)
+        assert not reader.is_alive()  # the stream ended, it did not hang
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert "engine process exited unexpectedly (exit code -9)" in error["message"]
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
+def test_engine_process_exits_with_the_server():
+    engine = scripted("process", Knobs())
+    with ThreadServer(create_app(ServerSettings(), engine)) as srv:
+        assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "b", "max_tokens": 3}).json()[
+            "choices"][0]["text"] == "bcd"
+    assert engine.process.exitcode == 0
+
+
+def test_engine_process_startup_error_is_raised_in_the_server():
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        ProcessEngine.launch(broken_engine)
+
+
+def test_engine_mode_is_validated():
+    with pytest.raises(ValueError, match="engine_mode must be one of process, thread"):
+        ServerSettings(engine_mode="fiber")

@@ -1,12 +1,14 @@
 """The FastAPI app: ``create_app(settings, engine=None)``; no global state, several apps may coexist.
 
-The lifespan builds the engine if none was given (off the event loop), starts the engine thread
-and the handlers, and on shutdown stops the thread after uvicorn has let in-flight requests end.
+The lifespan launches the engine if none was given (off the event loop; in a thread or a child
+process, as ``settings.engine_mode`` says), starts it and the handlers, and on shutdown stops it
+after uvicorn has let in-flight requests end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,12 +24,14 @@ from .errors import APIError, install_error_handlers, logger
 from .logprobs import TokenText
 from .metrics import ServerMetrics
 from .middleware import GuardMiddleware
+from .process_engine import ProcessEngine
 from .protocol import ModelCard, ModelList
 from .serving_base import ServerContext
 from .serving_chat import ChatHandler
 from .serving_completions import CompletionsHandler
 from .serving_tokens import DetokenizeHandler, TokenizeHandler
 from .settings import ServerSettings
+from .thread_engine import ThreadEngine
 
 
 def build_engine(settings: ServerSettings) -> Any:
@@ -36,27 +40,39 @@ def build_engine(settings: ServerSettings) -> Any:
     return LLMEngine(settings.engine)
 
 
-def _context(engine: Any, settings: ServerSettings, listener: ServerMetrics) -> ServerContext:
-    aliases = {settings.engine.model, getattr(engine.config, "model", settings.engine.model)}
-    return ServerContext(engine=AsyncEngine(engine, listener), model_name=engine.model_name,
-                         model_aliases=frozenset(aliases), max_model_len=engine.max_model_len,
-                         tokenizer=engine.tokenizer, token_text=TokenText(engine.tokenizer))
+def launch_engine(settings: ServerSettings) -> AsyncEngine:
+    """The engine of ``settings``, built and ready to start (blocking: loads the model)."""
+    if settings.engine_mode == "process":
+        return ProcessEngine.launch(functools.partial(build_engine, settings))
+    return ThreadEngine(build_engine(settings))
+
+
+def _context(engine: AsyncEngine, settings: ServerSettings) -> ServerContext:
+    info = engine.info
+    aliases = frozenset({settings.engine.model, info.model})
+    return ServerContext(engine=engine, model_name=info.model_name, model_aliases=aliases,
+                         max_model_len=info.max_model_len, tokenizer=info.tokenizer,
+                         token_text=TokenText(info.tokenizer))
 
 
 def create_app(settings: ServerSettings | None = None, engine: Any = None) -> FastAPI:
-    """An app serving ``engine`` (an ``LLMEngine``), or one built from ``settings.engine`` at startup."""
+    """An app serving ``engine``: an ``AsyncEngine`` not started yet (``launch_engine``), an
+    ``LLMEngine`` (served from a thread), or None: launched from ``settings`` at startup."""
     settings = settings or ServerSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        core = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
-        metrics = ServerMetrics(core.model_name)
-        ctx = _context(core, settings, metrics)
+        if engine is None:
+            served = await asyncio.to_thread(launch_engine, settings)
+        else:
+            served = engine if isinstance(engine, AsyncEngine) else ThreadEngine(engine)
+        metrics = ServerMetrics(served.info.model_name)
+        ctx = _context(served, settings)
         metrics.watch_engine(lambda: ctx.engine.stats)
         app.state.ctx, app.state.metrics = ctx, metrics
         app.state.handlers = {"completions": CompletionsHandler(ctx), "chat": ChatHandler(ctx),
                               "tokenize": TokenizeHandler(ctx), "detokenize": DetokenizeHandler(ctx)}
-        ctx.engine.start()
+        ctx.engine.start(metrics)
         try:
             yield
         finally:

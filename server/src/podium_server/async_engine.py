@@ -1,23 +1,22 @@
-"""The engine behind the server: model steps run on a dedicated thread, never on the event loop.
+"""The event loop's side of the engine, whatever runs the model steps (a thread or a child process).
 
-    event loop (HTTP handlers)                         engine thread (owns the LLMEngine)
-    add() / release() ──► commands (queue.SimpleQueue) ──► engine.add_request / abort_request
-                                                           while there is work: engine.step()
-    RequestStream.put ◄── loop.call_soon_threadsafe ◄──── one callback per step, all its outputs
+    HTTP handlers ── add() / release() ──► AsyncEngine ── Add / Abort ──► EngineLoop (engine_loop.py)
+    RequestStream.put ◄── _on_report(Report) ◄── one report per engine step, all its outputs
 
-Invariants: only the engine thread touches the engine; only the event loop touches the streams.
-Outputs are cumulative (all text and token ids so far), so a stream keeps only the newest one: a
-slow reader skips intermediate outputs without losing anything. A request whose reader goes away
-is aborted at once (its blocks are freed by the next command the thread reads). If a step raises,
-the thread stops, every open request fails and ``alive`` turns false (``/health`` answers 503).
+``ThreadEngine`` (thread_engine.py) and ``ProcessEngine`` (process_engine.py) are the two ways to
+run the ``EngineLoop``; they differ only in how commands go in and reports come back, so
+everything here, and every handler, behaves the same in both modes.
+
+Invariants: only the event loop touches the streams. Outputs are cumulative (all text and token
+ids so far), so a stream keeps only the newest one: a slow reader skips intermediate outputs
+without losing anything. A request whose reader goes away is aborted at once (its blocks are
+freed by the next command the loop reads). If the engine dies, every open request fails with
+``EngineDeadError`` and ``alive`` turns false (``/health`` answers 503); nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -26,12 +25,11 @@ from typing import Any, Protocol
 from podium.outputs import RequestOutput
 from podium.sampling_params import SamplingParams
 
-logger = logging.getLogger("podium_server")
-_IDLE_WAIT_S = 0.005  # when a step made no progress, wait this long for a command before stepping again
+from .engine_loop import Abort, Add, Report
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or the server is shutting down)."""
+    """The engine stopped (a step raised, its process died, or the server is shutting down)."""
 
 
 class OutputListener(Protocol):
@@ -39,20 +37,21 @@ class OutputListener(Protocol):
     def on_abort(self, stream: RequestStream) -> None: ...
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server reads from the engine once, at startup (sent over the pipe in process mode)."""
 
+    model_name: str  # the name clients use
+    model: str  # the model argument (also accepted as a name)
+    max_model_len: int
+    platform_name: str
+    kv_capacity_tokens: int
+    tokenizer: Any
 
-@dataclass
-class _Abort:
-    request_id: str
-
-
-class _Stop:
-    pass
+    @classmethod
+    def of(cls, engine: Any) -> EngineInfo:
+        return cls(engine.model_name, getattr(engine.config, "model", engine.model_name), engine.max_model_len,
+                   engine.platform_name, engine.kv_capacity_tokens, engine.tokenizer)
 
 
 class RequestStream:
@@ -108,36 +107,42 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns the engine thread; ``add`` / ``release`` are called from the event loop only."""
+    """Requests and streams on the event loop; subclasses supply the transport to the engine loop.
 
-    def __init__(self, engine: Any, listener: OutputListener | None = None) -> None:
-        self.engine = engine
-        self._listener = listener
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    A subclass implements ``_launch`` (start delivering reports to ``_on_report`` on the event
+    loop), ``_send`` (a command to the engine loop, never blocking for long), ``_shutdown`` and
+    ``_running``; it calls ``_fail_all`` on the event loop when the engine dies.
+    """
+
+    def __init__(self, info: EngineInfo, stats: Any) -> None:
+        self.info = info
+        self.stats = stats  # the newest snapshot of the engine's stats(), replaced by every report
+        self._listener: OutputListener | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[str, asyncio.Future] = {}  # adds the thread has not answered yet
+        self._pending: dict[str, asyncio.Future] = {}  # adds the engine loop has not answered yet
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.stats = engine.stats()  # the newest snapshot, replaced by the engine thread
+        self._started = False
 
     # -- lifecycle (event loop) ---------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, listener: OutputListener | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="podium-engine", daemon=True)
-        self._thread.start()
+        self._listener = listener
+        self._started = True
+        self._launch()
 
     async def stop(self) -> None:
-        """Abort whatever is still running and join the thread (in-flight HTTP requests are done by now)."""
-        if self._thread is None:
-            return
-        self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join)
+        """Abort whatever is still running and stop the engine (in-flight HTTP requests are done by now)."""
+        if self._started:
+            await self._shutdown()
         self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def close(self) -> None:
+        """Release the engine without the event loop (a shutdown path that never served); idempotent."""
 
     @property
     def alive(self) -> bool:
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        return self._started and self._error is None and self._running()
 
     @property
     def num_open_requests(self) -> int:
@@ -154,14 +159,14 @@ class AsyncEngine:
         accepted = self._loop.create_future()
         self._pending[request_id] = accepted
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params))
+        self._send(Add(request_id, prompt, params))
         try:
             await accepted
         except BaseException:
             self._streams.pop(request_id, None)
             self._pending.pop(request_id, None)
             if self._error is None:
-                self._commands.put(_Abort(request_id))  # harmless if the engine never took it
+                self._send(Abort(request_id))  # harmless if the engine never took it
             raise
         return stream
 
@@ -171,20 +176,42 @@ class AsyncEngine:
             return
         stream.finished = True
         self._streams.pop(stream.request_id, None)
-        self._commands.put(_Abort(stream.request_id))
+        if self._error is None:
+            self._send(Abort(stream.request_id))
         if self._listener is not None:
             self._listener.on_abort(stream)
 
-    # -- delivery (event loop, scheduled by the thread) ---------------------------------------
+    # -- transport (subclasses) ---------------------------------------------------------------
+    def _launch(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, command: Add | Abort) -> None:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _running(self) -> bool:
+        raise NotImplementedError
+
+    # -- delivery (event loop) ----------------------------------------------------------------
+    def _on_report(self, report: Report) -> None:
+        self.stats = report.stats
+        for request_id, error in report.answers:
+            self._answer(request_id, error)
+        if report.outputs:
+            self._deliver(report.outputs)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        listener = self._listener
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # released while this step ran
             new_tokens = stream.put(output, now)
-            if self._listener is not None:
-                self._listener.on_output(stream, output, new_tokens)
+            if listener is not None:
+                listener.on_output(stream, output, new_tokens)
             if output.finished:
                 del self._streams[output.request_id]
 
@@ -206,74 +233,8 @@ class AsyncEngine:
         self._streams.clear()
 
     def _post(self, fn: Callable, *args: Any) -> None:
+        """Run ``fn(*args)`` on the event loop, from any thread."""
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
-
-    # -- the engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        active: set[str] = set()
-        try:
-            while True:
-                if not self.engine.has_unfinished_requests():
-                    self.stats = self.engine.stats()
-                    if not self._apply(self._commands.get(), active):
-                        break
-                if not self._drain(active):
-                    break
-                if self.engine.has_unfinished_requests() and not self._step(active):
-                    break
-        except BaseException as exc:  # a failed step: report it to everyone, stop serving
-            logger.exception("the engine loop died")
-            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
-            return
-        if active:
-            self.engine.abort_request(sorted(active))
-        self.stats = self.engine.stats()
-
-    def _drain(self, active: set[str], timeout: float | None = None) -> bool:
-        """Apply every queued command (waiting up to ``timeout`` for the first); False on stop."""
-        try:
-            command = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if not self._apply(command, active):
-                return False
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _apply(self, command: Any, active: set[str]) -> bool:
-        if isinstance(command, _Add):
-            try:
-                self.engine.add_request(command.request_id, command.prompt, command.params)
-            except Exception as exc:  # a bad request is that request's problem, never the loop's
-                self._post(self._answer, command.request_id, exc)
-            else:
-                active.add(command.request_id)
-                self._post(self._answer, command.request_id, None)
-        elif isinstance(command, _Abort):
-            if command.request_id in active:
-                active.discard(command.request_id)
-                self.engine.abort_request(command.request_id)
-                self.stats = self.engine.stats()
-        elif isinstance(command, _Stop):
-            return False
-        return True
-
-    def _step(self, active: set[str]) -> bool:
-        """One engine step and its delivery; False if a stop command arrived while idling."""
-        started = time.perf_counter()
-        outputs = self.engine.step()
-        for output in outputs:
-            if output.finished:
-                active.discard(output.request_id)
-        self.stats = self.engine.stats()
-        if outputs:
-            self._post(self._deliver, outputs)
-        elif time.perf_counter() - started < 1e-3:  # nothing could be scheduled: don't spin
-            return self._drain(active, timeout=_IDLE_WAIT_S)
-        return True

@@ -14,7 +14,7 @@ import signal
 
 from podium.config import DEFAULT_MODEL, DTYPES, EngineConfig, parse_size
 
-from .settings import LOG_LEVELS, ServerSettings
+from .settings import ENGINE_MODES, LOG_LEVELS, ServerSettings
 
 
 def register(subparsers) -> None:
@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     parser.add_argument("--max-request-bytes", default="16MiB", help="larger request bodies get 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--engine-mode", default=ServerSettings.engine_mode, choices=ENGINE_MODES,
+                        help="run the model steps in a child process or on a thread of the server "
+                             f"(default: {ServerSettings.engine_mode}; measured in server/benchmarks/saturation.py)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.set_defaults(func=run)
@@ -57,33 +60,38 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enforce_eager=args.enforce_eager, seed=args.seed)
     return ServerSettings(engine=engine, host=args.host, port=args.port, api_key=args.api_key or None,
                           log_level=args.log_level, max_request_bytes=parse_size(args.max_request_bytes),
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout, engine_mode=args.engine_mode)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .app import build_engine, create_app
+    from .app import create_app, launch_engine
+    from .process_engine import freeze_startup_objects
 
     settings = settings_from_args(args)
-    engine = build_engine(settings)
-    print(startup_banner(engine, settings), flush=True)
-    config = uvicorn.Config(create_app(settings, engine), host=settings.host, port=settings.port,
-                           log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout or None,
-                           access_log=settings.log_level in ("debug", "trace"))
+    engine = launch_engine(settings)
     # uvicorn re-raises the signal that stopped it once it has shut down; a SIGTERM handler that does
     # nothing turns that into a normal return, so a graceful stop exits 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
+        print(startup_banner(engine.info, settings), flush=True)
+        config = uvicorn.Config(create_app(settings, engine), host=settings.host, port=settings.port,
+                                log_level=settings.log_level,
+                                timeout_graceful_shutdown=settings.shutdown_timeout or None,
+                                access_log=settings.log_level in ("debug", "trace"))
+        freeze_startup_objects()
         uvicorn.Server(config).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        engine.close()
     return 0
 
 
-def startup_banner(engine, settings: ServerSettings) -> str:
+def startup_banner(info, settings: ServerSettings) -> str:
     auth = "on" if settings.api_key else "off"
-    return (f"podium serve: platform {engine.platform_name}, model {engine.model_name} "
-            f"(max_model_len {engine.max_model_len}), KV cache {engine.kv_capacity_tokens} tokens\n"
+    return (f"podium serve: platform {info.platform_name}, model {info.model_name} "
+            f"(max_model_len {info.max_model_len}), KV cache {info.kv_capacity_tokens} tokens, "
+            f"engine in a {settings.engine_mode}\n"
             f"podium serve: listening on {settings.url}  (OpenAI base_url {settings.url}/v1, API key {auth})")
 

@@ -2,7 +2,8 @@
 
 Request-level metrics (token counters, finish reasons, latency histograms) are updated by the
 async engine as outputs arrive; engine-level gauges (running, waiting, KV-cache usage, prefix
-cache) are read at scrape time from the engine thread's newest ``stats()`` snapshot.
+cache) are read at scrape time from the engine's newest ``stats()`` snapshot (every report from the
+engine loop carries one, in both engine modes).
 """
 
 from __future__ import annotations

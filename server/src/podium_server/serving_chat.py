@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -30,7 +31,7 @@ from .protocol import (
     Usage,
     random_id,
 )
-from .serving_base import ServingBase, StreamCursor, reject_unsupported, stop_list
+from .serving_base import ChunkTemplate, ServingBase, StreamCursor, reject_unsupported, stop_list
 
 _PART_NAMES = {"image_url": "images are", "input_image": "images are", "input_audio": "audio input is",
                "file": "file inputs are", "video_url": "video inputs are"}
@@ -71,7 +72,7 @@ class ChatHandler(ServingBase):
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         conversation = [self._message(i, m) for i, m in enumerate(messages)]
         try:
-            return self.ctx.engine.engine.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            return chat_prompt(self.ctx.tokenizer, self.ctx.model_name, conversation, add_generation_prompt)
         except Exception as exc:  # a template that rejects this conversation, or no template at all
             raise bad_request(f"cannot apply the chat template to these messages: {exc}", param="messages") from None
 
@@ -126,12 +127,18 @@ class ChatHandler(ServingBase):
             for index in range(req.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
             cursors = [StreamCursor() for _ in range(req.n)]
+            templates = [ChunkTemplate(chunk([ChatStreamChoice(index=index, delta=DeltaMessage(
+                content=ChunkTemplate.PLACEHOLDER))])) for index in range(req.n)]  # plain content deltas
             last = None
             async for out in stream.outputs():
                 last = out
                 for c in sorted(out.outputs, key=lambda c: c.index):
                     choice = self._delta(req, c, cursors[c.index], stop)
-                    if choice is not None:
+                    if choice is None:
+                        continue
+                    if not continuous and choice.logprobs is None and choice.finish_reason is None:
+                        yield templates[c.index].render(choice.delta.content)
+                    else:
                         yield chunk([choice], _usage(prompt_len, out) if continuous else None)
             if include_usage and last is not None:
                 yield chunk([], _usage(prompt_len, last))
@@ -150,6 +157,17 @@ class ChatHandler(ServingBase):
         delta = DeltaMessage(content=text) if text or not finished else DeltaMessage()
         return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                 finish_reason=c.finish_reason if finished else None)
+
+
+def chat_prompt(tokenizer: Any, model_name: str, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The conversation's token ids through the tokenizer's chat template (``LLMEngine.apply_chat_template``
+    does the same; here it runs in the server's process, whichever engine mode)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {model_name!r} has no chat template; use completions with a plain prompt")
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def _usage(prompt_len: int, out: RequestOutput) -> Usage:

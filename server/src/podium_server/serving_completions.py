@@ -20,7 +20,7 @@ from .async_engine import RequestStream
 from .errors import bad_request
 from .logprobs import completion_logprobs
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, random_id
-from .serving_base import ServingBase, StreamCursor, reject_unsupported, stop_list
+from .serving_base import ChunkTemplate, ServingBase, StreamCursor, reject_unsupported, stop_list
 
 
 @dataclass
@@ -93,6 +93,7 @@ class CompletionsHandler(ServingBase):
                       streams: list[RequestStream]) -> AsyncIterator[CompletionResponse]:
         created, stop = int(time.time()), stop_list(req.stop)
         cursors: dict[int, StreamCursor] = {}
+        templates: dict[int, ChunkTemplate] = {}  # per choice index: its plain text chunks
         last: dict[int, RequestOutput] = {}
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -102,7 +103,14 @@ class CompletionsHandler(ServingBase):
                 for c in sorted(out.outputs, key=lambda c: c.index):
                     index = i * req.n + c.index
                     choice = self._delta(req, prompts[i], out, c, index, cursors.setdefault(index, _Cursor()), stop)
-                    if choice is not None:
+                    if choice is None:
+                        continue
+                    if not continuous and choice.logprobs is None and choice.finish_reason is None:
+                        template = templates.get(index) or templates.setdefault(index, ChunkTemplate(
+                            CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
+                                               choices=[CompletionChoice(index=index, text=ChunkTemplate.PLACEHOLDER)])))
+                        yield template.render(choice.text)
+                    else:
                         usage = _usage(prompts, list(last.values())) if continuous else None
                         yield CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
                                                  choices=[choice], usage=usage)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from podium.config import EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+ENGINE_MODES = ("process", "thread")  # where the model steps run: a child process or a thread (async_engine.py)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class ServerSettings:
     log_level: str = "info"
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    engine_mode: str = "process"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -26,6 +28,8 @@ class ServerSettings:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 

@@ -1,0 +1,133 @@
+"""The loop that drives an ``LLMEngine`` for the server: the same code on a thread or in a child process.
+
+    inbox (queue.SimpleQueue of Add / Abort / Stop) ──► EngineLoop.run()
+        apply every queued command; while there is work: one engine.step()
+    report(Report) ◄── one Report per step: the answers to adds, the step's outputs, stats after it
+
+Batching per step keeps the cost per token low: whoever receives the reports (the event loop,
+through a thread callback or a pipe) wakes once per step, not once per request. Answers to adds
+go out as soon as the adds are applied (a bad request hears about it without waiting for a step).
+Only this loop touches the engine. It returns on ``Stop`` (aborting what still runs) and raises
+if the engine fails; its caller reports that as the engine's death.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from podium.outputs import RequestOutput
+from podium.sampling_params import SamplingParams
+
+IDLE_WAIT_S = 0.005  # when a step made no progress, wait this long for a command before stepping again
+
+
+@dataclass
+class Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+class Stop:
+    pass
+
+
+@dataclass
+class Report:
+    """What one iteration of the loop did, sent as one message."""
+
+    stats: Any  # the engine's stats() after it
+    answers: list[tuple[str, BaseException | None]] = field(default_factory=list)  # None: accepted
+    outputs: list[RequestOutput] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # requests dropped by an Abort in this iteration
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, inbox: queue.SimpleQueue, report: Callable[[Report], None]) -> None:
+        self.engine = engine
+        self._inbox = inbox
+        self._report = report
+        self._active: set[str] = set()  # accepted, not finished, not aborted
+        self._answers: list[tuple[str, BaseException | None]] = []
+        self._aborted: list[str] = []
+
+    def run(self) -> None:
+        """Serve commands until ``Stop``; raises whatever a step raises."""
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                self._flush([], idle=True)
+                if not self._apply(self._inbox.get()):
+                    break
+            if not self._drain():
+                break
+            if self._answers or self._aborted:
+                self._flush([])
+            if engine.has_unfinished_requests() and not self._step():
+                break
+        if self._active:
+            engine.abort_request(sorted(self._active))
+            self._aborted.extend(sorted(self._active))
+            self._active.clear()
+        self._flush([], idle=True)
+
+    def _step(self) -> bool:
+        """One engine step and its report; False if a stop command arrived while idling."""
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        if outputs:
+            self._flush(outputs)
+        elif time.perf_counter() - started < 1e-3:  # nothing could be scheduled: don't spin
+            return self._drain(timeout=IDLE_WAIT_S)
+        return True
+
+    def _drain(self, timeout: float | None = None) -> bool:
+        """Apply every queued command (waiting up to ``timeout`` for the first); False on stop."""
+        try:
+            command = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if not self._apply(command):
+                return False
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, command: Any) -> bool:
+        if isinstance(command, Add):
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params)
+            except Exception as exc:  # a bad request is that request's problem, never the loop's
+                self._answers.append((command.request_id, exc))
+            else:
+                self._active.add(command.request_id)
+                self._answers.append((command.request_id, None))
+        elif isinstance(command, Abort):
+            if command.request_id in self._active:
+                self._active.discard(command.request_id)
+                self.engine.abort_request(command.request_id)
+                self._aborted.append(command.request_id)
+        elif isinstance(command, Stop):
+            return False
+        return True
+
+    def _flush(self, outputs: list[RequestOutput], idle: bool = False) -> None:
+        """Report what happened since the last report (when idle, the stats even if nothing did)."""
+        for output in outputs:
+            if output.finished:
+                self._active.discard(output.request_id)
+        if outputs or self._answers or self._aborted or idle:
+            report = Report(self.engine.stats(), self._answers, outputs, self._aborted)
+            self._answers, self._aborted = [], []
+            self._report(report)
