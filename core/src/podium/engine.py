@@ -226,6 +226,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_step_in_flight(self) -> bool:
+        """Whether a launched step's tokens are still unread (async scheduling): the next
+        ``step()`` reports them even if it schedules nothing new."""
+        return self._in_flight is not None
+
     def _forget(self, seq: Sequence) -> None:
         self.runner.release(seq)
         self.sampler.forget(seq.seq_id)

@@ -86,6 +86,8 @@ class EngineLoop:
         outputs = self.engine.step()
         if outputs:
             self._flush(outputs)
+        elif getattr(self.engine, "has_step_in_flight", lambda: False)():
+            pass  # async scheduling: this step's tokens come with the next one; step again at once
         elif time.perf_counter() - started < 1e-3:  # nothing could be scheduled: don't spin
             return self._drain(timeout=IDLE_WAIT_S)
         return True
