@@ -2,7 +2,7 @@
 # One device call on an H200: install Podium without dependencies (the image has torch, triton,
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
-# Steps: engine_tests kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_sharegpt_8b step_profile_8b
+# Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_sharegpt_8b step_profile_8b
 #        latency_8b latency_1b
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -24,6 +24,8 @@ steps=${*:-engine_tests tp_fixed_8b latency_8b latency_1b kernel_tests rocm_test
 for s in $steps; do
   case $s in
     engine_tests) run_step $s 170 python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
+    engine_tests_rocm) run_step $s 240 env PODIUM_ROCM_FORCE_ON_CUDA=1 PODIUM_TEST_GPU_DEVICE=rocm \
+      python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
     kernel_tests) run_step $s 200 python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
     rocm_tests) run_step $s 200 env PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests \
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;
@@ -33,7 +35,7 @@ for s in $steps; do
       --output-len 256 --num-prompts 256 --no-async-scheduling --json-out "$OUT/$s.json" ;;
     tp_sharegpt_8b) run_step $s 400 podium bench throughput --model llama-3.1-8b-shape --no-progress \
       --dataset sharegpt-like --num-prompts 256 --compare hf --hf-batch-size 64 --json-out "$OUT/$s.json" ;;
-    step_profile_8b) run_step $s 150 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape ;;
+    step_profile_8b) run_step $s 150 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --kernels ;;
     latency_8b) run_step $s 70 podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
     latency_1b) run_step $s 50 podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;

@@ -2,10 +2,13 @@
 
 Weights are random from a fixed seed, built on the CPU and saved as a Hugging Face folder, so
 both platforms load the very same tensors (the real GGUF is too big to travel to the GPU box).
+``PODIUM_TEST_GPU_DEVICE=rocm`` (with ``PODIUM_ROCM_FORCE_ON_CUDA=1`` on an NVIDIA GPU) runs the
+same tests on the ROCm platform's code path.
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -16,6 +19,7 @@ from podium import LLM, SamplingParams
 pytestmark = pytest.mark.cuda
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GPU = os.environ.get("PODIUM_TEST_GPU_DEVICE", "cuda")  # the platform under test
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def prompts():
 def cuda_llm(model_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=64, kv_cache_memory="2GiB")
+    return LLM(model_dir, device=GPU, dtype="float32", max_num_seqs=64, kv_cache_memory="2GiB")
 
 
 def tokens(outputs):
@@ -74,7 +78,7 @@ def test_cuda_batch_chunk_and_preemption_invariance(model_dir, prompts, cuda_llm
     together = tokens(cuda_llm.generate([{"prompt_token_ids": p} for p in crowd], params, use_tqdm=False))
     assert together[:3] == alone
     assert all_free(cuda_llm)
-    small = LLM(model_dir, device="cuda", dtype="float32", max_num_batched_tokens=32, num_kv_blocks=40,
+    small = LLM(model_dir, device=GPU, dtype="float32", max_num_batched_tokens=32, num_kv_blocks=40,
                 max_model_len=512)
     again = tokens(small.generate([{"prompt_token_ids": p} for p in crowd], params, use_tqdm=False))
     assert again[:3] == alone
@@ -84,7 +88,7 @@ def test_cuda_batch_chunk_and_preemption_invariance(model_dir, prompts, cuda_llm
 
 def test_cuda_graphs_were_captured_and_eager_agrees(model_dir, prompts, cuda_llm):
     assert cuda_llm.engine.runner.graphs, "no decode graph was captured"
-    eager = LLM(model_dir, device="cuda", dtype="float32", enforce_eager=True, kv_cache_memory="2GiB")
+    eager = LLM(model_dir, device=GPU, dtype="float32", enforce_eager=True, kv_cache_memory="2GiB")
     assert not eager.engine.runner.graphs
     batch = [{"prompt_token_ids": p} for p in prompts[:6]]
     assert tokens(eager.generate(batch, GREEDY, use_tqdm=False)) == tokens(
@@ -95,7 +99,7 @@ def test_cuda_async_scheduling_equals_sync(model_dir, prompts, cuda_llm):
     """The engine overlaps host and GPU by default here; the tokens equal a synchronous engine's,
     with sampling, stop token ids and EOS ending sequences while the next step is in flight."""
     assert cuda_llm.engine.async_scheduling
-    sync = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=64, kv_cache_memory="2GiB",
+    sync = LLM(model_dir, device=GPU, dtype="float32", max_num_seqs=64, kv_cache_memory="2GiB",
                async_scheduling=False)
     assert not sync.engine.async_scheduling
     rng = random.Random(2)
