@@ -84,7 +84,7 @@ class LLMEngine:
             init_random_weights(self.model, config.seed)
         else:
             self.model.load_weights(weights)
-        self.model.eval()
+        self.model = platform.prepare_model(self.model.eval())  # device-specific transformations
         t2 = time.perf_counter()
         self._build_cache_and_runner(source)
         t3 = time.perf_counter()
