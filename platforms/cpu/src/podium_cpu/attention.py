@@ -208,14 +208,16 @@ class CpuAttentionBackend(AttentionBackend):
         if layer.soft_cap is not None:
             mask = attention_mask(q.shape[0], seq.seq_len, layer.sliding_window, q.device)
             return attend_one(q.float(), k.float(), v.float(), mask, layer.scale, layer.soft_cap).to(q.dtype)
-        q_h, k_h, v_h = q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
+        # [1, H, Q, D]: with a batch dimension torch runs its fused CPU flash attention (GQA included);
+        # 3-D inputs take the unfused math path (4.5x slower for a 128-token bf16 prefill here)
+        q_h, k_h, v_h = q.transpose(0, 1)[None], k.to(q.dtype).transpose(0, 1)[None], v.to(q.dtype).transpose(0, 1)[None]
         gqa = layer.num_heads != layer.num_kv_heads
         if seq.fresh and layer.sliding_window is None:
             o = F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=True, scale=layer.scale, enable_gqa=gqa)
         else:
             mask = attention_mask(q.shape[0], seq.seq_len, layer.sliding_window, q.device)
             o = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
 
 def _as_long(plan: StepPlan, meta: AttentionMetadata, block_size: int) -> list[LongSeq]:
