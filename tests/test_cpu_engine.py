@@ -19,6 +19,7 @@ from podium.engine import LLMEngine
 from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.ipex_support import ipex_status
+from podium_cpu.linear_packing import PackedLinear, can_pack
 from podium_cpu.platform import ATTENTION_ENV
 from podium_plugin_api import Availability
 
@@ -35,10 +36,17 @@ class PlainCpuPlatform(CpuPlatform):
         return {}
 
 
-def on_platform(monkeypatch, platform) -> LLM:
+class UnpreparedCpuPlatform(CpuPlatform):
+    """The CPU platform leaving the loaded model as built (no packed linears)."""
+
+    def prepare_model(self, model):
+        return model
+
+
+def on_platform(monkeypatch, platform, dtype: str = "float32") -> LLM:
     entry = PlatformEntry(platform, "test", "0", Availability(True))
     monkeypatch.setattr("podium.engine.select_platform", lambda name: entry)
-    return LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256)
+    return LLM("smollm2-135m-instruct", dtype=dtype, max_model_len=256)
 
 
 def greedy(llm: LLM) -> list[list[int]]:
@@ -71,6 +79,15 @@ def test_ipex_attention_gives_the_plain_paths_tokens(plain_tokens, monkeypatch):
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=256)
     assert llm.engine.platform.attention_backend().name == "cpu-ipex"
     assert greedy(llm) == plain_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN linear packing unavailable in this torch")
+def test_prepared_model_gives_the_unprepared_tokens_in_bf16(monkeypatch):
+    packed = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=256)
+    assert any(isinstance(m, PackedLinear) for m in packed.engine.model.modules())
+    want = greedy(on_platform(monkeypatch, UnpreparedCpuPlatform(), "bfloat16"))
+    assert greedy(packed) == want
 
 
 def test_auto_dtype_is_bf16_where_the_cpu_has_it():

@@ -96,3 +96,23 @@ def test_packed_linear_is_bit_identical_to_f_linear():
         assert torch.equal(model[0](xs), F.linear(xs, first_weight, model[0].bias))
     assert torch.equal(model(x), want)
     assert pack_linear_layers(nn.Sequential(nn.Linear(4, 4))) == 0  # float32 stays unpacked
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN linear packing unavailable in this torch")
+def test_tied_lm_head_is_packed_and_gives_the_unpacked_logits():
+    from transformers import LlamaConfig
+
+    from podium.models.registry import build_model, init_random_weights
+    from podium_plugin_api.ops import build_op_table
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = build_model(config, build_op_table(), torch.bfloat16, "cpu")
+    init_random_weights(model, seed=0)
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embedding  # tied again after materialization
+    hidden = torch.randn(32, 64).bfloat16()
+    want = model.compute_logits(hidden)
+    assert pack_linear_layers(model) == 5  # q|k|v, o, gate|up, down, lm_head
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is embedding
+    assert torch.equal(model.compute_logits(hidden), want) and want.dtype == torch.float32

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from podium.request import Sequence
-from podium.sampler import Sampler, apply_penalties, sampling_probs
+from podium.sampler import Sampler, apply_penalties, first_argmax, sampling_probs
 from podium.sampling_params import SamplingParams
 
 
@@ -357,3 +357,19 @@ def test_prompt_logprobs():
 def test_bad_logits_shape_is_an_error():
     with pytest.raises(ValueError, match="logits"):
         Sampler(10, "cpu").sample(torch.randn(2, 11), [make_seq(0), make_seq(1)])
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 1024, 1536, 49152, 50257])
+def test_first_argmax_is_argmax_with_ties_and_nan(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen)
+    logits[1, [3 % vocab, vocab - 2]] = 50.0  # a tie: the first index wins
+    logits[2, vocab - 1] = 60.0  # the maximum in the ragged tail
+    logits[3, [vocab // 2, vocab - 1]] = float("nan")  # NaN counts as the maximum, first one wins
+    logits[4, vocab - 1] = float("nan")  # NaN only in the tail
+    logits[5] = 1.0  # all equal: index 0
+    logits[6, :] = float("-inf")
+    logits[7, vocab - 3] = float("inf")
+    assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
+    bf16 = logits.bfloat16()  # many ties after rounding
+    assert torch.equal(first_argmax(bf16), bf16.argmax(dim=-1))

@@ -94,14 +94,15 @@ class LLMEngine:
         for archs in pm.hook.podium_model_architectures():
             extra_archs.update(archs or {})
         timer.lap("custom_ops")
-        self.model = build_model(source.hf_config, build_op_table(overrides), self.dtype, self.device, extra_archs)
+        self.ops = build_op_table(overrides)  # the reference ops with the platform's overrides
+        self.model = build_model(source.hf_config, self.ops, self.dtype, self.device, extra_archs)
         timer.lap("model_build")
         weights = source.weights()
         if weights is None:
             init_random_weights(self.model, config.seed)
         else:
             self.model.load_weights(weights)
-        self.model.eval()
+        self.model = platform.prepare_model(self.model.eval())  # device-specific transformations
         timer.lap("weights")
         self._build_cache_and_runner(source)
         timer.lap("kv_cache")
@@ -148,7 +149,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len)
         vocab = source.hf_config.vocab_size
         sample_on = torch.device("cpu") if platform.capabilities().static_shapes else self.device
-        self.sampler = Sampler(vocab, sample_on, eos_token_ids=source.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(vocab, sample_on, ops=self.ops if sample_on == self.device else None,
+                               eos_token_ids=source.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(self.model, platform, self.kv_caches, self.sampler, config.block_size,
                                   config.max_num_seqs, self.max_model_len, self.device)
 

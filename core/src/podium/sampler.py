@@ -183,7 +183,7 @@ class Sampler:
         self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):  # the common greedy case: nothing but an argmax
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+            return SamplerOutput(first_argmax(logits).tolist(), [None] * len(seqs))
         batch = self._gather(seqs, states)
         raw_logprobs = None
         if batch.logprob_rows:  # [L, V], taken before any edit below
@@ -205,7 +205,7 @@ class Sampler:
         self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):
-            return logits.argmax(dim=-1)
+            return first_argmax(logits)
         return self._tokens(logits, seqs, states, self._gather(seqs, states))
 
     def _check(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -279,7 +279,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, b: _Batch) -> torch.Tensor:
         """Greedy rows: argmax; the others: temperature, top-k/top-p, min-p, then the draw. -> [N]"""
         device = logits.device
-        greedy_tokens = logits.argmax(dim=-1) if any(b.greedy) else None  # [N]
+        greedy_tokens = first_argmax(logits) if any(b.greedy) else None  # [N]
         if all(b.greedy):
             return greedy_tokens
         temperature = _on(device, b.temperature, logits.dtype)
@@ -337,6 +337,33 @@ def _on(device: torch.device, values: list, dtype: torch.dtype | None = None) ->
     """A host list as a tensor on ``device``, copied without waiting for the device's queue (a
     ``torch.tensor(..., device=gpu)`` would synchronise the stream and stall async scheduling)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+ARGMAX_CHUNK = 512
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [N, V] logits, in two passes that vectorise on a CPU.
+
+    torch's CPU argmax over a long row runs ~10x slower than a max (2.7 ms against 0.26 ms for
+    32 x 49152 float32 here), so: the max of each 512-wide chunk, the first chunk holding the row's
+    max, then the argmax inside that chunk; a ragged tail is compared last. Same answer as argmax:
+    the first index of the maximum, NaN counting as the maximum. [N, V] -> [N] int64.
+    """
+    n, vocab = logits.shape
+    main = vocab - vocab % ARGMAX_CHUNK
+    if main < 2 * ARGMAX_CHUNK or logits.device.type != "cpu":  # (other devices' argmax is fast)
+        return logits.argmax(dim=-1)
+    chunks = logits[:, :main].view(n, main // ARGMAX_CHUNK, ARGMAX_CHUNK)  # [N, C, 512]
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [N]
+    rows = torch.arange(n, device=logits.device)
+    index = best_chunk * ARGMAX_CHUNK + chunks[rows, best_chunk].argmax(dim=-1)  # [N]
+    if main == vocab:
+        return index
+    tail_index = logits[:, main:].argmax(dim=-1) + main  # [N]
+    best, tail_best = logits[rows, index], logits[rows, tail_index]
+    later = (tail_best > best) | (tail_best.isnan() & ~best.isnan())  # ties keep the earlier index
+    return torch.where(later, tail_index, index)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor | None,

@@ -149,3 +149,14 @@ class Platform:
     def custom_ops(self) -> dict[str, Callable[..., Any]]:
         """Named ops overriding the core's pure-torch versions (see ``podium_plugin_api.ops``)."""
         return {}
+
+    # model ----------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Transform a loaded model for this device; the core runs what this returns.
+
+        Called by the core once, after the weights are loaded and before the first forward pass
+        (KV-cache sizing included). A platform may swap modules for device-specific ones (pre-packed
+        weights, fused layers) or return a new module; it must keep the model's interface
+        (``forward``, ``compute_logits``) and its outputs. Default: the model unchanged. (API 1.1)
+        """
+        return model

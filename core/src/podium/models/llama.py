@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .context import ForwardContext
@@ -87,7 +86,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderStack(config, ops, self.attention_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Tied embeddings: ``lm_head.weight`` is the embedding's parameter (again, after ``build_model``
+        materializes the model, which unties shared parameters).
+
+        The head stays a module either way, so transformations applied to the model (a platform's
+        packed or quantized linears) reach the logits too.
+        """
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
     def attention_options(config) -> dict:
@@ -99,8 +109,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from Hugging Face (name, tensor) pairs; ValueError naming any mismatch.
@@ -108,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         Skipped: rotary ``inv_freq`` buffers of old checkpoints and, with tied embeddings,
         ``lm_head.weight`` (it is the embedding).
         """
-        ignore = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if self.lm_head is None else [])
+        ignore = ["rotary_emb.inv_freq"] + (["lm_head.weight"] if self.tie_word_embeddings else [])
         load_hf_weights(self, (_with_model_prefix(name, tensor) for name, tensor in weights), ignore)
 
 

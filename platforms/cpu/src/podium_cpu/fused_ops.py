@@ -7,7 +7,7 @@
 - top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
   row are sorted instead of the whole vocabulary.
 Anything outside what a native op handles (other dtypes, odd strides) goes to the reference.
-silu_and_mul stays the reference: torch's own vectorised silu and mul were as fast as a fused pass.
+silu_and_mul stays the reference: a fused C pass measured slower than torch's vectorised silu and mul.
 """
 
 from __future__ import annotations
@@ -84,17 +84,18 @@ def rotary_embedding(
     usable = usable and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d and query.device.type == "cpu"
     if not usable:
         return reference.rotary_embedding(positions, query, key, cos_sin_cache)
-    positions = positions.to(torch.int64).contiguous()
-    if positions.numel():
-        low, high = torch.aminmax(positions)
-        if int(low) < 0 or int(high) >= cos_sin_cache.shape[0]:
-            raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}), got [{int(low)}, {int(high)}]")
-    table = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
-    table = table.contiguous()
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    table = cos_sin_cache
+    if table.dtype != torch.float32 or not table.is_contiguous():
+        table = table.float().contiguous()
     q_out, k_out = torch.empty(query.shape, dtype=dtype), torch.empty(key.shape, dtype=dtype)
-    kernels.rotary[dtype](query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), q_out.data_ptr(),
-                          k_out.data_ptr(), positions.data_ptr(), table.data_ptr(), query.shape[0], query.shape[1],
-                          key.shape[1], d, torch.get_num_threads())
+    rc = kernels.rotary[dtype](query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), q_out.data_ptr(),
+                               k_out.data_ptr(), positions.data_ptr(), table.data_ptr(), table.shape[0],
+                               query.shape[0], query.shape[1], key.shape[1], d, torch.get_num_threads())
+    if rc != 0:  # the kernel checks every position before writing anything
+        low, high = torch.aminmax(positions)
+        raise ValueError(f"positions must be in [0, {table.shape[0]}), got [{int(low)}, {int(high)}]")
     return q_out, k_out
 
 

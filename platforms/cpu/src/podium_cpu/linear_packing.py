@@ -13,6 +13,8 @@ the packed copies stale: pack last.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -21,6 +23,12 @@ PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; any row co
 
 def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def _linear_op():
+    """``torch.ops.mkldnn._linear_pointwise.default``, looked up once (not on every call)."""
+    return torch.ops.mkldnn._linear_pointwise.default
 
 
 class PackedLinear(nn.Module):
@@ -36,11 +44,11 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the model's [T, in] rows
+            return _linear_op()(x, self.packed, self.bias, "none", [], "")  # [T, out]
         lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)  # [N, in]
-        if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
-            rows = rows.to(torch.bfloat16).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")  # [N, out]
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [N, in]
+        out = _linear_op()(rows, self.packed, self.bias, "none", [], "")  # [N, out]
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -123,7 +123,8 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_paged_attention": ([_PTR] * 8 + [_I64, _I64, ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
     "podium_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ("f32", "bf16")),
     "podium_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], ("bf16",)),
-    "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], ("f32", "bf16")),
+    "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
+                      ("f32", "bf16")),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 

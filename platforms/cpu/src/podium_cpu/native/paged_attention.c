@@ -10,7 +10,10 @@
  *
  * The transposed key tile turns q.k into B-wide vector FMAs (one per d) with no horizontal sums;
  * bf16 pairs feed AVX512-BF16's dot product (two d per instruction, no conversion) where the CPU
- * has it, and are widened to the float32 tile otherwise. Values are summed row by row. One work item is (query token, kv head): the
+ * has it, and are widened to the float32 tile otherwise; every query head of a group is scored in
+ * the same pass over the tile. Values are summed row by row in float32 (bf16 rows widened in
+ * registers), up to 3 heads x 64 dims of accumulators at once so the FMAs of a row do not wait on
+ * each other. One work item is (query token, kv head): the
  * G = H / H_kv query heads sharing that kv head go together, so each tile is read once for all.
  * A token at position p attends to [max(0, p - window + 1), p]; scores are scaled, optionally
  * soft-capped, soft-maxed in float32 (scores first, then the weighted sum of values) and written
@@ -54,12 +57,6 @@ static inline bf16_t f32_to_bf16(float f) {
     return (bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-/* n values as float32: float data is used in place, bf16 is widened into tmp */
-static inline const float *as_f32_f32(const float *src, float *tmp, int64_t n) { (void)tmp; (void)n; return src; }
-static inline const float *as_f32_bf16(const bf16_t *src, float *tmp, int64_t n) {
-    for (int64_t i = 0; i < n; i++) tmp[i] = bf16_to_f32(src[i]);
-    return tmp;
-}
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
 
@@ -159,34 +156,52 @@ static void widen_pairs(const bf16_t *restrict kt, float *restrict out, int64_t 
     }
 }
 
+#ifdef __AVX512BF16__
+static inline __m512 pair_broadcast(const bf16_t *q) { /* q[0], q[1] as one 32-bit pair in every lane */
+    uint32_t u;
+    memcpy(&u, q, sizeof u);
+    return (__m512)_mm512_set1_epi32((int)u);
+}
+
+/* row[g * B + t + i] for i < 16 and GS heads from g0: vdpbf16ps, 16 keys x one (d, d+1) pair per
+ * instruction, two chains (even and odd pairs) per head, every head in flight at once */
+static inline __attribute__((always_inline)) void pair_scores_block(
+    const bf16_t *restrict q, const bf16_t *restrict kt, float *restrict row, int64_t D, int64_t B, int64_t t,
+    int64_t g0, const int GS) {
+    __m512 a[4][2];
+    for (int g = 0; g < GS; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 2 <= D / 2; p += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 2 * B + 2 * t);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (p + 1) * 2 * B + 2 * t);
+        for (int g = 0; g < GS; g++) {
+            const bf16_t *qg = q + (g0 + g) * D + 2 * p;
+            a[g][0] = _mm512_dpbf16_ps(a[g][0], k0, (__m512bh)pair_broadcast(qg));
+            a[g][1] = _mm512_dpbf16_ps(a[g][1], k1, (__m512bh)pair_broadcast(qg + 2));
+        }
+    }
+    if (p < D / 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * 2 * B + 2 * t);
+        for (int g = 0; g < GS; g++)
+            a[g][0] = _mm512_dpbf16_ps(a[g][0], k0, (__m512bh)pair_broadcast(q + (g0 + g) * D + 2 * p));
+    }
+    for (int g = 0; g < GS; g++) _mm512_storeu_ps(row + (g0 + g) * B + t, _mm512_add_ps(a[g][0], a[g][1]));
+}
+#endif
+
 /* row[g * B + t] = q_g . k_t for a bf16 pair tile; q [G][D] bf16, qf the same widened */
 static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf, const bf16_t *restrict kt,
                               float *restrict tile, float *restrict row, int64_t G, int64_t D, int64_t B) {
 #ifdef __AVX512BF16__
-    if ((B & 15) == 0) { /* vdpbf16ps: 16 keys x one (d, d+1) pair per instruction, float32 sums */
-        for (int64_t g = 0; g < G; g++) {
-            const bf16_t *qg = q + g * D;
-            for (int64_t t = 0; t < B; t += 16) {
-                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-                int64_t p = 0;
-                for (; p + 2 <= D / 2; p += 2) {
-                    uint32_t q0, q1;
-                    memcpy(&q0, qg + 2 * p, sizeof q0);
-                    memcpy(&q1, qg + 2 * p + 2, sizeof q1);
-                    const __m512i k0 = _mm512_loadu_si512(kt + p * 2 * B + 2 * t);
-                    const __m512i k1 = _mm512_loadu_si512(kt + (p + 1) * 2 * B + 2 * t);
-                    a0 = _mm512_dpbf16_ps(a0, (__m512bh)k0, (__m512bh)_mm512_set1_epi32((int)q0));
-                    a1 = _mm512_dpbf16_ps(a1, (__m512bh)k1, (__m512bh)_mm512_set1_epi32((int)q1));
-                }
-                for (; p < D / 2; p++) {
-                    uint32_t q0;
-                    memcpy(&q0, qg + 2 * p, sizeof q0);
-                    const __m512i k0 = _mm512_loadu_si512(kt + p * 2 * B + 2 * t);
-                    a0 = _mm512_dpbf16_ps(a0, (__m512bh)k0, (__m512bh)_mm512_set1_epi32((int)q0));
-                }
-                _mm512_storeu_ps(row + g * B + t, _mm512_add_ps(a0, a1));
+    if ((B & 15) == 0) {
+        for (int64_t t = 0; t < B; t += 16)
+            for (int64_t g = 0; g < G; g += 4) {
+                const int64_t gs = G - g < 4 ? G - g : 4;
+                if (gs == 4) pair_scores_block(q, kt, row, D, B, t, g, 4);
+                else if (gs == 3) pair_scores_block(q, kt, row, D, B, t, g, 3);
+                else if (gs == 2) pair_scores_block(q, kt, row, D, B, t, g, 2);
+                else pair_scores_block(q, kt, row, D, B, t, g, 1);
             }
-        }
         return;
     }
 #endif
@@ -195,31 +210,81 @@ static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf
     tile_scores(qf, tile, row, G, D, B);
 }
 
-/* acc[g] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t, for one value tile vt [B][D] */
-static void tile_accumulate(const float *restrict w, int64_t n, int64_t shift, const float *restrict vt,
-                            float *restrict acc, int64_t G, int64_t D, int64_t t0, int64_t t1) {
-    for (int64_t g = 0; g < G; g++) {
-        const float *restrict wg = w + g * n + shift; /* read at t >= t0, where shift + t >= 0 */
-        float *restrict ag = acc + g * D;
-        if ((D & 15) == 0) { /* the accumulator stays in a register across the tile's rows */
-            for (int64_t d = 0; d < D; d += 16) {
-                v16f a = load16(ag + d);
-                for (int64_t t = t0; t < t1; t++) a += wg[t] * load16(vt + t * D + d);
-                store16(ag + d, a);
-            }
-        } else {
-            for (int64_t t = t0; t < t1; t++)
-                for (int64_t d = 0; d < D; d++) ag[d] += wg[t] * vt[t * D + d];
-        }
-    }
+/* 16 values as float32: float data as is, bf16 widened (a 16-bit shift) */
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+static inline v16f load16_f32(const float *p) { return load16(p); }
+static inline v16f load16_bf16(const bf16_t *p) {
+    v16u16 h;
+    memcpy(&h, p, sizeof h);
+    const v16u32 u = __builtin_convertvector(h, v16u32) << 16;
+    v16f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
+
+/* acc[g][d0 + 16 j] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t[d0 + 16 j], for GS heads
+ * from g0 and NV vectors from d0: GS * NV independent accumulators per value row, so the FMAs of one
+ * row overlap instead of waiting on each other (one accumulator per chain is latency-bound). GS and
+ * NV are constants after inlining: the accumulators live in registers. */
+#define DEFINE_ACC_BLOCK(NAME, T, LOAD16)                                                             \
+static inline __attribute__((always_inline)) void NAME(                                               \
+    const float *restrict w, int64_t n, int64_t shift, const T *restrict vt, float *restrict acc,     \
+    int64_t D, int64_t t0, int64_t t1, int64_t g0, int64_t d0, const int GS, const int NV) {          \
+    v16f a[4][4];                                                                                     \
+    for (int g = 0; g < GS; g++)                                                                      \
+        for (int j = 0; j < NV; j++) a[g][j] = load16(acc + (g0 + g) * D + d0 + 16 * j);              \
+    for (int64_t t = t0; t < t1; t++) {                                                               \
+        v16f v[4];                                                                                    \
+        for (int j = 0; j < NV; j++) v[j] = LOAD16(vt + t * D + d0 + 16 * j);                         \
+        for (int g = 0; g < GS; g++) {                                                                \
+            const float wt = w[(g0 + g) * n + shift + t];                                             \
+            for (int j = 0; j < NV; j++) a[g][j] += wt * v[j];                                        \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int g = 0; g < GS; g++)                                                                      \
+        for (int j = 0; j < NV; j++) store16(acc + (g0 + g) * D + d0 + 16 * j, a[g][j]);              \
+}
+DEFINE_ACC_BLOCK(acc_block_f32, float, load16_f32)
+DEFINE_ACC_BLOCK(acc_block_bf16, bf16_t, load16_bf16)
+
+/* acc[g] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t, for one value tile vt [B][D]:
+ * blocks of up to 3 heads x 64 dims, then 16-dim remainders; D not a multiple of 16: scalar. */
+#define DEFINE_ACCUMULATE(NAME, T, BLOCK, LOAD)                                                       \
+static void NAME(const float *restrict w, int64_t n, int64_t shift, const T *restrict vt,             \
+                 float *restrict acc, int64_t G, int64_t D, int64_t t0, int64_t t1) {                 \
+    if ((D & 15) == 0) {                                                                              \
+        for (int64_t g = 0; g < G; g += 3) {                                                          \
+            const int64_t gs = G - g < 3 ? G - g : 3;                                                 \
+            int64_t d = 0;                                                                            \
+            for (; d + 64 <= D; d += 64) {                                                            \
+                if (gs == 3) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 3, 4);                      \
+                else if (gs == 2) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 2, 4);                 \
+                else BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 1, 4);                              \
+            }                                                                                         \
+            for (; d < D; d += 16) {                                                                  \
+                if (gs == 3) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 3, 1);                      \
+                else if (gs == 2) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 2, 1);                 \
+                else BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 1, 1);                              \
+            }                                                                                         \
+        }                                                                                             \
+        return;                                                                                       \
+    }                                                                                                 \
+    for (int64_t g = 0; g < G; g++)                                                                   \
+        for (int64_t t = t0; t < t1; t++) {                                                           \
+            const float wt = w[g * n + shift + t];                                                    \
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += wt * LOAD(vt[t * D + d]);               \
+        }                                                                                             \
+}
+DEFINE_ACCUMULATE(tile_accumulate_f32, float, acc_block_f32, load_f32)
+DEFINE_ACCUMULATE(tile_accumulate_bf16, bf16_t, acc_block_bf16, bf16_to_f32)
 
 /* scores of key tile kt into row: float32 tiles directly, bf16 pair tiles through tile_scores_pairs */
 #define SCORES_F32(q, qf, kt, tile, row, G, D, B) tile_scores(qf, kt, row, G, D, B)
 #define SCORES_BF16(q, qf, kt, tile, row, G, D, B) tile_scores_pairs(q, qf, kt, tile, row, G, D, B)
 
 /* scratch: qf [G*D], tile [B*D], row [G*B], acc [G*D], scores [G*n] */
-#define DEFINE_ITEM(NAME, T, SCORES, AS_F32, LOAD, STORE)                                             \
+#define DEFINE_ITEM(NAME, T, SCORES, ACCUMULATE, LOAD, STORE)                                             \
 static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *table,             \
                  int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch) {             \
     const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
@@ -246,14 +311,14 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     for (int64_t b = first; b <= last; b++) {                                                         \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
         const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
-        tile_accumulate(scores, n, b * B - lo, AS_F32(vc + base, tile, tile_size), acc, G, D, t0, t1); \
+        ACCUMULATE(scores, n, b * B - lo, vc + base, acc, G, D, t0, t1);                                \
     }                                                                                                 \
     T *o = out + token * s->o_token_stride + h * G * D;                                               \
     for (int64_t i = 0; i < G * D; i++) o[i] = STORE(acc[i]);                                         \
 }
 
-DEFINE_ITEM(item_f32, float, SCORES_F32, as_f32_f32, load_f32, store_f32)
-DEFINE_ITEM(item_bf16, bf16_t, SCORES_BF16, as_f32_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_ITEM(item_f32, float, SCORES_F32, tile_accumulate_f32, load_f32, store_f32)
+DEFINE_ITEM(item_bf16, bf16_t, SCORES_BF16, tile_accumulate_bf16, bf16_to_f32, f32_to_bf16)
 
 /* tokens[i], seqs[i], positions[i]: the i-th query token to compute, its sequence, its position.
  * max_span: the most keys any of them sees (sizes the per-thread score buffer).

@@ -1,0 +1,92 @@
+"""Where one pure-decode step's time goes, per part of the model (wall-clock wrappers, no profiler).
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/decode_breakdown.py --num-seqs 32 --prompt-len 128
+
+Starts ``--num-seqs`` greedy requests, runs until every one of them decodes, then times
+``--steps`` engine steps with each part wrapped: norms, the four linears, rotary, the attention
+backend, SiLU-and-mul, the model's forward, compute_logits, the sampler. Prints min and median
+milliseconds per step, and the step's process CPU time (on a shared machine the CPU time is the
+steadier number: wall time includes waiting for a core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+
+import torch
+
+from podium import LLM, SamplingParams
+
+
+def wrap(obj, attr: str, key: str, acc: dict) -> None:
+    fn = getattr(obj, attr)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        acc[key] += time.perf_counter() - start
+        return result
+
+    setattr(obj, attr, timed)
+
+
+def instrument(engine, acc: dict) -> None:
+    model = engine.model
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name, module in (("norm", layer.input_layernorm), ("norm", layer.post_attention_layernorm),
+                             ("linear qkv", attn.qkv_proj), ("linear o", attn.o_proj),
+                             ("linear gate_up", mlp.gate_up_proj), ("linear down", mlp.down_proj)):
+            wrap(module, "forward", name, acc)
+        wrap(mlp, "silu_and_mul", "silu_and_mul", acc)
+    wrap(model.model.rotary_emb, "forward", "rotary", acc)
+    wrap(model.model.norm, "forward", "norm", acc)
+    wrap(model, "forward", "model forward", acc)
+    wrap(model, "compute_logits", "compute_logits", acc)
+    wrap(engine.runner.backend, "forward", "attention backend", acc)
+    wrap(engine.runner.sampler, "sample", "sampler", acc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    engine = LLM(args.model, dtype=args.dtype, max_model_len=2048).engine
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    vocab = engine.source.hf_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 64, ignore_eos=True)
+    for i in range(args.num_seqs):
+        engine.add_request(str(i), [rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+    while engine.scheduler.num_waiting or engine.scheduler.num_running < args.num_seqs:
+        engine.step()
+    for _ in range(5):  # warm
+        engine.step()
+    acc: dict = collections.defaultdict(float)
+    instrument(engine, acc)
+    per_step = collections.defaultdict(list)
+    for _ in range(args.steps):
+        acc.clear()
+        wall, cpu = time.perf_counter(), time.process_time()
+        engine.step()
+        acc["step (wall)"], acc["step (process CPU)"] = time.perf_counter() - wall, time.process_time() - cpu
+        for key, seconds in acc.items():
+            per_step[key].append(seconds * 1e3)
+    print(f"{args.num_seqs} decodes, ~{args.prompt_len} tokens of context, {engine.dtype}, "
+          f"{torch.get_num_threads()} threads, {args.steps} steps (ms per step)")
+    for key, values in per_step.items():
+        print(f"  {key:20s} min {min(values):7.2f}  median {statistics.median(values):7.2f}")
+
+
+if __name__ == "__main__":
+    main()
