@@ -19,7 +19,6 @@ import torch
 from podium_plugin_api import AttentionLayerSpec, AttentionMetadata
 
 from .attention import CpuAttentionBackend
-from .attention_plan import plan_for
 
 IPEX_DTYPES = (torch.float32, torch.bfloat16)
 CU_KV_KEY = "podium_cpu.ipex_cu_kv"
@@ -34,13 +33,11 @@ class IpexAttentionBackend(CpuAttentionBackend):
         self.ipex = ipex
         self.ops = torch.ops.torch_ipex
 
-    def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        key_cache, value_cache = self.split_cache(kv_cache)
+    def _write(self, key_cache, value_cache, key, value, slot_mapping, plan) -> None:
+        """IPEX's ``reshape_and_cache`` where it applies; ``forward`` and ``write_kv`` both come here."""
         dtype = key_cache.dtype
         if dtype not in IPEX_DTYPES or key.dtype != dtype or value.dtype != dtype:
-            return super().write_kv(kv_cache, key, value, slot_mapping)
+            return super()._write(key_cache, value_cache, key, value, slot_mapping, plan)
         blocks, hkv, block_size, head_size = value_cache.shape
         if key.shape != value.shape or key.shape != (slot_mapping.shape[0], hkv, head_size):
             raise ValueError(f"key/value must be [{slot_mapping.shape[0]}, {hkv}, {head_size}], got "
@@ -55,12 +52,9 @@ class IpexAttentionBackend(CpuAttentionBackend):
             self.ops.reshape_and_cache(key.contiguous(), value.contiguous(), key_cache, value_cache,
                                        slots.to(torch.int32).contiguous(), "auto", 1.0, 1.0)
 
-    def _attend(self, layer, query, kv_cache, meta, new_key, new_value) -> torch.Tensor:
-        key_cache, value_cache = self.split_cache(kv_cache)
+    def _attend(self, layer, query, key_cache, value_cache, meta, plan, new_key, new_value) -> torch.Tensor:
         if query.dtype not in IPEX_DTYPES or key_cache.dtype != query.dtype:
-            return super()._attend(layer, query, kv_cache, meta, new_key, new_value)
-        block_size = value_cache.shape[2]
-        plan = plan_for(meta, block_size)  # validates lengths against the block tables
+            return super()._attend(layer, query, key_cache, value_cache, meta, plan, new_key, new_value)
         if plan.max_block >= value_cache.shape[0]:
             raise ValueError(f"block_tables use block {plan.max_block}; the cache has {value_cache.shape[0]} blocks")
         query = query.contiguous()
