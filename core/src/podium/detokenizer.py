@@ -181,6 +181,18 @@ class IncrementalDetokenizer:
         special = self._special
         return [t for t in token_ids if t not in special] if special else list(token_ids)
 
+    def append_token(self, token_id: int) -> str:
+        """``append([token_id])`` without the list: the per-step call of a byte-level tokenizer."""
+        if self._utf8 is None:
+            return self.append([token_id])
+        if token_id in self._special:
+            return ""
+        data = self._info.token_bytes.get(token_id) or self._info.bytes_of(token_id)
+        delta = self._utf8.decode(data)
+        if delta:
+            self.text += delta
+        return delta
+
     def append(self, token_ids: list[int]) -> str:
         """Add newly sampled tokens; returns the text they complete (may be empty)."""
         if self._utf8 is not None and len(token_ids) == 1:  # the per-step common case, kept lean

@@ -39,7 +39,7 @@ from .models.context import ForwardContext
 from .models.registry import build_model, init_random_weights
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
-from .request import Sequence
+from .request import Sequence, SequenceStatus
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -47,6 +47,7 @@ from .startup import StartupTimer, format_startup
 
 logger = logging.getLogger(__name__)
 
+_FINISHED = SequenceStatus.FINISHED
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -309,11 +310,11 @@ class LLMEngine:
         requests, append, build, scheduler = self._requests, self.processor.append, self.processor.build_output, \
             self.scheduler
         for i, ((seq, token), logprobs) in enumerate(zip(result.sampled, result.logprobs)):
-            if seq.is_finished:  # aborted, or ended by the previous step while this one ran
+            if seq.status is _FINISHED:  # aborted, or ended by the previous step while this one ran
                 continue
             req = requests[seq.request_id]
-            finish = append(req.sequences[seq.sample_index], token, logprobs,
-                            indices[i] if indices is not None else None)
+            sequences = req.sequences
+            finish = append(sequences[seq.sample_index], token, logprobs, indices[i] if indices is not None else None)
             metrics = req.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = done
@@ -322,7 +323,7 @@ class LLMEngine:
             if finish is not None:
                 scheduler.finish(seq, *finish)
                 self._forget(seq)
-            if len(req.sequences) > 1 or seq.request_id in several:
+            if len(sequences) > 1 or (several and seq.request_id in several):
                 several[seq.request_id] = req
             elif finish is not None:
                 outputs.append(build(req))

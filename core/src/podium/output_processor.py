@@ -113,7 +113,7 @@ class OutputProcessor:
             state.cumulative_logprob += logprobs[token_id].logprob
         new_len = 0
         if state.detokenizer is not None:
-            delta = state.detokenizer.append([token_id])
+            delta = state.detokenizer.append_token(token_id)
             if delta:
                 state.text += delta
                 new_len = len(delta)
@@ -137,9 +137,17 @@ class OutputProcessor:
     @staticmethod
     def build_output(req: RequestState) -> RequestOutput:
         """The request's report for this step, in its ``output_kind``."""
-        finished = req.finished
+        sequences = req.sequences
+        if len(sequences) == 1:
+            finished = sequences[0].seq.status is _FINISHED
+        else:
+            finished = req.finished
         if req.output_kind == "delta":
-            outputs = [o for o in map(_delta_output, req.sequences) if o is not None]
+            if len(sequences) == 1:
+                output = _delta_output(sequences[0])
+                outputs = [output] if output is not None else []
+            else:
+                outputs = [o for o in map(_delta_output, sequences) if o is not None]
             prompt_logprobs = None
             if not req.prompt_logprobs_sent and req.prompt_logprobs is not None:
                 prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
