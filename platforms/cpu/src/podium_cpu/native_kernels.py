@@ -147,7 +147,8 @@ def _bind(libs: list[ctypes.CDLL]) -> dict[str, dict]:
 def _target(name: str, source: Path, flags: tuple[str, ...], compiler_version: str) -> Path:
     """The cached library's path, keyed by everything the build depends on."""
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), compiler_version.encode(), " ".join(flags).encode(), _cpu_flags().encode()])
+        b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(NATIVE_DIR.glob("*.h"))),
+                    compiler_version.encode(), " ".join(flags).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     return cache_dir() / f"{name}-{key}.so"
 

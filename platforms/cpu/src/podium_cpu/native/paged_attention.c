@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
+#include "bf16.h"
 
 typedef struct {
     int64_t q_token_stride, o_token_stride, bt_stride;
@@ -40,22 +40,6 @@ typedef struct {
     int64_t window;        /* <= 0: no sliding window */
     float scale, soft_cap; /* soft_cap <= 0: none */
 } Shape;
-
-static inline float bf16_to_f32(bf16_t x) {
-    const uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* round to nearest even, as torch's .to(bfloat16); NaN stays NaN. Branch-free: vectorises */
-static inline bf16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    return (bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
 
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
@@ -79,10 +63,7 @@ static inline float exp_neg(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
-typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
 /* ask for a tile before it is needed (a sequence's tiles are scattered); locality 3: L1, 2: L2 */
 #define prefetch_tile(p, bytes, locality)                                                             \
@@ -211,17 +192,7 @@ static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf
 }
 
 /* 16 values as float32: float data as is, bf16 widened (a 16-bit shift) */
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
 static inline v16f load16_f32(const float *p) { return load16(p); }
-static inline v16f load16_bf16(const bf16_t *p) {
-    v16u16 h;
-    memcpy(&h, p, sizeof h);
-    const v16u32 u = __builtin_convertvector(h, v16u32) << 16;
-    v16f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* acc[g][d0 + 16 j] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t[d0 + 16 j], for GS heads
  * from g0 and NV vectors from d0: GS * NV independent accumulators per value row, so the FMAs of one
