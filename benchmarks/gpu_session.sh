@@ -2,7 +2,7 @@
 # One device call on an H200: install Podium without dependencies (the image has torch, triton,
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
-# Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_sharegpt_8b step_profile_8b
+# Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
 #        latency_8b latency_1b
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -31,6 +31,9 @@ for s in $steps; do
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;
     tp_fixed_8b) run_step $s 200 podium bench throughput $shape8b --dataset random --input-len 512 \
       --output-len 256 --num-prompts 256 --compare hf --hf-batch-size 256 --json-out "$OUT/$s.json" ;;
+    tp_async_ab) for m in async-scheduling no-async-scheduling async-scheduling no-async-scheduling; do
+      run_step "${s}_$m" 150 podium bench throughput $shape8b --dataset random --input-len 512 --output-len 256 \
+        --num-prompts 256 --$m; done ;;
     tp_fixed_8b_sync) run_step $s 150 podium bench throughput $shape8b --dataset random --input-len 512 \
       --output-len 256 --num-prompts 256 --no-async-scheduling --json-out "$OUT/$s.json" ;;
     tp_sharegpt_8b) run_step $s 400 podium bench throughput --model llama-3.1-8b-shape --no-progress \
