@@ -3,7 +3,9 @@
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
-#        latency_8b latency_1b
+#        latency_8b latency_1b tp_cold_log skinny_tests skinny_bench latency_skinny_ab profile_bs1_1b profile_bs1_8b
+# tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
+# run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/podium_gpu_out}
@@ -42,6 +44,19 @@ for s in $steps; do
     latency_8b) run_step $s 70 podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
     latency_1b) run_step $s 50 podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
+    tp_cold_log) TAIL=40 run_step $s 200 env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
+      --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
+    skinny_tests) run_step $s 120 python3 -m pytest platforms/cuda/tests/test_skinny_gemm.py -q -p no:cacheprovider -rfE ;;
+    skinny_bench) TAIL=60 run_step $s 240 python3 platforms/cuda/scripts/bench_skinny.py --sweep --out "$OUT/skinny.json" ;;
+    latency_skinny_ab) for rows in 0 16 0 16; do
+      run_step "latency_1b_skinny$rows" 60 env PODIUM_CUDA_SKINNY_MAX_ROWS=$rows podium bench latency --model llama-3.2-1b-shape \
+        --max-model-len 1024 --no-progress --batch-size 1 --input-len 512 --output-len 128; done
+      for rows in 0 16; do run_step "latency_8b_skinny$rows" 80 env PODIUM_CUDA_SKINNY_MAX_ROWS=$rows podium bench latency \
+        $shape8b --batch-size 1 --input-len 512 --output-len 128; done ;;
+    profile_bs1_1b) for rows in 0 16; do TAIL=30 run_step ${s}_skinny$rows 90 env PROFILE_ROWS=24 PODIUM_CUDA_SKINNY_MAX_ROWS=$rows \
+      python3 benchmarks/step_profile.py --model llama-3.2-1b-shape --num-prompts 1 --input-len 512 --output-len 64 --kernels; done ;;
+    profile_bs1_8b) TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --num-prompts 1 \
+      --input-len 512 --output-len 64 --kernels ;;
     *) echo "unknown step $s" ;;
   esac
 done

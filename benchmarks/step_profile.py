@@ -12,6 +12,7 @@ totals per kind still add up to the run. ``--kernels`` then profiles one mixed a
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -94,7 +95,7 @@ def profile_kernels(engine, args, vocab, rng, params) -> None:
             print(f"--- no {kind} step (decode steps are the graph-replayed ones) ---")
             continue
         print(f"--- one {kind} step: top device kernels ---")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", "12")), max_name_column_width=60))
     engine.abort_request([f"k-{i}" for i in range(args.num_prompts)])
 
 

@@ -128,6 +128,36 @@ def bench_decode(results: dict, quick: bool) -> None:
             torch.cuda.empty_cache()
 
 
+SWEEP_CASES = ((256, 520), (256, 640), (256, 760), (64, 2048), (1, 512))  # (batch, context): the 8B runs' decode steps
+SWEEP_VARIANTS = [AttentionTiling(16, n, w, st) for n in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]
+
+
+def bench_decode_sweep(results: dict, quick: bool) -> None:
+    """Decode tilings at the contexts a 512-in / 256-out run passes through (ragged last blocks)."""
+    rows = results.setdefault("decode_sweep", [])
+    for batch, ctx in SWEEP_CASES:
+        sets = PagedSets(batch, ctx, 1)
+        best = None
+        for tiling in SWEEP_VARIANTS[: 2 if quick else None]:
+            tuning = KernelTuning(decode=tiling)
+            splits = plan_splits(batch, KV_HEADS, ctx, tuning.split)
+            try:
+                ms = graph_ms(sets.calls(tuning, splits))
+            except Exception as error:  # noqa: BLE001 (a tiling may not fit; keep sweeping)
+                rows.append({"batch": batch, "ctx": ctx, "tiling": tag(tiling), "error": repr(error)[:200]})
+                continue
+            rows.append({"batch": batch, "ctx": ctx, "tiling": tag(tiling), "splits": splits, "us": ms * 1e3,
+                         "TBps": sets.kv_bytes / ms / 1e9})
+            if best is None or ms < best[0]:
+                best = (ms, tag(tiling))
+        current = next(r for r in rows if r["batch"] == batch and r["ctx"] == ctx and r["tiling"] == tag(CUDA_TUNING.decode))
+        print(f"decode sweep b={batch:<3} ctx={ctx:<5} current {tag(CUDA_TUNING.decode)} {current['us']:.1f} us "
+              f"({current['TBps']:.2f} TB/s); best {best[1]} {best[0] * 1e3:.1f} us "
+              f"({sets.kv_bytes / best[0] / 1e9:.2f} TB/s)", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def causal_flops(num_seqs: int, ctx: int, q_len: int) -> float:
     pairs = q_len * ctx + q_len * (q_len + 1) / 2  # (query, key) pairs each query sees, per sequence
     return 4.0 * HEAD * HEADS * num_seqs * pairs
@@ -265,12 +295,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--quick", action="store_true", help="default tilings only")
-    parser.add_argument("--only", nargs="*", default=["ceilings", "decode", "prefill", "host", "ops", "kv_write"])
+    parser.add_argument("--only", nargs="*", default=["ceilings", "decode", "prefill", "host", "ops", "kv_write"],
+                        help="sections; also decode_sweep (tilings at the 8B runs' decode shapes)")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "errors": []}
     sections = {"ceilings": lambda r, q: r.update(ceilings=ceilings()), "decode": bench_decode,
-                "prefill": bench_prefill, "host": bench_host, "ops": bench_ops, "kv_write": bench_kv_write}
+                "decode_sweep": bench_decode_sweep, "prefill": bench_prefill, "host": bench_host, "ops": bench_ops, "kv_write": bench_kv_write}
     for name in args.only:
         start = time.time()
         try:

@@ -110,8 +110,9 @@ def _attend_tiles(
 
 
 # Runtime integers that change from step to step are not specialized on (Triton would otherwise
-# compile new variants for values equal to 1 or divisible by 16 in the middle of serving).
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
+# compile new variants for values equal to 1 or divisible by 16 in the middle of serving): that
+# includes stride_bt, the width of an eager step's block table (the longest sequence's blocks).
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window", "stride_bt"])
 def paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # out [T, H, D]; partials [T, H, NS, D] / [T, H, NS]
     q_ptr, k_cache_ptr, v_cache_ptr,  # q [T, H, D]; caches [num_blocks, block_size, Hkv, D]
