@@ -3,7 +3,7 @@
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
-#        latency_8b latency_1b tp_cold_log skinny_tests skinny_bench latency_skinny_ab profile_bs1_1b profile_bs1_8b
+#        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -28,7 +28,7 @@ for s in $steps; do
     engine_tests) run_step $s 170 python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
     engine_tests_rocm) run_step $s 240 env PODIUM_ROCM_FORCE_ON_CUDA=1 PODIUM_TEST_GPU_DEVICE=rocm \
       python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
-    kernel_tests) run_step $s 200 python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
+    kernel_tests) run_step $s 400 python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
     rocm_tests) run_step $s 200 env PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests \
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;
     tp_fixed_8b) run_step $s 200 podium bench throughput $shape8b --dataset random --input-len 512 \
@@ -46,15 +46,9 @@ for s in $steps; do
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
     tp_cold_log) TAIL=40 run_step $s 200 env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
       --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
-    skinny_tests) run_step $s 120 python3 -m pytest platforms/cuda/tests/test_skinny_gemm.py -q -p no:cacheprovider -rfE ;;
-    skinny_bench) TAIL=60 run_step $s 240 python3 platforms/cuda/scripts/bench_skinny.py --sweep --out "$OUT/skinny.json" ;;
-    latency_skinny_ab) for rows in 0 16 0 16; do
-      run_step "latency_1b_skinny$rows" 60 env PODIUM_CUDA_SKINNY_MAX_ROWS=$rows podium bench latency --model llama-3.2-1b-shape \
-        --max-model-len 1024 --no-progress --batch-size 1 --input-len 512 --output-len 128; done
-      for rows in 0 16; do run_step "latency_8b_skinny$rows" 80 env PODIUM_CUDA_SKINNY_MAX_ROWS=$rows podium bench latency \
-        $shape8b --batch-size 1 --input-len 512 --output-len 128; done ;;
-    profile_bs1_1b) for rows in 0 16; do TAIL=30 run_step ${s}_skinny$rows 90 env PROFILE_ROWS=24 PODIUM_CUDA_SKINNY_MAX_ROWS=$rows \
-      python3 benchmarks/step_profile.py --model llama-3.2-1b-shape --num-prompts 1 --input-len 512 --output-len 64 --kernels; done ;;
+    profile_bs1_1b) TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model llama-3.2-1b-shape \
+      --num-prompts 1 --input-len 512 --output-len 64 --kernels ;;
+    decode_sweep) TAIL=12 run_step $s 240 python3 platforms/cuda/scripts/bench_kernels.py --only decode_sweep --out "$OUT/$s.json" ;;
     profile_bs1_8b) TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --num-prompts 1 \
       --input-len 512 --output-len 64 --kernels ;;
     *) echo "unknown step $s" ;;

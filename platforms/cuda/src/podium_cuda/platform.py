@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import os
 
 import torch
 
 from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
 
-from .tuning import CUDA_TUNING, KernelTuning
+from .tuning import CUDA_TUNING
 
 
 def cuda_availability() -> Availability:
@@ -61,16 +59,6 @@ class CudaPlatform(Platform):
 
     def availability(self) -> Availability:
         return cuda_availability()
-
-    def tuning(self) -> KernelTuning:
-        """The launch parameters of podium-cuda's kernels on this platform
-        (``PODIUM_CUDA_SKINNY_MAX_ROWS`` overrides ``skinny_max_rows``; 0 turns skinny linears off)."""
-        rows = os.environ.get("PODIUM_CUDA_SKINNY_MAX_ROWS")
-        if rows is None:
-            return CUDA_TUNING
-        if not rows.isdigit() or int(rows) > 16:
-            raise ValueError(f"PODIUM_CUDA_SKINNY_MAX_ROWS must be an integer in [0, 16], got {rows!r}")
-        return dataclasses.replace(CUDA_TUNING, skinny_max_rows=int(rows))
 
     def capabilities(self) -> Capabilities:
         bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -128,14 +116,6 @@ class CudaPlatform(Platform):
 
     def graph_runner(self) -> GraphRunner:
         return CudaGraphRunner()
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Few-row linears (batch-1 / small-batch decode) through Triton where the tuning says it pays."""
-        if self.tuning().skinny_max_rows > 0:
-            from .skinny_gemm import use_skinny_linears  # triton is imported here, not before
-
-            use_skinny_linears(model, self.tuning())
-        return model
 
     def custom_ops(self) -> dict:
         """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""

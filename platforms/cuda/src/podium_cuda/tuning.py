@@ -55,29 +55,6 @@ class SplitPolicy:
 
 
 @dataclass(frozen=True)
-class SkinnyTiling:
-    """A skinny (few-row) linear launch: ``block_n`` output features a program, K in ``block_k`` steps."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class SkinnyPolicy:
-    """How ``skinny_linear`` tiles a weight: halve ``block_n`` from ``max_block_n`` (not below
-    ``min_block_n``) until the launch has ``target_programs`` programs."""
-
-    max_block_n: int = 64
-    min_block_n: int = 16
-    target_programs: int = 264  # two programs per multiprocessor of the H200
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-@dataclass(frozen=True)
 class KernelTuning:
     """Every launch parameter of podium_cuda's kernels."""
 
@@ -88,9 +65,6 @@ class KernelTuning:
     kv_write_num_warps: int = 4
     elementwise_num_warps: int = 4  # rms_norm, rotary, silu_and_mul
     max_head_size: int = 256  # larger heads fall back to the pure-torch reference
-    # linears of at most this many rows use skinny_linear (Triton) instead of cuBLAS; 0: never
-    skinny_max_rows: int = 0
-    skinny: SkinnyPolicy = field(default_factory=SkinnyPolicy)
     # fused ops the platform installs: those that beat the torch reference on the device (H200, bf16,
     # Llama-3.1-8B shapes, 1..8192 tokens: each fused op was 2-18x faster in graph replay and eager)
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
