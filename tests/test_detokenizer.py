@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from podium.detokenizer import PROMPT_CONTEXT, WINDOW, IncrementalDetokenizer, decode_token
+from podium.detokenizer import PROMPT_CONTEXT, WINDOW, IncrementalDetokenizer, decode_token, token_bytes
 from podium.stop import find_stop, safe_text_len
 
 REPLACEMENT = "\ufffd"
@@ -187,6 +187,23 @@ def test_decode_token(smollm2, sentencepiece):
     assert decode_token(sentencepiece, sentencepiece.eos_token_id) == "</s>"
     assert decode_token(smollm2, smollm2.convert_tokens_to_ids("<|im_end|>")) == "<|im_end|>"
     assert decode_token(sentencepiece, sentencepiece.convert_tokens_to_ids("<0xE4>")) == REPLACEMENT
+
+
+@pytest.mark.parametrize("which", ["smollm2", "sentencepiece"])
+def test_token_bytes_concatenate_to_the_texts_utf8(which, smollm2, sentencepiece):
+    """Per-token bytes (OpenAI's logprob ``bytes``) add up to the text's UTF-8, also where a token
+    holds part of a character (its own decode shows U+FFFD there)."""
+    tokenizer = smollm2 if which == "smollm2" else sentencepiece
+    texts = TEXTS if which == "smollm2" else ["hello world", "the é café", "日本"]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        data = b"".join(token_bytes(tokenizer, i) for i in ids)
+        expected = tokenizer.decode(ids).encode()
+        if which == "sentencepiece":  # its decoder strips the one leading space token bytes keep
+            data = data.removeprefix(b" ")
+        assert data == expected, text
+    assert token_bytes(sentencepiece, sentencepiece.convert_tokens_to_ids("<0xE4>")) == b"\xe4"
+    assert token_bytes(smollm2, smollm2.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
 
 
 def test_bad_method_is_an_error(sentencepiece):

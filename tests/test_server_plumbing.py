@@ -363,3 +363,17 @@ def test_engine_process_startup_error_is_raised_in_the_server():
 def test_engine_mode_is_validated():
     with pytest.raises(ValueError, match="engine_mode must be one of process, thread"):
         ServerSettings(engine_mode="fiber")
+
+
+@pytest.mark.parametrize("flag,expected", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+def test_serve_flags_reach_the_engine_config(flag, expected):
+    import argparse
+
+    from podium_server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "smollm2-135m-instruct", "--enforce-eager", "--max-num-seqs", "8", *flag])
+    engine = cli.settings_from_args(args).engine
+    assert engine.async_scheduling is expected
+    assert engine.enforce_eager is True and engine.max_num_seqs == 8

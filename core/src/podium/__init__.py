@@ -18,6 +18,8 @@ _LAZY = {
     "CompletionOutput": "podium.outputs",
     "EngineConfig": "podium.config",
     "LLMEngine": "podium.engine",
+    "decode_token": "podium.detokenizer",
+    "token_bytes": "podium.detokenizer",
 }
 
 __all__ = ["__version__", *_LAZY]

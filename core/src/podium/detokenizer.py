@@ -25,6 +25,7 @@ UTF-8 decoder, which holds back an incomplete character by itself; no decode cal
 from __future__ import annotations
 
 import codecs
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +143,26 @@ def decode_token(tokenizer, token_id: int) -> str:
         text = info.decode([*info.anchor, token_id], False)[info.anchor_len:]
         info.token_text[token_id] = text
     return text
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The raw bytes one token stands for (OpenAI's logprob ``bytes``): a byte-level BPE token's
+    bytes, a byte-fallback piece's one byte, else the UTF-8 of its text. A token holding part of a
+    character gives those bytes, not U+FFFD. Memoised per tokenizer.
+    """
+    info = _tokenizer_info(tokenizer)
+    if info.id_to_token is not None and info.id_to_token(token_id) is not None:
+        return info.bytes_of(token_id)
+    data = info.token_bytes.get(token_id)
+    if data is None:
+        piece = tokenizer.convert_ids_to_tokens(token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+        match = _BYTE_FALLBACK.fullmatch(piece) if isinstance(piece, str) else None
+        data = bytes([int(match.group(1), 16)]) if match else decode_token(tokenizer, token_id).encode()
+        info.token_bytes[token_id] = data
+    return data
 
 
 class IncrementalDetokenizer:

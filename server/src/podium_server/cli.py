@@ -38,6 +38,9 @@ def register(subparsers) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no graph capture")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan and launch step N+1 before reading step N's tokens (default: the platform's "
+                             "choice: on for CUDA/ROCm, off for CPU/TPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-request-bytes", default="16MiB", help="larger request bodies get 413")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -57,7 +60,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager, seed=args.seed)
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=args.seed)
     return ServerSettings(engine=engine, host=args.host, port=args.port, api_key=args.api_key or None,
                           log_level=args.log_level, max_request_bytes=parse_size(args.max_request_bytes),
                           shutdown_timeout=args.shutdown_timeout, engine_mode=args.engine_mode)

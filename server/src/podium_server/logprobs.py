@@ -10,12 +10,10 @@ which matter when a token holds only part of a character.
 
 from __future__ import annotations
 
-import re
-from functools import lru_cache
+from podium import token_bytes
 
 from .protocol import ChatLogprobs, ChatLogprobToken, ChatLogprobTop, CompletionLogprobs
 
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _FLOOR = -9999.0  # JSON has no -inf: an impossible token's logprob is shown as this (as vLLM does)
 
 
@@ -23,28 +21,11 @@ def finite(logprob: float) -> float:
     return logprob if logprob == logprob and logprob > _FLOOR else _FLOOR
 
 
-@lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2 byte-level BPE: each byte is shown as one printable character; this maps it back."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
 class TokenText:
     """Text and raw bytes of single tokens of one tokenizer, memoised."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-        self._byte_level = "Ġ" in vocab or "Ċ" in vocab
         self._bytes: dict[int, list[int]] = {}
 
     def text(self, token_id: int, decoded: str | None) -> str:
@@ -60,14 +41,7 @@ class TokenText:
 
     def _raw_bytes(self, token_id: int, decoded: str | None) -> list[int]:
         if self._tokenizer is not None:
-            piece = self._tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str):
-                match = _BYTE_FALLBACK.fullmatch(piece)
-                if match:
-                    return [int(match.group(1), 16)]
-                alphabet = _byte_level_alphabet()
-                if self._byte_level and all(ch in alphabet for ch in piece):
-                    return [alphabet[ch] for ch in piece]
+            return list(token_bytes(self._tokenizer, token_id))
         return list(self.text(token_id, decoded).encode("utf-8"))
 
 
