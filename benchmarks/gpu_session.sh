@@ -3,7 +3,7 @@
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
-#        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep blas_tests tp_fixed_8b_default_blas
+#        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -45,9 +45,6 @@ for s in $steps; do
     latency_1b) run_step $s 50 podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
     tp_cold_log) TAIL=40 run_step $s 200 env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
-      --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
-    blas_tests) run_step $s 120 python3 -m pytest platforms/cuda/tests/test_blas_choice.py -q -p no:cacheprovider -rfE ;;
-    tp_fixed_8b_default_blas) run_step $s 200 env PODIUM_CUDA_BLAS_CHOICE=0 podium bench throughput $shape8b --dataset random \
       --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
     profile_bs1_1b) TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model llama-3.2-1b-shape \
       --num-prompts 1 --input-len 512 --output-len 64 --kernels ;;

@@ -12,7 +12,6 @@ totals per kind still add up to the run. ``--kernels`` then profiles one mixed a
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import random
 import statistics
@@ -32,8 +31,6 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--kernels", action="store_true", help="profile one mixed and one decode step")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("podium_cuda").setLevel(logging.INFO)  # the platform's load-time choices
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
               max_num_batched_tokens=args.max_num_batched_tokens)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -117,15 +116,6 @@ class CudaPlatform(Platform):
 
     def graph_runner(self) -> GraphRunner:
         return CudaGraphRunner()
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """bf16/fp16 linears run on cuBLASLt where timing both libraries at load shows it faster
-        (``PODIUM_CUDA_BLAS_CHOICE=0``: always torch's default library)."""
-        if os.environ.get("PODIUM_CUDA_BLAS_CHOICE", "1") != "0":
-            from .blas_choice import choose_blas_libraries
-
-            choose_blas_libraries(model)
-        return model
 
     def custom_ops(self) -> dict:
         """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""
