@@ -52,3 +52,64 @@ def test_write_rejects_mismatched_shapes(kernel_device):
         write_kv(key, key, cache[0], cache[1], torch.zeros(2, dtype=torch.int64, device=kernel_device))
     with pytest.raises(ValueError, match="cache"):
         write_kv(key[:, :1], key[:, :1], cache[0], cache[1], torch.zeros(3, dtype=torch.int64, device=kernel_device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,block_size", [(32, 8, 128, 16), (4, 2, 64, 16), (6, 3, 96, 5)])
+def test_rotary_write_kv_equals_rotary_then_write(
+    dtype, num_heads, num_kv_heads, head_size, block_size, kernel_device, check_dtype
+):
+    """The fused pass gives the bits of the platform's rotary op followed by a cache write, and
+    matches the contract's reference rotary to within 2 ulps; other slots are untouched."""
+    from podium_cuda.fused_ops import rotary_embedding
+    from podium_cuda.kv_write import rotary_write_kv
+    from podium_cuda.testing import ULP2
+    from podium_plugin_api import ops
+
+    check_dtype(dtype)
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    backend, dev = AttentionBackend(), kernel_device
+    spec = KVCacheSpec(1, num_kv_heads, head_size, block_size, dtype)
+    num_blocks, num_tokens, max_pos = 12, 40, 300
+    start = torch.randn(backend.kv_cache_shape(spec, num_blocks), generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=gen)[:7]] = -1  # padding tokens: nothing written
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen)
+    angles = torch.rand(max_pos, head_size // 2, generator=gen) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [max_pos, D] float32
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    qkv = torch.randn(num_tokens, width, generator=gen).to(dtype).view(num_tokens, -1, head_size)
+    q, k, v = (t.to(dev) for t in qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1))  # views of one tensor
+    positions, cos_sin, slots_dev = positions.to(dev), cos_sin.to(dev), slots.to(dev)
+
+    q_rot, k_rot = rotary_embedding(positions, q, k, cos_sin)  # the unfused platform path
+    expected = start.clone().to(dev)
+    backend.write_kv(expected, k_rot, v, slots_dev)
+    cache = start.clone().to(dev)
+    q_out = rotary_write_kv(positions, q, k, v, cos_sin, *backend.split_cache(cache), slots_dev)
+    assert torch.equal(q_out, q_rot), f"seed {seed}"
+    assert torch.equal(cache, expected), f"seed {seed}"
+    q_ref, k_ref = ops.rotary_embedding(positions.cpu(), q.cpu(), k.cpu(), cos_sin.cpu())
+    torch.testing.assert_close(q_out.cpu(), q_ref, **ULP2[dtype])
+    kept = slots >= 0
+    k_back, v_back = backend.read_kv(cache.cpu(), slots[kept])
+    torch.testing.assert_close(k_back, k_ref[kept], **ULP2[dtype])
+    assert torch.equal(v_back, v.cpu()[kept])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    flat, flat_start = cache.cpu().view(2, -1, num_kv_heads, head_size), start.view(2, -1, num_kv_heads, head_size)
+    assert torch.equal(flat[:, untouched], flat_start[:, untouched])  # padding and other slots keep their bits
+
+
+def test_rotary_write_kv_rejects_mismatched_shapes(kernel_device):
+    from podium_cuda.kv_write import rotary_write_kv
+
+    cache = torch.zeros(2, 4, 16, 2, 64, device=kernel_device)
+    q, k = torch.zeros(3, 4, 64, device=kernel_device), torch.zeros(3, 2, 64, device=kernel_device)
+    pos = torch.zeros(3, dtype=torch.int64, device=kernel_device)
+    cos_sin = torch.zeros(10, 64, device=kernel_device)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_write_kv(pos, q, k, k, cos_sin, cache[0], cache[1], pos[:2])
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        rotary_write_kv(pos, q, k, k, cos_sin[:, :32], cache[0], cache[1], pos)

@@ -20,7 +20,7 @@ import torch
 
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
-from .kv_write import write_kv
+from .kv_write import rotary_write_kv, write_kv
 from .paged_attention import paged_attention
 from .tuning import CUDA_TUNING, KernelTuning, plan_splits
 
@@ -51,6 +51,19 @@ class TritonAttentionBackend(AttentionBackend):
     def supports(self, layer: AttentionLayerSpec, query: torch.Tensor) -> bool:
         """Whether the Triton kernel handles this layer (else the reference does)."""
         return layer.head_size <= self.tuning.max_head_size and query.dtype in KERNEL_DTYPES
+
+    def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary):
+        """Rotary, the KV write and attention with two kernels: one pass rotates q and k, writing k
+        and v straight into the cache (``rotary_write_kv``), then the paged attention (plugin API 1.2)."""
+        key_cache, value_cache = self.split_cache(kv_cache)
+        head_size = query.shape[-1]
+        fusable = self.supports(layer, query) and key.dtype == value.dtype == query.dtype == key_cache.dtype
+        fusable = fusable and head_size % 2 == 0 and rotary.cos_sin_cache.shape[-1] == head_size
+        if not fusable:
+            return super().forward_rotary(layer, query, key, value, kv_cache, meta, rotary)
+        query = rotary_write_kv(rotary.positions, query, key, value, rotary.cos_sin_cache, key_cache, value_cache,
+                                meta.slot_mapping, self.tuning)
+        return self.attend(layer, query, kv_cache, meta)
 
     def attend(
         self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

@@ -79,9 +79,10 @@ def fused_add_rms_norm(
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, num_heads, cos, sin,
+def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, dst_stride_h, num_heads, cos, sin,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate-halves rotary for the [num_heads, 2 * HALF] rows of one token; dst is contiguous."""
+    """Rotate-halves rotary for the [num_heads, 2 * HALF] rows of one token; ``dst_ptr`` points at
+    the token's first head, heads ``dst_stride_h`` apart."""
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, BLOCK_HALF)[None, :]
     ok = (h < num_heads) & (c < HALF)
@@ -90,9 +91,18 @@ def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, num_heads, cos, s
     x2 = tl.load(src + HALF, mask=ok, other=0.0)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    dst = dst_ptr + (token * num_heads + h) * (2 * HALF) + c
+    dst = dst_ptr + h * dst_stride_h + c
     tl.store(dst, (a * cos - b * sin).to(dst_ptr.dtype.element_ty), mask=ok)
     tl.store(dst + HALF, (b * cos + a * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _cos_sin(cache_ptr, pos, stride_c, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin [1, BLOCK_HALF] (float32) of one position from a [max_pos, 2 * HALF] cache."""
+    c = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cache_ptr + pos * stride_c + c, mask=c < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_c + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -103,11 +113,11 @@ def rotary_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    c = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cache_ptr + pos * stride_c + c, mask=c < HALF, other=0.0).to(tl.float32)  # [1, BLOCK_HALF]
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
+    cos, sin = _cos_sin(cache_ptr, pos, stride_c, HALF, BLOCK_HALF)
+    _rotate_heads(q_ptr, q_out_ptr + token * num_heads * (2 * HALF), token, stride_qt, stride_qh, 2 * HALF,
+                  num_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr + token * num_kv_heads * (2 * HALF), token, stride_kt, stride_kh, 2 * HALF,
+                  num_kv_heads, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
 
 
 def rotary_embedding(

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_ops import _cos_sin, _rotate_heads
 from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
 
 
@@ -69,3 +70,77 @@ def write_kv(
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_size),
         num_warps=tuning.kv_write_num_warps,
     )
+
+
+@triton.jit
+def rotary_write_kv_kernel(
+    q_out_ptr, q_ptr, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
+    num_heads, kv_block_size, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+    stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One token: rotated query -> q_out [T, H, D]; rotated key and the value -> the caches at its slot."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos, sin = _cos_sin(cos_sin_ptr, pos, stride_c, HALF, BLOCK_HALF)
+    _rotate_heads(q_ptr, q_out_ptr + t * num_heads * (2 * HALF), t, stride_qt, stride_qh, 2 * HALF,
+                  num_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        block = slot // kv_block_size
+        offset = slot % kv_block_size
+        _rotate_heads(key_ptr, k_cache_ptr + block * stride_kb + offset * stride_ks, t, stride_kt, stride_kh,
+                      stride_kch, NUM_KV_HEADS, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
+        h = tl.arange(0, BLOCK_HKV)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < 2 * HALF)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs + h * stride_vch + d
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    tuning: KernelTuning = CUDA_TUNING,
+) -> torch.Tensor:
+    """``rotary_embedding`` then ``write_kv`` in one pass: returns the rotated query [T, H, D]; the
+    rotated key and the value go straight to the caches ([num_blocks, block_size, Hkv, D]) at
+    ``slot_mapping`` (-1: skipped). Same roundings as the two ops, so the same bits."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    if key.shape != (num_tokens, num_kv_heads, head_size) or value.shape != key.shape:
+        raise ValueError(f"rotary_write_kv: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} disagree")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"rotary_write_kv: positions {tuple(positions.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} must be [{num_tokens}]")
+    if head_size % 2 or cos_sin_cache.shape[-1] != head_size:
+        raise ValueError(f"rotary_write_kv: cos_sin_cache {tuple(cos_sin_cache.shape)} needs head_size {head_size} (even)")
+    if key_cache.shape[2:] != (num_kv_heads, head_size) or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError(f"rotary_write_kv: caches {tuple(key_cache.shape)} must be [*, *, {num_kv_heads}, "
+                         f"{head_size}], contiguous in the last dim")
+    query = query if query.stride(2) == 1 else query.contiguous()
+    key = key if key.stride(2) == 1 else key.contiguous()
+    value = value if value.stride(2) == 1 else value.contiguous()
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens:
+        rotary_write_kv_kernel[(num_tokens,)](
+            q_out, query, key, value, key_cache, value_cache, slot_mapping, positions, cache,
+            num_heads, key_cache.shape[1], query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), cache.stride(0),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads, HALF=head_size // 2, BLOCK_H=next_power_of_2(num_heads),
+            BLOCK_HKV=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(head_size // 2),
+            BLOCK_D=next_power_of_2(head_size), num_warps=tuning.elementwise_num_warps,
+        )
+    return q_out
