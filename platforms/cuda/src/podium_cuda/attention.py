@@ -20,6 +20,7 @@ import torch
 
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
+from .fused_ops import rotary_embedding
 from .kv_write import rotary_write_kv, write_kv
 from .paged_attention import paged_attention
 from .tuning import CUDA_TUNING, KernelTuning, plan_splits
@@ -54,10 +55,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary):
         """Rotary, the KV write and attention with two kernels: one pass rotates q and k, writing k
-        and v straight into the cache (``rotary_write_kv``), then the paged attention (plugin API 1.2)."""
+        and v straight into the cache (``rotary_write_kv``), then the paged attention (plugin API 1.2).
+
+        Fused only when the model's rotary op is this platform's own (same code, same bits) and the
+        cache holds the model's dtype; otherwise the default: the rotary op, then ``forward``."""
         key_cache, value_cache = self.split_cache(kv_cache)
         head_size = query.shape[-1]
-        fusable = self.supports(layer, query) and key.dtype == value.dtype == query.dtype == key_cache.dtype
+        own_rotary = getattr(rotary.rotate, "func", rotary.rotate) is rotary_embedding
+        fusable = own_rotary and self.supports(layer, query)
+        fusable = fusable and key.dtype == value.dtype == query.dtype == key_cache.dtype
         fusable = fusable and head_size % 2 == 0 and rotary.cos_sin_cache.shape[-1] == head_size
         if not fusable:
             return super().forward_rotary(layer, query, key, value, kv_cache, meta, rotary)
