@@ -113,3 +113,37 @@ def test_rotary_write_kv_rejects_mismatched_shapes(kernel_device):
         rotary_write_kv(pos, q, k, k, cos_sin, cache[0], cache[1], pos[:2])
     with pytest.raises(ValueError, match="cos_sin_cache"):
         rotary_write_kv(pos, q, k, k, cos_sin[:, :32], cache[0], cache[1], pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", [((1, 30), (1, 7), (1, 45)), ((5, 5), (1, 17), (9, 40))])  # (new tokens, length)
+def test_forward_rotary_equals_rotary_then_forward(dtype, seqs, kernel_device, check_dtype):
+    """The backend's fused path (one rotary + cache write pass, then attention) against the
+    platform's rotary op then ``forward``: same outputs, same cache, bit for bit."""
+    from podium_cuda.attention import TritonAttentionBackend
+    from podium_cuda.fused_ops import rotary_embedding
+    from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, RotaryInputs
+
+    check_dtype(dtype)
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    backend, dev = TritonAttentionBackend(), kernel_device
+    heads, kv_heads, head_size, block_size, num_blocks = 8, 2, 64, 16, 16
+    layer = AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, scale=head_size**-0.5)
+    spec = KVCacheSpec(1, kv_heads, head_size, block_size, dtype)
+    start = torch.randn(backend.kv_cache_shape(spec, num_blocks), generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-length // block_size))] for _, length in seqs]
+    meta = AttentionMetadata.from_lengths([new for new, _ in seqs], [length for _, length in seqs], tables,
+                                          block_size, device=dev)
+    positions = [p for new, length in seqs for p in range(length - new, length)]
+    tokens = len(positions)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype).view(tokens, -1, head_size)
+    q, k, v = (t.to(dev) for t in qkv.split([heads, kv_heads, kv_heads], dim=1))
+    angles = torch.rand(64, head_size // 2, generator=gen) * 6.3
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dev)
+    pos = torch.tensor(positions, device=dev)
+    fused_cache, plain_cache = start.clone().to(dev), start.clone().to(dev)
+    got = backend.forward_rotary(layer, q, k, v, fused_cache, meta, RotaryInputs(pos, table, rotary_embedding))
+    q_rot, k_rot = rotary_embedding(pos, q, k, table)
+    want = backend.forward(layer, q_rot, k_rot, v, plain_cache, meta)
+    assert torch.equal(got, want) and torch.equal(fused_cache, plain_cache)
