@@ -3,7 +3,7 @@
 Why native: paged attention in pure torch must either gather every sequence's K/V into a dense
 copy per layer (which doubles the step's memory traffic) or loop per sequence in Python; a small
 C kernel reads each key/value row once, straight through the block table. The decoder's
-RMSNorm and rotary embedding are one pass each in C instead of 5-10 torch ops.
+RMSNorm, rotary embedding and SiLU-and-mul are one pass each in C instead of 2-10 torch ops.
 
 Build: the system C compiler (``cc``, ``gcc`` or ``clang``) with ``-O3 -march=native -fopenmp``,
 about a second (the libraries build in parallel), once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
@@ -58,6 +58,7 @@ class NativeKernels:
     write_kv: dict
     rms_norm: dict
     rotary: dict
+    silu_and_mul: dict
 
 
 def cache_dir() -> Path:
@@ -125,6 +126,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], ("bf16",)),
     "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
                       ("f32", "bf16")),
+    "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("bf16",)),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -188,4 +190,5 @@ def _load() -> tuple[NativeKernels | None, str]:
         write_kv=entries["podium_write_kv"],
         rms_norm=entries["podium_rms_norm"],
         rotary=entries["podium_rotary"],
+        silu_and_mul=entries["podium_silu_and_mul"],
     ), ""

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 
 typedef struct {
     int64_t q_token_stride, o_token_stride, bt_stride;
@@ -43,27 +44,6 @@ typedef struct {
 
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
-
-/* e^x for x <= 0 (softmax weights), vectorisable: Cephes' expf polynomial, relative error ~2e-7;
- * x below -87 (weights under 1e-38) gives 0 */
-static inline float exp_neg(float x) {
-    const float xc = x < -87.f ? -87.f : x;
-    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    const float r = xc - n * 0.693359375f + n * 2.12194440e-4f; /* xc - n * ln 2 in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n; n >= -126 here */
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -87.f ? 0.f : p * scale;
-}
-
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* ask for a tile before it is needed (a sequence's tiles are scattered); locality 3: L1, 2: L2 */
 #define prefetch_tile(p, bytes, locality)                                                             \
@@ -82,17 +62,24 @@ static void softmax_row(float *restrict x, int64_t n, float soft_cap) {
     if (n >= 16) {
         m16 = load16(x);
         for (j = 16; j + 16 <= n; j += 16) {
-            const v16f v = load16(x + j);
-            m16 = (v16f)(((v16i)v & (v16i)(v > m16)) | ((v16i)m16 & ~(v16i)(v > m16)));
+            m16 = max16(load16(x + j), m16);
         }
         for (int k = 0; k < 16; k++) m = m16[k] > m ? m16[k] : m;
     }
     for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    v16f sum16 = {0};
+    for (j = 0; j + 16 <= n; j += 16) {
+        const v16f e = exp16(load16(x + j) - m);
+        store16(x + j, e);
+        sum16 += e;
+    }
     float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-    for (int64_t k = 0; k < n; k++) {
-        x[k] = exp_neg(x[k] - m);
-        sum += x[k];
+    for (int k = 0; k < 16; k++) sum += sum16[k];
+    if (j < n) { /* the last n % 16 scores through a padded copy */
+        float tail[16] = {0};
+        memcpy(tail, x + j, (size_t)(n - j) * sizeof(float));
+        const v16f e = exp16(load16(tail) - m);
+        for (int64_t k = 0; k < n - j; k++) sum += (x[j + k] = e[k]);
     }
     const float inv = 1.f / sum;
 #pragma omp simd
