@@ -38,15 +38,26 @@ COMPILE_TIMEOUT_S = 120
 
 
 class Shape(ctypes.Structure):
-    """Mirror of the C ``Shape`` struct (strides and sizes in elements)."""
+    """Mirror of the C ``Shape`` struct: one layer's strides (elements) and attention parameters."""
 
     _fields_ = [
         (name, ctypes.c_int64)
         for name in (
-            "q_token_stride", "o_token_stride", "bt_stride",
+            "q_token_stride", "o_token_stride", "k_token_stride", "v_token_stride",
             "num_heads", "num_kv_heads", "head_size", "block_size", "window",
         )
     ] + [("scale", ctypes.c_float), ("soft_cap", ctypes.c_float)]
+
+
+class Step(ctypes.Structure):
+    """Mirror of the C ``Step`` struct: one step's batch (pointers to tensors the caller keeps alive)."""
+
+    _fields_ = [
+        ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
+        ("tokens", ctypes.c_void_p), ("seqs", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int64), ("max_span", ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("num_writes", ctypes.c_int64),
+    ]
 
 
 @dataclass
@@ -121,7 +132,7 @@ def _remove_stale(name: str, keep: Path) -> None:
 
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
-    "podium_paged_attention": ([_PTR] * 8 + [_I64, _I64, ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
+    "podium_paged_attention": ([_PTR] * 6 + [ctypes.POINTER(Step), ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
     "podium_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ("f32", "bf16")),
     "podium_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], ("bf16",)),
     "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
