@@ -38,16 +38,16 @@ def cpu_ops(kernels: NativeKernels | None) -> dict[str, Callable]:
     return ops
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """A 2-D tensor whose rows are contiguous (any row stride)."""
-    return x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
+def _bf16_rows(x: torch.Tensor) -> bool:
+    """A 2-D bf16 CPU tensor whose rows are contiguous (any row stride)."""
+    return x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
 
 
 def _norm_native(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    ok = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and _rows(x) and x.device.type == "cpu"
-    ok = ok and weight.is_contiguous() and weight.dim() == 1 and weight.shape[0] == x.shape[1]
+    ok = _bf16_rows(x) and weight.dtype == torch.bfloat16 and weight.dim() == 1 and weight.shape[0] == x.shape[1]
+    ok = ok and weight.is_contiguous()
     if residual is not None:
-        ok = ok and residual.dtype == torch.bfloat16 and _rows(residual) and residual.shape == x.shape
+        ok = ok and _bf16_rows(residual) and residual.shape == x.shape
     return ok
 
 
@@ -84,7 +84,7 @@ def rotary_embedding(
     dtype, d = query.dtype, query.shape[-1]
     usable = dtype in kernels.rotary and key.dtype == dtype and _heads(query) and _heads(key)
     usable = usable and key.shape[0] == query.shape[0] == positions.shape[0] and key.shape[2] == d and d % 2 == 0
-    usable = usable and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d and query.device.type == "cpu"
+    usable = usable and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == d and query.is_cpu
     if not usable:
         return reference.rotary_embedding(positions, query, key, cos_sin_cache)
     if positions.dtype != torch.int64 or not positions.is_contiguous():
@@ -104,11 +104,9 @@ def rotary_embedding(
 
 def silu_and_mul(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; rows may be strided."""
-    if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
+    if not _bf16_rows(x) or x.shape[1] % 2:
         return reference.silu_and_mul(x)
     rows, inter = x.shape[0], x.shape[1] // 2
-    if rows > 1 and x.stride(0) < 2 * inter:
-        return reference.silu_and_mul(x)
     out = torch.empty((rows, inter), dtype=x.dtype)  # [T, I]
     kernels.silu_and_mul[x.dtype](x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
     return out

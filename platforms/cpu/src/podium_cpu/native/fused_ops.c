@@ -30,8 +30,8 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* One row: s = bf16(x + res) into sum (res NULL: s = x), out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps))).
  * 16 lanes at a time with scalar tails; the second pass re-reads s (bf16) from the first. */
-static void norm_row(const bf16_t *restrict x, const bf16_t *restrict res, const bf16_t *restrict w,
-                     bf16_t *restrict out, bf16_t *restrict sum, int64_t cols, float eps) {
+static void norm_row(const bf16_t *x, const bf16_t *res, const bf16_t *w, bf16_t *out, bf16_t *sum, int64_t cols,
+                     float eps) {
     v16f acc = {0};
     float ss = 0.f;
     int64_t i = 0;
@@ -46,7 +46,6 @@ static void norm_row(const bf16_t *restrict x, const bf16_t *restrict res, const
             sum[i] = f32_to_bf16(s);
             ss += s * s;
         }
-        x = sum;
     } else {
         for (; i + 16 <= cols; i += 16) {
             const v16f s = load16_bf16(x + i);
@@ -56,9 +55,10 @@ static void norm_row(const bf16_t *restrict x, const bf16_t *restrict res, const
     }
     for (int k = 0; k < 16; k++) ss += acc[k];
     const float scale = 1.f / sqrtf(ss / (float)cols + eps);
+    const bf16_t *s_row = res ? sum : x;
     for (i = 0; i + 16 <= cols; i += 16)
-        store16_bf16(out + i, load16_bf16(w + i) * round16_bf16(load16_bf16(x + i) * scale));
-    for (; i < cols; i++) out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * scale));
+        store16_bf16(out + i, load16_bf16(w + i) * round16_bf16(load16_bf16(s_row + i) * scale));
+    for (; i < cols; i++) out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(s_row[i]) * scale));
 }
 
 /* rows of x [rows, cols] (row stride x_stride); residual may be NULL (then sum_out is unused).
