@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from podium_plugin_api import AttentionLayerSpec
+from podium_plugin_api import AttentionLayerSpec, RotaryInputs
 
 from .context import ForwardContext
-from .rotary import RotaryEmbedding, head_dim_of
+from .rotary import head_dim_of
 
 Ops = dict[str, Callable]
 
@@ -101,15 +101,13 @@ class Attention(nn.Module):
             sliding_window=layer_sliding_window(config, layer_index),
         )
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryInputs, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).reshape(tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
         q, k, v = qkv.split_with_sizes(self.head_splits, dim=1)  # [T, H, D], [T, Hkv, D], [T, Hkv, D] (views)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)  # norm over D, per head
             k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
-        q, k = rotary(positions, q, k)
-        out = ctx.backend.forward(self.spec, q, k, v, ctx.kv_caches[self.layer_index], ctx.meta)  # [T, H, D]
+        # rotary on q and k, the cache write and attention: the backend may do all three in one pass
+        out = ctx.backend.forward_rotary(self.spec, q, k, v, ctx.kv_caches[self.layer_index], ctx.meta, rotary)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))  # [T, hidden]

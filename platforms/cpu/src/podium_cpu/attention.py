@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec
+from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec, RotaryInputs
 from podium_plugin_api.reference import attend_one, attention_mask
 
-from .attention_kernel import call_kernel, checked_slots, kernel_inputs_fit, token_rows
+from .attention_kernel import call_kernel, checked_slots, kernel_inputs_fit, rotary_fits, token_rows
 from .attention_plan import LongSeq, StepPlan, plan_for
 from .native_kernels import NativeKernels
 
@@ -135,8 +135,18 @@ class CpuAttentionBackend(AttentionBackend):
         plan = plan_for(meta, value_cache.shape[2])
         return self._attend(layer, query, key_cache, value_cache, meta, plan, None, None)
 
-    def _native_forward(self, layer, query, key, value, kv_cache, meta) -> torch.Tensor | None:
-        """Write and attend in one kernel call (then SDPA for long sequences); None: it does not fit."""
+    def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary: RotaryInputs) -> torch.Tensor:
+        """Rotation, cache write and attention in one kernel call for steps of short sequences."""
+        out = self._native_forward(layer, query, key, value, kv_cache, meta, rotary)
+        if out is not None:
+            return out
+        return super().forward_rotary(layer, query, key, value, kv_cache, meta, rotary)
+
+    def _native_forward(self, layer, query, key, value, kv_cache, meta, rotary=None) -> torch.Tensor | None:
+        """Write and attend in one kernel call (then SDPA for long sequences); None: it does not fit.
+
+        With ``rotary`` the kernel rotates q and k first; only for steps without long sequences
+        (their SDPA would need the rotated rows) and with a table it can read."""
         dtype = kv_cache.dtype
         if self.kernels is None or not self.key_transposed or dtype not in self.kernels.paged_attention:
             return None
@@ -150,9 +160,12 @@ class CpuAttentionBackend(AttentionBackend):
         if not kernel_inputs_fit(layer, query, (key, value), hkv, head_size, meta.slot_mapping.shape[0]):
             return None
         plan = plan_for(meta, block_size)
+        if rotary is not None and (plan.long_seqs or query.shape[0] != key.shape[0]
+                                   or not rotary_fits(rotary, key.shape[0], head_size)):
+            return None
         base = kv_cache.data_ptr()
         caches = (base, base + kv_cache.stride(0) * kv_cache.element_size(), blocks, block_size)
-        out = call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan)
+        out = call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary)
         if plan.long_seqs:
             self._long_seqs(layer, query, *self.split_cache(kv_cache), plan.long_seqs, key, value, out)
         return out

@@ -4,8 +4,9 @@ A call takes the layer's query, the step's new key/value rows (or none: attend o
 and two small structs:
 
     Step   the step's batch, the same for every layer: int32 block tables, the short sequences'
-           tokens / sequences / positions, the checked int64 slots. Built by the first layer of a
-           step and kept in the plan's cache.
+           tokens / sequences / positions, the checked int64 slots and, when the kernel rotates q
+           and k itself (``forward_rotary``), the rotary positions and cos/sin table. Built by the
+           first layer of a step and kept in the plan's cache.
     Shape  one layer's strides and attention parameters, kept per (layer, strides, block size).
 
 The kernel first stores the new rows at their slots, then attends every short-sequence token, in
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from podium_plugin_api import AttentionLayerSpec, AttentionMetadata
+from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, RotaryInputs
 
 from .attention_plan import StepPlan
 from .native_kernels import NativeKernels, Shape, Step
@@ -25,11 +26,13 @@ from .native_kernels import NativeKernels, Shape, Step
 
 def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec, query: torch.Tensor,
                 new_rows: tuple[torch.Tensor, torch.Tensor] | None, caches: tuple[int, int, int, int],
-                meta: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
+                meta: AttentionMetadata, plan: StepPlan, rotary: RotaryInputs | None = None) -> torch.Tensor:
     """out [T, H, D] with the short sequences' rows attended (other rows uninitialised).
 
     ``caches``: (key cache address, value cache address, blocks, block size); ``new_rows``: the
-    step's (key, value) [T, Hkv, D], written first, or None. The caller checked ``kernel_inputs_fit``.
+    step's (key, value) [T, Hkv, D], written first, or None. ``rotary`` (with ``new_rows``): query
+    and key come unrotated; the kernel rotates them (``rotary_fits`` checked it applies). The
+    caller checked ``kernel_inputs_fit``.
     """
     key_ptr, value_ptr, blocks, block_size = caches
     if plan.num_tokens != query.shape[0]:
@@ -43,7 +46,7 @@ def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec,
     else:
         key, value = new_rows
         k_stride, v_stride = key.stride(0), value.stride(0)
-    step = _step(plan, meta, blocks * block_size, new_rows is not None)
+    step = _step(plan, meta, blocks * block_size, new_rows is not None, rotary)
     shape_key = (id(layer), query.stride(0), k_stride, v_stride, block_size)
     entry = shapes.get(shape_key)
     if entry is None or entry[0] is not layer:
@@ -81,11 +84,13 @@ def _shape(layer: AttentionLayerSpec, query: torch.Tensor, k_stride: int, v_stri
     )
 
 
-def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool) -> Step:
-    """The step's Step struct; built once per (step, cache size), its tensors kept in the plan."""
-    key = ("native step", num_slots, writes)
+def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool,
+          rotary: RotaryInputs | None) -> Step:
+    """The step's Step struct; built once per (step, cache size, rotary), its tensors kept in the plan."""
+    key = ("native step", num_slots, writes, rotary is not None)
     cached = plan.cache.get(key)
-    if cached is not None and cached[0] is meta.slot_mapping:
+    if cached is not None and cached[0] is meta.slot_mapping and (
+            rotary is None or (cached[2] is rotary.positions and cached[3] is rotary.cos_sin_cache)):
         return cached[1]
     tables = plan.cache.get("int32 tables")
     if tables is None:
@@ -97,8 +102,33 @@ def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool)
         num_tokens=plan.tokens.numel(), max_span=plan.max_short_span,
         slots=None if slots is None else slots.data_ptr(), num_writes=0 if slots is None else slots.numel(),
     )
-    plan.cache[key] = (meta.slot_mapping, step, slots)  # slots: kept alive with the struct pointing at it
+    positions = None
+    if rotary is not None:
+        positions = _checked_positions(rotary)
+        step.cos_sin, step.rope_positions = rotary.cos_sin_cache.data_ptr(), positions.data_ptr()
+    # the tensors the struct points at stay alive with it
+    plan.cache[key] = (meta.slot_mapping, step, rotary and rotary.positions, rotary and rotary.cos_sin_cache,
+                       slots, positions)
     return step
+
+
+def rotary_fits(rotary: RotaryInputs, num_tokens: int, head_size: int) -> bool:
+    """The kernel can rotate with these inputs: a float32 [P, D] table, one position per new token."""
+    table, positions = rotary.cos_sin_cache, rotary.positions
+    return (table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == head_size and head_size % 2 == 0
+            and table.is_contiguous() and table.is_cpu and positions.dim() == 1 and positions.shape[0] == num_tokens
+            and not positions.is_floating_point())
+
+
+def _checked_positions(rotary: RotaryInputs) -> torch.Tensor:
+    """The rotary positions as contiguous int64, each a row of the cos/sin table."""
+    positions = rotary.positions.to(torch.int64).contiguous()
+    rows = rotary.cos_sin_cache.shape[0]
+    if positions.numel():
+        low, high = torch.aminmax(positions)
+        if int(low) < 0 or int(high) >= rows:
+            raise ValueError(f"positions must be in [0, {rows}), got [{int(low)}, {int(high)}]")
+    return positions
 
 
 def checked_slots(slot_mapping: torch.Tensor, num_slots: int, plan: StepPlan | None) -> torch.Tensor:

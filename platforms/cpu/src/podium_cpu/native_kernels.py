@@ -57,6 +57,7 @@ class Step(ctypes.Structure):
         ("tokens", ctypes.c_void_p), ("seqs", ctypes.c_void_p), ("positions", ctypes.c_void_p),
         ("num_tokens", ctypes.c_int64), ("max_span", ctypes.c_int64),
         ("slots", ctypes.c_void_p), ("num_writes", ctypes.c_int64),
+        ("cos_sin", ctypes.c_void_p), ("rope_positions", ctypes.c_void_p),
     ]
 
 

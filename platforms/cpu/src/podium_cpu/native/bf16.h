@@ -33,6 +33,10 @@ static inline bf16_t f32_to_bf16(float f) {
     return (bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
+/* float32 rows through the same element-type-generic code as bf16 rows: identity conversions */
+static inline float load_f32(float x) { return x; }
+static inline float store_f32(float x) { return x; }
+
 static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 
@@ -74,6 +78,8 @@ static inline void store16_bf16(bf16_t *p, v16f f) {
     const v16h h = narrow16(f);
     memcpy(p, &h, sizeof h);
 }
+
+static inline void store16_f32(float *p, v16f v) { store16(p, v); }
 
 /* f rounded to bf16 and widened again: the float32 value of torch's bf16 result */
 static inline v16f round16_bf16(v16f f) {

@@ -22,6 +22,7 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "rotary.h"
 
 #define PARALLEL_MIN 65536       /* elements of a norm or rotary call */
 #define SILU_PARALLEL_MIN 16384  /* output elements of silu_and_mul: e^x and a division each */
@@ -97,37 +98,6 @@ int podium_silu_and_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int
     }
     return 0;
 }
-
-/* One [heads, D] row rotated by (cos, sin) [D/2 each] into out. */
-#define DEFINE_ROTATE(NAME, T, LOAD, STORE, LOAD16, STORE16)                                          \
-static inline void NAME(const T *x, T *out, const float *cs, int64_t heads, int64_t D) {              \
-    const int64_t half = D / 2;                                                                       \
-    const float *c = cs, *s = cs + half;                                                              \
-    for (int64_t h = 0; h < heads; h++) {                                                             \
-        const T *xh = x + h * D;                                                                      \
-        T *oh = out + h * D;                                                                          \
-        int64_t i = 0;                                                                                \
-        for (; i + 16 <= half; i += 16) {                                                             \
-            const v16f x1 = LOAD16(xh + i), x2 = LOAD16(xh + i + half);                               \
-            const v16f cv = load16(c + i), sv = load16(s + i);                                        \
-            const v16f a = x1 * cv, b = x2 * sv, e = x2 * cv, f = x1 * sv;                            \
-            STORE16(oh + i, a - b);                                                                   \
-            STORE16(oh + i + half, e + f);                                                            \
-        }                                                                                             \
-        for (; i < half; i++) {                                                                       \
-            const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                    \
-            const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];                   \
-            oh[i] = STORE(a - b);                                                                     \
-            oh[i + half] = STORE(e + f);                                                              \
-        }                                                                                             \
-    }                                                                                                 \
-}
-
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-static inline void store16_f32(float *p, v16f v) { store16(p, v); }
-DEFINE_ROTATE(rotate_f32, float, load_f32, store_f32, load16, store16_f32)
-DEFINE_ROTATE(rotate_bf16, bf16_t, bf16_to_f32, f32_to_bf16, load16_bf16, store16_bf16)
 
 /* q [T, H, D] (token stride q_stride, heads contiguous), k [T, Hkv, D] likewise; cos_sin
  * [num_positions, D] float32 (cos | sin); outputs contiguous. Returns 0, or -1 (nothing written)

@@ -35,6 +35,7 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "rotary.h"
 
 typedef struct { /* one layer's call: its strides (elements) and attention parameters */
     int64_t q_token_stride, o_token_stride, k_token_stride, v_token_stride;
@@ -51,10 +52,11 @@ typedef struct { /* one step's batch, the same for every layer */
     int64_t max_span;     /* the most keys any of them sees (sizes the per-thread score buffer) */
     const int64_t *slots; /* [num_writes]: the cache slot of each new token (negative: none) */
     int64_t num_writes;
+    /* NULL: query and key come rotated; else each new token's query and key rows are rotated by
+     * cos_sin [*, D] (cos | sin) at rope_positions [num_writes] first (rotary.h) */
+    const float *cos_sin;
+    const int64_t *rope_positions;
 } Step;
-
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
 
 /* ask for a tile before it is needed (a sequence's tiles are scattered); locality 3: L1, 2: L2 */
 #define prefetch_tile(p, bytes, locality)                                                             \
@@ -308,41 +310,58 @@ DEFINE_WRITE_TOKEN(write_token_bf16, bf16_t, KEY_AT_PAIRS)
 
 /* One layer of a step: first the step's new key/value rows [num_writes, H_kv, D] (token strides
  * in the Shape; key NULL: nothing to write) go to their slots, then every query token of the Step
- * is attended over the cache, new rows included; one OpenMP region for both.
- * Returns 0, or -1 when scratch memory could not be allocated (the writes are done then). */
-#define DEFINE_ENTRY(NAME, ITEM, WRITE, T)                                                            \
+ * is attended over the cache, new rows included; one OpenMP region for both. With the Step's
+ * cos_sin, each new token's key is rotated on its way into the cache and its query rotated into
+ * out's row, which the attention then reads as its query (a work item reads its query heads before
+ * writing the same heads' output). Returns 0, or -1 when scratch memory could not be allocated. */
+#define DEFINE_ENTRY(NAME, ITEM, WRITE, ROTATE, T)                                                    \
 int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, const Step *st,          \
          const Shape *s, int num_threads) {                                                           \
     const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
-    const int64_t items = st->num_tokens * s->num_kv_heads;                                           \
+    const int64_t Hkv = s->num_kv_heads, items = st->num_tokens * Hkv;                                \
     const int64_t span = s->window > 0 && s->window < st->max_span ? s->window : st->max_span;        \
+    const int rope = key && st->cos_sin;                                                              \
+    Shape sq = *s; /* the query's rows: out's once rotated into it */                                 \
+    if (rope) sq.q_token_stride = s->o_token_stride;                                                  \
+    const T *q = rope ? out : query;                                                                  \
     int failed = 0;                                                                                   \
     _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                              \
     {                                                                                                 \
         if (key) {                                                                                    \
+            T *k_rot = rope ? (T *)malloc(sizeof(T) * Hkv * D) : NULL;                                \
+            if (rope && !k_rot) failed = 1;                                                           \
             _Pragma("omp for schedule(static)")                                                       \
-            for (int64_t t = 0; t < st->num_writes; t++)                                              \
-                if (st->slots[t] >= 0)                                                                \
-                    WRITE(key + t * s->k_token_stride, value + t * s->v_token_stride, kc, vc,         \
-                          st->slots[t], s->num_kv_heads, D, B);                                       \
-        } /* the loop's barrier: every row is written before any is read */                          \
+            for (int64_t t = 0; t < st->num_writes; t++) {                                            \
+                const T *k = key + t * s->k_token_stride;                                             \
+                if (rope && k_rot) {                                                                  \
+                    const float *cs = st->cos_sin + st->rope_positions[t] * D;                        \
+                    ROTATE(query + t * s->q_token_stride, out + t * s->o_token_stride, cs,            \
+                           s->num_heads, D);                                                          \
+                    ROTATE(k, k_rot, cs, Hkv, D);                                                     \
+                    k = k_rot;                                                                        \
+                }                                                                                     \
+                if (st->slots[t] >= 0 && (k_rot || !rope))                                            \
+                    WRITE(k, value + t * s->v_token_stride, kc, vc, st->slots[t], Hkv, D, B);        \
+            }                                                                                         \
+            free(k_rot);                                                                              \
+        } /* the loop's barrier: every row is written (and every query rotated) before any is read */\
         float *scratch = items ? (float *)malloc(sizeof(float) * (2 * G * D + B * D + G * B + G * span)) \
                                : NULL;                                                                \
         if (items && !scratch) failed = 1;                                                            \
         _Pragma("omp for schedule(dynamic, 4)")                                                       \
         for (int64_t it = 0; it < items; it++) {                                                      \
-            if (!scratch) continue;                                                                   \
-            const int64_t i = it / s->num_kv_heads, h = it % s->num_kv_heads;                         \
-            ITEM(query, kc, vc, out, st->block_tables + st->seqs[i] * st->bt_stride, st->tokens[i],   \
-                 st->positions[i], h, s, scratch);                                                    \
+            if (!scratch || failed) continue;                                                         \
+            const int64_t i = it / Hkv, h = it % Hkv;                                                 \
+            ITEM(q, kc, vc, out, st->block_tables + st->seqs[i] * st->bt_stride, st->tokens[i],       \
+                 st->positions[i], h, &sq, scratch);                                                  \
         }                                                                                             \
         free(scratch);                                                                                \
     }                                                                                                 \
     return failed ? -1 : 0;                                                                           \
 }
 
-DEFINE_ENTRY(podium_paged_attention_f32, item_f32, write_token_f32, float)
-DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, write_token_bf16, bf16_t)
+DEFINE_ENTRY(podium_paged_attention_f32, item_f32, write_token_f32, rotate_f32, float)
+DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, write_token_bf16, rotate_bf16, bf16_t)
 
 /* Only the writes: new rows [T, H_kv, D] (token strides k_stride / v_stride) at slots (negative: skip) */
 #define DEFINE_WRITE(NAME, T, WRITE)                                                                  \
