@@ -81,11 +81,17 @@ static inline void store16_bf16(bf16_t *p, v16f f) {
 
 static inline void store16_f32(float *p, v16f v) { store16(p, v); }
 
-/* f rounded to bf16 and widened again: the float32 value of torch's bf16 result */
+/* f rounded to bf16 and widened again: the float32 value of torch's bf16 result (f32_to_bf16's
+ * rounding done in place on the float's bits: no narrowing and widening) */
 static inline v16f round16_bf16(v16f f) {
-    const v16u u = __builtin_convertvector(narrow16(f), v16u) << 16;
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const v16u nan = (u | 0x400000u) & 0xffff0000u;
+    const v16u is_nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u bits = (nan & is_nan) | (rounded & ~is_nan);
     v16f r;
-    memcpy(&r, &u, sizeof r);
+    memcpy(&r, &bits, sizeof r);
     return r;
 }
 

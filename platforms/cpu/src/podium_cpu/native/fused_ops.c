@@ -67,7 +67,13 @@ static void norm_row(const bf16_t *x, const bf16_t *res, const bf16_t *w, bf16_t
 int podium_rms_norm_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
                          const bf16_t *w, bf16_t *out, bf16_t *sum_out, int64_t rows, int64_t cols, float eps,
                          int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= PARALLEL_MIN)
+    if (rows * cols < PARALLEL_MIN) { /* no OpenMP region at all: even a one-thread team costs */
+        for (int64_t r = 0; r < rows; r++)
+            norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,
+                     res ? sum_out + r * cols : NULL, cols, eps);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,
                  res ? sum_out + r * cols : NULL, cols, eps);
