@@ -16,7 +16,9 @@ Per layer (the step's bookkeeping is done once, in ``prepare_metadata``; see ``a
 
 - short-query sequences (decodes, small chunks): the native kernel, one call for all of them,
   K/V read once through the block tables; ``forward``'s call stores the step's new K/V first
-  (``attention_kernel``: one ctypes call and one OpenMP region per layer). Without it: pure decodes batched in torch (one gather
+  (``attention_kernel``: one ctypes call and one OpenMP region per layer), and ``forward_rotary``'s
+  also rotates q and k on the way (rotary.h, bit-identical to the rotary op) when no sequence of
+  the step is long. Without it: pure decodes batched in torch (one gather
   for all of them, one SDPA call), other short ones as below.
 - long-query sequences (prefill chunks): one SDPA call each; a fresh prefill uses its own new K/V,
   a chunk over cached context gathers that sequence's blocks once.
