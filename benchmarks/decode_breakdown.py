@@ -3,8 +3,9 @@
     OMP_WAIT_POLICY=PASSIVE python benchmarks/decode_breakdown.py --num-seqs 32 --prompt-len 128
 
 Starts ``--num-seqs`` greedy requests, runs until every one of them decodes, then times
-``--steps`` engine steps with each part wrapped: norms, the four linears, rotary, the attention
-backend, SiLU-and-mul, the model's forward, compute_logits, the sampler. Prints min and median
+``--steps`` engine steps with each part wrapped: norms, the four linears, the attention backend
+(``forward_rotary``: rotary embedding, cache write and attention, which a backend may fuse),
+SiLU-and-mul, the model's forward, compute_logits, the sampler. Prints min and median
 milliseconds per step, and the step's process CPU time (on a shared machine the CPU time is the
 steadier number: wall time includes waiting for a core).
 """
@@ -43,11 +44,10 @@ def instrument(engine, acc: dict) -> None:
                              ("linear gate_up", mlp.gate_up_proj), ("linear down", mlp.down_proj)):
             wrap(module, "forward", name, acc)
         wrap(mlp, "silu_and_mul", "silu_and_mul", acc)
-    wrap(model.model.rotary_emb, "forward", "rotary", acc)
     wrap(model.model.norm, "forward", "norm", acc)
     wrap(model, "forward", "model forward", acc)
     wrap(model, "compute_logits", "compute_logits", acc)
-    wrap(engine.runner.backend, "forward", "attention backend", acc)
+    wrap(engine.runner.backend, "forward_rotary", "attention (+rotary)", acc)
     wrap(engine.runner.sampler, "sample", "sampler", acc)
 
 

@@ -125,3 +125,39 @@ def test_kernel_refuses_a_foreign_cache_layout(platform):
     wrong = batch.kv_cache.transpose(2, 3)  # [2, blocks, block_size, Hkv, D], not contiguous
     with pytest.raises(ValueError):
         backend.attend(case.layer(), batch.query, wrong, batch.meta)
+
+
+def _exploding_rotate(*args):
+    raise AssertionError("the fused path must not call the rotary op")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES if all(q <= 16 for q, _ in c.seqs) and c.head_size % 2 == 0],
+                         ids=lambda c: c.name)
+def test_fused_rotary_equals_rotary_then_forward_bit_for_bit(platform, case, dtype):
+    """Short-sequence steps rotate inside the kernel, with exactly the rotary op's roundings."""
+    from podium_plugin_api import RotaryInputs, ops
+    from podium_plugin_api.testing.attention_checks import rotary_table
+
+    backend = platform.attention_backend()
+    fused, plain = (build_batch(platform, backend, case, dtype, 5) for _ in range(2))
+    positions = torch.cat([torch.arange(s - q, s) for q, s in case.seqs])
+    table = rotary_table(200, case.head_size)
+    got = backend.forward_rotary(case.layer(), fused.query, fused.key, fused.value, fused.kv_cache, fused.meta,
+                                 RotaryInputs(positions, table, _exploding_rotate))
+    query, key = ops.rotary_embedding(positions, plain.query, plain.key, table)
+    want = backend.forward(case.layer(), query, key, plain.value, plain.kv_cache, plain.meta)
+    assert torch.equal(got, want)
+    assert torch.equal(fused.kv_cache, plain.kv_cache)
+
+
+def test_fused_rotary_rejects_positions_beyond_the_table(platform):
+    from podium_plugin_api import RotaryInputs
+    from podium_plugin_api.testing.attention_checks import rotary_table
+
+    backend = platform.attention_backend()
+    case = AttentionCase("r", ((1, 20), (1, 9)), num_heads=4, num_kv_heads=2)
+    batch = build_batch(platform, backend, case, torch.bfloat16, 0)
+    rotary = RotaryInputs(torch.tensor([19, 8]), rotary_table(10, case.head_size), _exploding_rotate)
+    with pytest.raises(ValueError, match=r"positions must be in \[0, 10\)"):
+        backend.forward_rotary(case.layer(), batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, rotary)

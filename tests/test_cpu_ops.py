@@ -68,6 +68,43 @@ def test_rotary_is_bit_identical_to_the_reference(kernels, dtype):
         fused_ops.rotary_embedding(kernels, torch.tensor([100] * tokens), q, k, cos_sin)
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 5), (7, 37), (32, 1536), (300, 64), (3, 16)])
+def test_silu_and_mul_bf16_rounds_like_torch(kernels, rows, inter):
+    gen = torch.Generator().manual_seed(rows * 1000 + inter)
+    x = (torch.randn(rows, 2 * inter, generator=gen) * 4).bfloat16()
+    got = fused_ops.silu_and_mul(kernels, x)
+    want = reference.silu_and_mul(x)
+    assert got.shape == want.shape == (rows, inter) and got.dtype == torch.bfloat16
+    # silu's e^x is not torch's: at most one bf16 rounding apart, and rarely (none seen so far)
+    assert bf16_ulps(got, want).max() <= 1 and (got != want).float().mean() < 1e-3
+
+
+def test_silu_and_mul_every_bf16_gate_and_special_values(kernels):
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every bf16
+    for up in (1.0, -3.0, 1e-30, float("inf")):
+        x = torch.cat((gates, torch.full_like(gates, up)))[None, :]  # [1, 2 * 65536]
+        got, want = fused_ops.silu_and_mul(kernels, x), reference.silu_and_mul(x)
+        assert torch.equal(got.isnan(), want.isnan())
+        finite = ~want.isnan()
+        assert bf16_ulps(got[finite], want[finite]).max() <= 1
+        assert (got[finite] != want[finite]).float().mean() < 1e-4
+        special = gates.float().abs() > 80  # overflowing e^-g, infinities, tiny products
+        assert torch.equal(got[0, special & finite[0]], want[0, special & finite[0]])
+
+
+def test_silu_and_mul_strided_rows_and_fallbacks(kernels):
+    wide = torch.randn(9, 300).bfloat16()
+    x = wide[:, :192]  # rows 300 apart: [9, 2 * 96]
+    assert bf16_ulps(fused_ops.silu_and_mul(kernels, x), reference.silu_and_mul(x)).max() <= 1
+    x32 = torch.randn(5, 192)  # float32 stays the reference, exactly
+    assert torch.equal(fused_ops.silu_and_mul(kernels, x32), reference.silu_and_mul(x32))
+    x3 = torch.randn(2, 3, 64).bfloat16()  # more than two dims: the reference
+    assert torch.equal(fused_ops.silu_and_mul(kernels, x3), reference.silu_and_mul(x3))
+    odd = torch.randn(4, 7).bfloat16()  # no even split: the reference's error
+    with pytest.raises(RuntimeError):
+        fused_ops.silu_and_mul(kernels, odd)
+
+
 def test_top_k_prefilter_keeps_what_the_reference_keeps():
     gen = torch.Generator().manual_seed(0)
     logits = torch.stack([torch.randperm(5000, generator=gen) for _ in range(6)]).float().mul(0.01)

@@ -20,7 +20,7 @@ from podium_plugin_api import (
 from podium_plugin_api.ops import REFERENCE_OPS
 from podium_plugin_api.reference import reference_paged_attention
 from podium_plugin_api.testing import ConformanceError, KitSetupError, find_platform
-from podium_plugin_api.testing.attention_checks import check_attention, check_graph_capture
+from podium_plugin_api.testing.attention_checks import check_attention, check_attention_rotary, check_graph_capture
 from podium_plugin_api.testing.batches import ATTENTION_CASES
 from podium_plugin_api.testing.generation import check_generation
 from podium_plugin_api.testing.kv_cache_checks import check_allocation, check_layout, check_write_read, kit_spec
@@ -206,6 +206,26 @@ def test_forward_that_does_not_store_new_tokens_is_caught():
     backend = NoWrite()
     with pytest.raises(ConformanceError, match="forward did not store the new tokens' keys at slot_mapping"):
         check_attention(platform_with(backend), backend, CASES["mixed-gqa"], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_default_and_the_cpu_forward_rotary_pass(dtype):
+    from podium_cpu import CpuPlatform
+
+    check_attention_rotary(platform_with(AttentionBackend()), AttentionBackend(), CASES["mixed-gqa"], dtype)
+    cpu = CpuPlatform()
+    for case in ATTENTION_CASES:  # the native backend fuses the rotation for its short-sequence steps
+        check_attention_rotary(cpu, cpu.attention_backend(), case, dtype)
+
+
+def test_forward_rotary_that_skips_the_rotation_is_caught():
+    class NoRotation(AttentionBackend):
+        def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary):
+            return self.forward(layer, query, key, value, kv_cache, meta)
+
+    backend = NoRotation()
+    with pytest.raises(ConformanceError, match=r"forward_rotary vs rotary_embedding \+ forward.*max abs error"):
+        check_attention_rotary(platform_with(backend), backend, CASES["decodes"], torch.float32)
 
 
 # --- KV cache -------------------------------------------------------------------------------------

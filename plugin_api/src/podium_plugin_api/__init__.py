@@ -22,6 +22,7 @@ _EXPORTS = {
     "AttentionLayerSpec": ".metadata",
     "AttentionMetadata": ".metadata",
     "KVCacheSpec": ".metadata",
+    "RotaryInputs": ".metadata",
     "Availability": ".platform",
     "Capabilities": ".platform",
     "GraphRunner": ".platform",

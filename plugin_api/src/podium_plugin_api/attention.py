@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
+from .metadata import AttentionLayerSpec, AttentionMetadata, KVCacheSpec, RotaryInputs
 from .reference import reference_paged_attention
 
 
@@ -82,3 +82,21 @@ class AttentionBackend:
         """One attention layer of one step: write the new K/V, then attend. Called by the model."""
         self.write_kv(kv_cache, key, value, meta.slot_mapping)
         return self.attend(layer, query, kv_cache, meta)
+
+    def forward_rotary(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: RotaryInputs,
+    ) -> torch.Tensor:
+        """``forward`` of query and key rotated by ``rotary``. Called by the model (plugin API 1.2).
+
+        The default rotates through ``rotary.rotate`` and calls ``forward``; a backend may instead
+        rotate inside its cache write and attention (one pass, no rotated copies), with the same result.
+        """
+        query, key = rotary.rotate(rotary.positions, query, key, rotary.cos_sin_cache)
+        return self.forward(layer, query, key, value, kv_cache, meta)

@@ -16,6 +16,7 @@ the new tokens' K/V go to ``slot_mapping`` (``block_id * block_size + offset``; 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -127,3 +128,17 @@ class AttentionMetadata:
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),
         )
+
+
+@dataclass(frozen=True)
+class RotaryInputs:
+    """One step's rotary embedding, for ``AttentionBackend.forward_rotary``.
+
+    ``rotate(positions, query, key, cos_sin_cache)`` is the model's rotary op (the op table's
+    ``rotary_embedding``: neox rotate-half, cos in the cache's first D/2 columns, sin in the last).
+    """
+
+    positions: torch.Tensor  # int [T]: each new token's position
+    cos_sin_cache: torch.Tensor  # float32 [max_positions, head_size]
+    rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from podium_plugin_api import AttentionLayerSpec
+from podium_plugin_api import AttentionLayerSpec, RotaryInputs
 
 from .context import ForwardContext
-from .rotary import RotaryEmbedding, head_dim_of
+from .rotary import head_dim_of
 
 Ops = dict[str, Callable]
 
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
+        self.head_splits = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
         self.merged_shards = {
@@ -101,17 +101,13 @@ class Attention(nn.Module):
             sliding_window=layer_sliding_window(config, layer_index),
         )
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryInputs, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # [T, H*D], [T, Hkv*D], [T, Hkv*D]
-        q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qkv = self.qkv_proj(x).reshape(tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
+        q, k, v = qkv.split_with_sizes(self.head_splits, dim=1)  # [T, H, D], [T, Hkv, D], [T, Hkv, D] (views)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)  # norm over D, per head
             k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
-        q, k = rotary(positions, q, k)
-        out = ctx.backend.forward(self.spec, q, k, v, ctx.kv_caches[self.layer_index], ctx.meta)  # [T, H, D]
+        # rotary on q and k, the cache write and attention: the backend may do all three in one pass
+        out = ctx.backend.forward_rotary(self.spec, q, k, v, ctx.kv_caches[self.layer_index], ctx.meta, rotary)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))  # [T, hidden]

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from podium_plugin_api import RotaryInputs
+
 from .context import ForwardContext
 from .layers import Attention, GatedMLP, Ops, RMSNorm
 from .rotary import RotaryEmbedding
@@ -38,18 +40,13 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, ops)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
-        ctx: ForwardContext,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryInputs, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, rotary, ctx)
+        hidden = self.self_attn(hidden, rotary, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -72,8 +69,9 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
+        rotary = self.rotary_emb.inputs(positions)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, self.rotary_emb, ctx)
+            hidden, residual = layer(hidden, residual, rotary, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [T, hidden]
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from podium_plugin_api import RotaryInputs
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -112,3 +114,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_op(positions, query, key, self.cos_sin_cache)
+
+    def inputs(self, positions: torch.Tensor) -> RotaryInputs:
+        """What the attention backend needs to rotate a step's q and k (``forward_rotary``)."""
+        return RotaryInputs(positions, self.cos_sin_cache, self.rotary_op)

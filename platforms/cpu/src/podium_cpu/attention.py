@@ -15,7 +15,10 @@ indexing; paired keys end in [D/2, 2]), which write_kv / read_kv / the torch pat
 Per layer (the step's bookkeeping is done once, in ``prepare_metadata``; see ``attention_plan``):
 
 - short-query sequences (decodes, small chunks): the native kernel, one call for all of them,
-  K/V read once through the block tables. Without it: pure decodes batched in torch (one gather
+  K/V read once through the block tables; ``forward``'s call stores the step's new K/V first
+  (``attention_kernel``: one ctypes call and one OpenMP region per layer), and ``forward_rotary``'s
+  also rotates q and k on the way (rotary.h, bit-identical to the rotary op) when no sequence of
+  the step is long. Without it: pure decodes batched in torch (one gather
   for all of them, one SDPA call), other short ones as below.
 - long-query sequences (prefill chunks): one SDPA call each; a fresh prefill uses its own new K/V,
   a chunk over cached context gathers that sequence's blocks once.
@@ -27,11 +30,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec
+from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec, RotaryInputs
 from podium_plugin_api.reference import attend_one, attention_mask
 
+from .attention_kernel import call_kernel, checked_slots, kernel_inputs_fit, rotary_fits, token_rows
 from .attention_plan import LongSeq, StepPlan, plan_for
-from .native_kernels import NativeKernels, Shape
+from .native_kernels import NativeKernels
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -40,7 +44,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, kernels: NativeKernels | None = None) -> None:
         self.kernels = kernels
-        self._shapes: dict[tuple, Shape] = {}  # (layer spec, strides, block size) -> the kernel's Shape
+        self._shapes: dict[tuple, tuple] = {}  # (layer id, strides, block size) -> (layer, the kernel's Shape)
         if kernels is not None:
             self.name = "cpu-paged-native"
 
@@ -94,11 +98,10 @@ class CpuAttentionBackend(AttentionBackend):
         dtype = key_cache.dtype
         if not self._native_layout(key_cache) or key.dtype != dtype or value.dtype != dtype:
             return False
-        if not (_token_rows(key) and _token_rows(value) and key.shape == value.shape == (
-                slot_mapping.shape[0], value_cache.shape[1], value_cache.shape[3])):
-            return False
         blocks, hkv, block_size, head_size = value_cache.shape
-        slots = _checked_slots(slot_mapping, blocks * block_size, plan)
+        if not all(t.shape[0] == slot_mapping.shape[0] and token_rows(t, hkv, head_size) for t in (key, value)):
+            return False
+        slots = checked_slots(slot_mapping, blocks * block_size, plan)
         self.kernels.write_kv[dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                      key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), slots.numel(),
                                      hkv, head_size, block_size)
@@ -119,6 +122,9 @@ class CpuAttentionBackend(AttentionBackend):
 
     # -- attention -----------------------------------------------------------------------------
     def forward(self, layer, query, key, value, kv_cache, meta):
+        out = self._native_forward(layer, query, key, value, kv_cache, meta)
+        if out is not None:
+            return out
         key_cache, value_cache = self.split_cache(kv_cache)
         plan = plan_for(meta, value_cache.shape[2])
         self._write(key_cache, value_cache, key, value, meta.slot_mapping, plan)
@@ -131,49 +137,64 @@ class CpuAttentionBackend(AttentionBackend):
         plan = plan_for(meta, value_cache.shape[2])
         return self._attend(layer, query, key_cache, value_cache, meta, plan, None, None)
 
-    def _attend(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, new_key, new_value) -> torch.Tensor:
-        block_size = value_cache.shape[2]
-        if plan.num_tokens != query.shape[0]:
-            raise ValueError(f"query has {query.shape[0]} rows; query_start_loc describes {plan.num_tokens} tokens")
-        if plan.max_block >= key_cache.shape[0]:
-            raise ValueError(f"block_tables use block {plan.max_block}; the cache has {key_cache.shape[0]} blocks")
-        out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
-        long_seqs = plan.long_seqs
-        if plan.short_seqs:
-            if self._native_layout(key_cache) and query.dtype == key_cache.dtype:
-                self._native(layer, query, key_cache, value_cache, meta, plan, out)
-            elif plan.decode_only:
-                self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
-            else:
-                long_seqs = long_seqs + _as_long(plan, meta, block_size)
-        for seq in long_seqs:
-            out[seq.lo:seq.hi] = self._one_sequence(layer, query, key_cache, value_cache, seq, new_key, new_value)
+    def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary: RotaryInputs) -> torch.Tensor:
+        """Rotation, cache write and attention in one kernel call for steps of short sequences."""
+        out = self._native_forward(layer, query, key, value, kv_cache, meta, rotary)
+        if out is not None:
+            return out
+        return super().forward_rotary(layer, query, key, value, kv_cache, meta, rotary)
+
+    def _native_forward(self, layer, query, key, value, kv_cache, meta, rotary=None) -> torch.Tensor | None:
+        """Write and attend in one kernel call (then SDPA for long sequences); None: it does not fit.
+
+        With ``rotary`` the kernel rotates q and k first; only for steps without long sequences
+        (their SDPA would need the rotated rows) and with a table it can read."""
+        dtype = kv_cache.dtype
+        if self.kernels is None or not self.key_transposed or dtype not in self.kernels.paged_attention:
+            return None
+        if query.dtype != dtype or key.dtype != dtype or value.dtype != dtype:
+            return None
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+            return None  # split_cache names the problem
+        _, blocks, hkv, block_size, head_size = kv_cache.shape
+        if dtype == torch.bfloat16 and head_size % 2:  # no (d, d+1) key pairs: the torch paths
+            return None
+        if not kernel_inputs_fit(layer, query, (key, value), hkv, head_size, meta.slot_mapping.shape[0]):
+            return None
+        plan = plan_for(meta, block_size)
+        if rotary is not None and (plan.long_seqs or query.shape[0] != key.shape[0]
+                                   or not rotary_fits(rotary, key.shape[0], head_size)):
+            return None
+        base = kv_cache.data_ptr()
+        caches = (base, base + kv_cache.stride(0) * kv_cache.element_size(), blocks, block_size)
+        out = call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary)
+        if plan.long_seqs:
+            self._long_seqs(layer, query, *self.split_cache(kv_cache), plan.long_seqs, key, value, out)
         return out
 
-    def _native(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, out) -> None:
-        """The short sequences' tokens through the C kernel (see native/paged_attention.c)."""
-        tables = plan.cache.get("int32 tables")
-        if tables is None:
-            tables = plan.cache["int32 tables"] = meta.block_tables.to(torch.int32).contiguous()
-        _check_kernel_inputs(layer, query, key_cache, value_cache, out)
-        window = layer.sliding_window or 0
-        span = min(plan.max_short_span, window) if window else plan.max_short_span
-        key = (layer, query.stride(0), out.stride(0), tables.stride(0), value_cache.shape[2])
-        shape = self._shapes.get(key)
-        if shape is None:
-            shape = self._shapes[key] = Shape(
-                q_token_stride=query.stride(0), o_token_stride=out.stride(0), bt_stride=tables.stride(0),
-                num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
-                block_size=value_cache.shape[2], window=window,
-                scale=layer.scale, soft_cap=layer.soft_cap or 0.0,
-            )
-        rc = self.kernels.paged_attention[query.dtype](
-            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
-            plan.tokens.data_ptr(), plan.token_seqs.data_ptr(), plan.token_positions.data_ptr(),
-            plan.tokens.numel(), span, shape, torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise MemoryError("native paged attention could not allocate its scratch buffers")
+    def _attend(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, new_key, new_value) -> torch.Tensor:
+        blocks, hkv, block_size, head_size = value_cache.shape
+        if plan.num_tokens != query.shape[0]:
+            raise ValueError(f"query has {query.shape[0]} rows; query_start_loc describes {plan.num_tokens} tokens")
+        if plan.max_block >= blocks:
+            raise ValueError(f"block_tables use block {plan.max_block}; the cache has {blocks} blocks")
+        long_seqs = plan.long_seqs
+        if plan.short_seqs and self._native_layout(key_cache) and query.dtype == key_cache.dtype and \
+                kernel_inputs_fit(layer, query, None, hkv, head_size, 0):
+            caches = (key_cache.data_ptr(), value_cache.data_ptr(), blocks, block_size)
+            out = call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan)
+        else:
+            out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
+            if plan.short_seqs and plan.decode_only:
+                self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
+            elif plan.short_seqs:
+                long_seqs = long_seqs + _as_long(plan, meta, block_size)
+        self._long_seqs(layer, query, key_cache, value_cache, long_seqs, new_key, new_value, out)
+        return out
+
+    def _long_seqs(self, layer, query, key_cache, value_cache, seqs: list[LongSeq], new_key, new_value, out) -> None:
+        for seq in seqs:
+            out[seq.lo:seq.hi] = self._one_sequence(layer, query, key_cache, value_cache, seq, new_key, new_value)
 
     def _torch_decode(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, out) -> None:
         """All single-token decodes at once: one gather of their blocks, one attention call."""
@@ -244,43 +265,3 @@ def _decode_gather(plan: StepPlan, meta: AttentionMetadata, block_size: int):
         index = meta.block_tables.index_select(0, seqs)[:, :width].long().reshape(-1)
         plan.cache["decode"] = (plan.tokens, index, lengths, width)
     return plan.cache["decode"]
-
-
-def _checked_slots(slot_mapping: torch.Tensor, num_slots: int, plan: StepPlan | None) -> torch.Tensor:
-    """slot_mapping as contiguous int64, every slot below ``num_slots``; once per step with a plan."""
-    key = ("slots", num_slots)
-    cached = plan.cache.get(key) if plan is not None else None
-    if cached is not None and cached[0] is slot_mapping:
-        return cached[1]
-    slots = slot_mapping.to(torch.int64).contiguous()
-    if slots.numel() and int(slots.max()) >= num_slots:
-        raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the cache has {num_slots} slots")
-    if plan is not None:
-        plan.cache[key] = (slot_mapping, slots)
-    return slots
-
-
-def _token_rows(t: torch.Tensor) -> bool:
-    """[T, heads, D] with each token's heads contiguous (any token stride)."""
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]
-
-
-def _check_kernel_inputs(layer, query, key_cache, value_cache, out) -> None:
-    """The native kernel trusts its arguments: everything it assumes is checked here."""
-    hkv, d = layer.num_kv_heads, layer.head_size
-    if query.dim() != 3 or query.shape[1] != layer.num_heads or query.shape[2] != d:
-        raise ValueError(f"query must be [T, {layer.num_heads}, {d}], got {list(query.shape)}")
-    if query.stride(2) != 1 or query.stride(1) != d:
-        raise ValueError(f"query rows must hold heads contiguously (strides {query.stride()})")
-    blocks, block_size = value_cache.shape[0], value_cache.shape[2]
-    paired = query.dtype == torch.bfloat16  # the kernel's bf16 keys come in (d, d+1) pairs
-    key_shape = (blocks, hkv, d // 2, block_size, 2) if paired else (blocks, hkv, d, block_size)
-    for name, cache, shape in (("key_cache", key_cache, key_shape),
-                               ("value_cache", value_cache, (blocks, hkv, block_size, d))):
-        if tuple(cache.shape) != shape or not cache.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {list(shape)} tensor, got {list(cache.shape)} "
-                             f"strides {cache.stride()}")
-        if cache.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {cache.dtype} differs from the query's {query.dtype}")
-    if not out.is_contiguous() or out.shape != query.shape:
-        raise ValueError("out must be a contiguous tensor shaped like query")

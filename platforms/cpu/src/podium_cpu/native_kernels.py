@@ -3,7 +3,7 @@
 Why native: paged attention in pure torch must either gather every sequence's K/V into a dense
 copy per layer (which doubles the step's memory traffic) or loop per sequence in Python; a small
 C kernel reads each key/value row once, straight through the block table. The decoder's
-RMSNorm and rotary embedding are one pass each in C instead of 5-10 torch ops.
+RMSNorm, rotary embedding and SiLU-and-mul are one pass each in C instead of 2-10 torch ops.
 
 Build: the system C compiler (``cc``, ``gcc`` or ``clang``) with ``-O3 -march=native -fopenmp``,
 about a second (the libraries build in parallel), once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
@@ -38,15 +38,27 @@ COMPILE_TIMEOUT_S = 120
 
 
 class Shape(ctypes.Structure):
-    """Mirror of the C ``Shape`` struct (strides and sizes in elements)."""
+    """Mirror of the C ``Shape`` struct: one layer's strides (elements) and attention parameters."""
 
     _fields_ = [
         (name, ctypes.c_int64)
         for name in (
-            "q_token_stride", "o_token_stride", "bt_stride",
+            "q_token_stride", "o_token_stride", "k_token_stride", "v_token_stride",
             "num_heads", "num_kv_heads", "head_size", "block_size", "window",
         )
     ] + [("scale", ctypes.c_float), ("soft_cap", ctypes.c_float)]
+
+
+class Step(ctypes.Structure):
+    """Mirror of the C ``Step`` struct: one step's batch (pointers to tensors the caller keeps alive)."""
+
+    _fields_ = [
+        ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64),
+        ("tokens", ctypes.c_void_p), ("seqs", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int64), ("max_span", ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("num_writes", ctypes.c_int64),
+        ("cos_sin", ctypes.c_void_p), ("rope_positions", ctypes.c_void_p),
+    ]
 
 
 @dataclass
@@ -58,6 +70,7 @@ class NativeKernels:
     write_kv: dict
     rms_norm: dict
     rotary: dict
+    silu_and_mul: dict
 
 
 def cache_dir() -> Path:
@@ -120,11 +133,12 @@ def _remove_stale(name: str, keep: Path) -> None:
 
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
-    "podium_paged_attention": ([_PTR] * 8 + [_I64, _I64, ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
+    "podium_paged_attention": ([_PTR] * 6 + [ctypes.POINTER(Step), ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
     "podium_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ("f32", "bf16")),
     "podium_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], ("bf16",)),
     "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
                       ("f32", "bf16")),
+    "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("bf16",)),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -188,4 +202,5 @@ def _load() -> tuple[NativeKernels | None, str]:
         write_kv=entries["podium_write_kv"],
         rms_norm=entries["podium_rms_norm"],
         rotary=entries["podium_rotary"],
+        silu_and_mul=entries["podium_silu_and_mul"],
     ), ""

@@ -5,6 +5,10 @@ the new K/V, then attend) and compares it with ``reference_paged_attention`` in 
 checks that the step left the new tokens' K/V in the cache (``read_kv``) and that ``attend``
 alone over that cache gives the same answer as ``forward``.
 
+``check_attention_rotary`` runs ``backend.forward_rotary`` (rotary embedding, write, attend: a
+backend may fuse them) on one batch, and the reference rotary op then ``forward`` on an identical
+one: outputs and stored keys must agree.
+
 ``check_graph_capture`` captures a decode step with the platform's ``GraphRunner``, then, as the
 core's runner does, copies the next steps' inputs (new queries/keys/values, one token longer
 sequences, their new slots) into the captured tensors and replays; each replay must equal an
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..attention import AttentionBackend
+from ..metadata import RotaryInputs
 from ..platform import Platform
 from .batches import AttentionBatch, AttentionCase, build_batch
 from .report import ConformanceError, check_close, dtype_name, guarded
@@ -73,6 +79,35 @@ def check_attention(
         )
     again = guarded(f"{what}: backend.attend", backend.attend, layer, batch.query, batch.kv_cache, batch.meta)
     check_close(again, out, what=f"{what}: attend over the written cache vs forward", dtype=dtype, locate=batch.locate)
+
+
+def rotary_table(max_positions: int, head_size: int) -> torch.Tensor:
+    """[max_positions, head_size] float32 cos | sin of the usual rope frequencies (base 10000)."""
+    inv_freq = 10000.0 ** (-torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+def check_attention_rotary(
+    platform: Platform, backend: AttentionBackend, case: AttentionCase, dtype: torch.dtype, seed: int = 0
+) -> None:
+    fused, plain = _prepare(platform, backend, case, dtype, seed), _prepare(platform, backend, case, dtype, seed)
+    device = platform.torch_device()
+    positions = torch.cat([torch.arange(s - q, s) for q, s in case.seqs]).to(device)  # [T]
+    table = rotary_table(max(s for _, s in case.seqs) + 3, case.head_size).to(device)
+    layer = case.layer()
+    what = f"attention with rotary {case.describe()}, dtype {dtype_name(dtype)}"
+    got = guarded(f"{what}: backend.forward_rotary", backend.forward_rotary, layer, fused.query, fused.key,
+                  fused.value, fused.kv_cache, fused.meta, RotaryInputs(positions, table, ops.rotary_embedding))
+    query, key = ops.rotary_embedding(positions, plain.query, plain.key, table)
+    want = guarded(f"{what}: rotary_embedding then backend.forward", backend.forward, layer, query, key,
+                   plain.value, plain.kv_cache, plain.meta)
+    check_close(got, want, what=f"{what}: forward_rotary vs rotary_embedding + forward", dtype=dtype,
+                locate=fused.locate)
+    for name, kv in (("keys", 0), ("values", 1)):
+        stored = backend.read_kv(fused.kv_cache, fused.meta.slot_mapping)[kv]
+        check_close(stored, backend.read_kv(plain.kv_cache, plain.meta.slot_mapping)[kv],
+                    what=f"{what}: forward_rotary stored other {name} than rotary_embedding + forward", dtype=dtype)
 
 
 GRAPH_CASE = AttentionCase("graph-decode", ((1, 7), (1, 16), (1, 30), (1, 45)))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from podium_plugin_api.platform import Capabilities
-from podium_plugin_api.testing.attention_checks import check_attention, check_graph_capture
+from podium_plugin_api.testing.attention_checks import check_attention, check_attention_rotary, check_graph_capture
 from podium_plugin_api.testing.batches import ATTENTION_CASES
 from podium_plugin_api.testing.generation import check_generation, generation_dtype
 from podium_plugin_api.testing.kv_cache_checks import check_allocation, check_layout, check_write_read, kit_spec
@@ -146,6 +146,12 @@ def test_attention_matches_reference(platform, backend, caps, case, dtype):
     if case.capability and not getattr(caps, case.capability):
         pytest.skip(f"capabilities().{case.capability} is False")
     run_check(check_attention, platform, backend, case, dtype)
+
+
+def test_attention_with_rotary_matches_rotary_then_forward(platform, backend, caps, case, dtype):
+    if case.capability and not getattr(caps, case.capability):
+        pytest.skip(f"capabilities().{case.capability} is False")
+    run_check(check_attention_rotary, platform, backend, case, dtype)
 
 
 def test_graph_capture_replay_equals_eager(platform, backend, caps, dtype):

@@ -4,13 +4,15 @@
  *   rms_norm            out = w * to_dtype(x * rsqrt(mean(x^2) + eps))   (x in float32)
  *   fused_add_rms_norm  s = to_dtype(x + residual); (rms_norm(s), s)
  *   rotary_embedding    neox rotate-half: [x1 c - x2 s, x2 c + x1 s] in float32, then to_dtype
+ *   silu_and_mul        to_dtype(to_dtype(g / (1 + e^-g)) * u)               (g, u in float32)
  *
  * Compiled with -ffp-contract=off so a*b - c*d rounds like torch's separate kernels: the rotary
  * embedding equals the reference bit for bit. rms_norm's sum of squares runs in another order than
  * torch's reduction, so it may differ from the reference by float32 rounding: the platform uses it
- * for bfloat16 only. Rotary rows go 16 floats at a time (GCC vector extensions; bf16 widened by a
- * shift, narrowed with round-to-nearest-even) with scalar tails. (SiLU-and-mul is not here: a fused
- * pass measured slower than torch's vectorised silu and mul, whose cost is e^x and the division.)
+ * for bfloat16 only, as SiLU, whose e^x (fast_exp.h) is not torch's (a sweep of every bf16 gate
+ * still rounded to torch's results). Rows go 16 floats at a time (GCC vector extensions, bf16.h)
+ * with scalar or padded tails. Below PARALLEL_MIN elements an op runs on the calling thread:
+ * waking a sleeping OpenMP worker costs more than the work.
  * The caller (fused_ops.py) validates shapes, strides and dtypes; this code trusts them.
  */
 #include <math.h>
@@ -19,87 +21,89 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
+#include "rotary.h"
+
+#define PARALLEL_MIN 65536       /* elements of a norm or rotary call */
+#define SILU_PARALLEL_MIN 16384  /* output elements of silu_and_mul: e^x and a division each */
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-/* f32_to_bf16 on 16 lanes */
-static inline v16h narrow16(v16f f) {
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const v16u nan = (u >> 16) | 0x40u;
-    const v16u is_nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-    return __builtin_convertvector((nan & is_nan) | (rounded & ~is_nan), v16h);
+/* One row: s = bf16(x + res) into sum (res NULL: s = x), out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps))).
+ * 16 lanes at a time with scalar tails; the second pass re-reads s (bf16) from the first. */
+static void norm_row(const bf16_t *x, const bf16_t *res, const bf16_t *w, bf16_t *out, bf16_t *sum, int64_t cols,
+                     float eps) {
+    v16f acc = {0};
+    float ss = 0.f;
+    int64_t i = 0;
+    if (res) {
+        for (; i + 16 <= cols; i += 16) {
+            const v16f s = round16_bf16(load16_bf16(x + i) + load16_bf16(res + i));
+            store16_bf16(sum + i, s);
+            acc += s * s;
+        }
+        for (; i < cols; i++) {
+            const float s = round_bf16(bf16_to_f32(x[i]) + bf16_to_f32(res[i]));
+            sum[i] = f32_to_bf16(s);
+            ss += s * s;
+        }
+    } else {
+        for (; i + 16 <= cols; i += 16) {
+            const v16f s = load16_bf16(x + i);
+            acc += s * s;
+        }
+        for (; i < cols; i++) ss += bf16_to_f32(x[i]) * bf16_to_f32(x[i]);
+    }
+    for (int k = 0; k < 16; k++) ss += acc[k];
+    const float scale = 1.f / sqrtf(ss / (float)cols + eps);
+    const bf16_t *s_row = res ? sum : x;
+    for (i = 0; i + 16 <= cols; i += 16)
+        store16_bf16(out + i, load16_bf16(w + i) * round16_bf16(load16_bf16(s_row + i) * scale));
+    for (; i < cols; i++) out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(s_row[i]) * scale));
 }
-static inline void store16_bf16(bf16_t *p, v16f f) { const v16h h = narrow16(f); memcpy(p, &h, sizeof h); }
 
-/* rows of x [rows, cols] (row stride x_stride); residual may be NULL. bf16 only. (Plain loops: they
- * measured faster here than the 16-lane vector code used below.) */
+/* rows of x [rows, cols] (row stride x_stride); residual may be NULL (then sum_out is unused).
+ * bf16 only; out and sum_out contiguous. */
 int podium_rms_norm_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
                          const bf16_t *w, bf16_t *out, bf16_t *sum_out, int64_t rows, int64_t cols, float eps,
                          int num_threads) {
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (rows * cols >= 65536) reduction(|:failed)
-    {
-        float *xf = (float *)malloc(sizeof(float) * cols);
-        if (!xf) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!xf) continue;
-            const bf16_t *xr = x + r * x_stride;
-            if (res) {
-                const bf16_t *rr = res + r * res_stride;
-                bf16_t *sr = sum_out + r * cols;
-                for (int64_t i = 0; i < cols; i++) {
-                    const bf16_t s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
-                    sr[i] = s;
-                    xf[i] = bf16_to_f32(s);
-                }
-            } else {
-                for (int64_t i = 0; i < cols; i++) xf[i] = bf16_to_f32(xr[i]);
-            }
-            float ss = 0.f;
-#pragma omp simd reduction(+:ss)
-            for (int64_t i = 0; i < cols; i++) ss += xf[i] * xf[i];
-            const float scale = 1.f / sqrtf(ss / (float)cols + eps);
-            bf16_t *o = out + r * cols;
-            for (int64_t i = 0; i < cols; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(xf[i] * scale));
-        }
-        free(xf);
+    if (rows * cols < PARALLEL_MIN) { /* no OpenMP region at all: even a one-thread team costs */
+        for (int64_t r = 0; r < rows; r++)
+            norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,
+                     res ? sum_out + r * cols : NULL, cols, eps);
+        return 0;
     }
-    return failed ? -1 : 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,
+                 res ? sum_out + r * cols : NULL, cols, eps);
+    return 0;
 }
 
-/* One [heads, D] row rotated by (cos, sin) [D/2 each] into out. */
-#define DEFINE_ROTATE(NAME, T, LOAD, STORE, LOAD16, STORE16)                                          \
-static inline void NAME(const T *x, T *out, const float *cs, int64_t heads, int64_t D) {              \
-    const int64_t half = D / 2;                                                                       \
-    const float *c = cs, *s = cs + half;                                                              \
-    for (int64_t h = 0; h < heads; h++) {                                                             \
-        const T *xh = x + h * D;                                                                      \
-        T *oh = out + h * D;                                                                          \
-        int64_t i = 0;                                                                                \
-        for (; i + 16 <= half; i += 16) {                                                             \
-            const v16f x1 = LOAD16(xh + i), x2 = LOAD16(xh + i + half);                               \
-            const v16f cv = load16(c + i), sv = load16(s + i);                                        \
-            const v16f a = x1 * cv, b = x2 * sv, e = x2 * cv, f = x1 * sv;                            \
-            STORE16(oh + i, a - b);                                                                   \
-            STORE16(oh + i + half, e + f);                                                            \
-        }                                                                                             \
-        for (; i < half; i++) {                                                                       \
-            const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                    \
-            const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];                   \
-            oh[i] = STORE(a - b);                                                                     \
-            oh[i + half] = STORE(e + f);                                                              \
-        }                                                                                             \
-    }                                                                                                 \
-}
+/* bf16(silu(g) * u) on 16 lanes: silu(g) = g / (1 + e^-g) in float32 rounded to bf16 (torch's
+ * silu on a bf16 tensor), then the product (exact in float32 for two bf16 values) rounded by the caller */
+static inline v16f silu_mul16(v16f g, v16f u) { return round16_bf16(g / (1.f + exp16(-g))) * u; }
 
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-static inline void store16_f32(float *p, v16f v) { store16(p, v); }
-DEFINE_ROTATE(rotate_f32, float, load_f32, store_f32, load16, store16_f32)
-DEFINE_ROTATE(rotate_bf16, bf16_t, bf16_to_f32, f32_to_bf16, load16_bf16, store16_bf16)
+/* x [rows, 2I] = [gate | up] (row stride x_stride) -> out [rows, I] contiguous, bf16(silu(gate) * up):
+ * torch's silu then mul, each rounded to bf16. A row's last I % 16 lanes go through a padded copy. */
+int podium_silu_and_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t rows, int64_t I,
+                             int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * I >= SILU_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16_t *gate = x + r * x_stride, *up = gate + I;
+        bf16_t *o = out + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) store16_bf16(o + i, silu_mul16(load16_bf16(gate + i), load16_bf16(up + i)));
+        if (i < I) {
+            bf16_t g[16] = {0}, u[16] = {0}, h[16];
+            memcpy(g, gate + i, (size_t)(I - i) * sizeof(bf16_t));
+            memcpy(u, up + i, (size_t)(I - i) * sizeof(bf16_t));
+            store16_bf16(h, silu_mul16(load16_bf16(g), load16_bf16(u)));
+            memcpy(o + i, h, (size_t)(I - i) * sizeof(bf16_t));
+        }
+    }
+    return 0;
+}
 
 /* q [T, H, D] (token stride q_stride, heads contiguous), k [T, Hkv, D] likewise; cos_sin
  * [num_positions, D] float32 (cos | sin); outputs contiguous. Returns 0, or -1 (nothing written)
@@ -110,7 +114,7 @@ int NAME(const T *q, int64_t q_stride, const T *k, int64_t k_stride, T *q_out, T
          int64_t H, int64_t Hkv, int64_t D, int num_threads) {                                        \
     for (int64_t t = 0; t < tokens; t++)                                                              \
         if (positions[t] < 0 || positions[t] >= num_positions) return -1;                             \
-    _Pragma("omp parallel for num_threads(num_threads) if (tokens * (H + Hkv) * D >= 65536)")         \
+    _Pragma("omp parallel for num_threads(num_threads) if (tokens * (H + Hkv) * D >= PARALLEL_MIN)")         \
     for (int64_t t = 0; t < tokens; t++) {                                                            \
         const float *cs = cos_sin + positions[t] * D;                                                 \
         ROTATE(q + t * q_stride, q_out + t * H * D, cs, H, D);                                        \

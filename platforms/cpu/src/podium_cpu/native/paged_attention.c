@@ -18,7 +18,8 @@
  * A token at position p attends to [max(0, p - window + 1), p]; scores are scaled, optionally
  * soft-capped, soft-maxed in float32 (scores first, then the weighted sum of values) and written
  * in the query's dtype. query [T, H, D] rows are q_token_stride apart (heads contiguous); out
- * likewise with o_token_stride.
+ * likewise with o_token_stride. A layer's call first stores the step's new key/value rows, then
+ * attends (one ctypes call, one OpenMP region per layer).
  *
  * The caller (attention.py) validates every shape, stride, dtype and index range: this code
  * trusts its arguments. Compiled on first use with the system C compiler and cached
@@ -33,37 +34,29 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
+#include "rotary.h"
 
-typedef struct {
-    int64_t q_token_stride, o_token_stride, bt_stride;
+typedef struct { /* one layer's call: its strides (elements) and attention parameters */
+    int64_t q_token_stride, o_token_stride, k_token_stride, v_token_stride;
     int64_t num_heads, num_kv_heads, head_size, block_size;
     int64_t window;        /* <= 0: no sliding window */
     float scale, soft_cap; /* soft_cap <= 0: none */
 } Shape;
 
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-
-/* e^x for x <= 0 (softmax weights), vectorisable: Cephes' expf polynomial, relative error ~2e-7;
- * x below -87 (weights under 1e-38) gives 0 */
-static inline float exp_neg(float x) {
-    const float xc = x < -87.f ? -87.f : x;
-    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    const float r = xc - n * 0.693359375f + n * 2.12194440e-4f; /* xc - n * ln 2 in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n; n >= -126 here */
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -87.f ? 0.f : p * scale;
-}
-
-typedef int32_t v16i __attribute__((vector_size(64)));
+typedef struct { /* one step's batch, the same for every layer */
+    const int32_t *block_tables; /* [S, bt_stride] */
+    int64_t bt_stride;
+    const int64_t *tokens, *seqs, *positions; /* [num_tokens] each: the query tokens to compute */
+    int64_t num_tokens;
+    int64_t max_span;     /* the most keys any of them sees (sizes the per-thread score buffer) */
+    const int64_t *slots; /* [num_writes]: the cache slot of each new token (negative: none) */
+    int64_t num_writes;
+    /* NULL: query and key come rotated; else each new token's query and key rows are rotated by
+     * cos_sin [*, D] (cos | sin) at rope_positions [num_writes] first (rotary.h) */
+    const float *cos_sin;
+    const int64_t *rope_positions;
+} Step;
 
 /* ask for a tile before it is needed (a sequence's tiles are scattered); locality 3: L1, 2: L2 */
 #define prefetch_tile(p, bytes, locality)                                                             \
@@ -82,17 +75,24 @@ static void softmax_row(float *restrict x, int64_t n, float soft_cap) {
     if (n >= 16) {
         m16 = load16(x);
         for (j = 16; j + 16 <= n; j += 16) {
-            const v16f v = load16(x + j);
-            m16 = (v16f)(((v16i)v & (v16i)(v > m16)) | ((v16i)m16 & ~(v16i)(v > m16)));
+            m16 = max16(load16(x + j), m16);
         }
         for (int k = 0; k < 16; k++) m = m16[k] > m ? m16[k] : m;
     }
     for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    v16f sum16 = {0};
+    for (j = 0; j + 16 <= n; j += 16) {
+        const v16f e = exp16(load16(x + j) - m);
+        store16(x + j, e);
+        sum16 += e;
+    }
     float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-    for (int64_t k = 0; k < n; k++) {
-        x[k] = exp_neg(x[k] - m);
-        sum += x[k];
+    for (int k = 0; k < 16; k++) sum += sum16[k];
+    if (j < n) { /* the last n % 16 scores through a padded copy */
+        float tail[16] = {0};
+        memcpy(tail, x + j, (size_t)(n - j) * sizeof(float));
+        const v16f e = exp16(load16(tail) - m);
+        for (int64_t k = 0; k < n - j; k++) sum += (x[j + k] = e[k]);
     }
     const float inv = 1.f / sum;
 #pragma omp simd
@@ -291,56 +291,86 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
 DEFINE_ITEM(item_f32, float, SCORES_F32, tile_accumulate_f32, load_f32, store_f32)
 DEFINE_ITEM(item_bf16, bf16_t, SCORES_BF16, tile_accumulate_bf16, bf16_to_f32, f32_to_bf16)
 
-/* tokens[i], seqs[i], positions[i]: the i-th query token to compute, its sequence, its position.
- * max_span: the most keys any of them sees (sizes the per-thread score buffer).
- * Returns 0, or -1 when scratch memory could not be allocated. */
-#define DEFINE_ENTRY(NAME, ITEM, T)                                                                   \
-int NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *block_tables,               \
-         const int64_t *tokens, const int64_t *seqs, const int64_t *positions, int64_t num_tokens,    \
-         int64_t max_span, const Shape *s, int num_threads) {                                         \
+/* Store one new token's key and value rows [H_kv, D] (heads contiguous) at cache slot
+ * block * B + offset in the layout above. KEY_AT(d, offset) is the key element's index in its tile. */
+#define KEY_AT_F32(d, offset, B) ((d) * (B) + (offset))
+#define KEY_AT_PAIRS(d, offset, B) (((d) >> 1) * 2 * (B) + 2 * (offset) + ((d) & 1))
+#define DEFINE_WRITE_TOKEN(NAME, T, KEY_AT)                                                           \
+static inline void NAME(const T *k, const T *v, T *kc, T *vc, int64_t slot, int64_t Hkv, int64_t D,   \
+                        int64_t B) {                                                                  \
+    const int64_t block = slot / B, offset = slot % B;                                                \
+    for (int64_t h = 0; h < Hkv; h++) {                                                               \
+        const int64_t base = (block * Hkv + h) * B * D;                                               \
+        for (int64_t d = 0; d < D; d++) kc[base + KEY_AT(d, offset, B)] = k[h * D + d];               \
+        for (int64_t d = 0; d < D; d++) vc[base + offset * D + d] = v[h * D + d];                     \
+    }                                                                                                 \
+}
+DEFINE_WRITE_TOKEN(write_token_f32, float, KEY_AT_F32)
+DEFINE_WRITE_TOKEN(write_token_bf16, bf16_t, KEY_AT_PAIRS)
+
+/* One layer of a step: first the step's new key/value rows [num_writes, H_kv, D] (token strides
+ * in the Shape; key NULL: nothing to write) go to their slots, then every query token of the Step
+ * is attended over the cache, new rows included; one OpenMP region for both. With the Step's
+ * cos_sin, each new token's key is rotated on its way into the cache and its query rotated into
+ * out's row, which the attention then reads as its query (a work item reads its query heads before
+ * writing the same heads' output). Returns 0, or -1 when scratch memory could not be allocated. */
+#define DEFINE_ENTRY(NAME, ITEM, WRITE, ROTATE, T)                                                    \
+int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, const Step *st,          \
+         const Shape *s, int num_threads) {                                                           \
     const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
-    const int64_t items = num_tokens * s->num_kv_heads;                                               \
+    const int64_t Hkv = s->num_kv_heads, items = st->num_tokens * Hkv;                                \
+    const int64_t span = s->window > 0 && s->window < st->max_span ? s->window : st->max_span;        \
+    const int rope = key && st->cos_sin;                                                              \
+    Shape sq = *s; /* the query's rows: out's once rotated into it */                                 \
+    if (rope) sq.q_token_stride = s->o_token_stride;                                                  \
+    const T *q = rope ? out : query;                                                                  \
     int failed = 0;                                                                                   \
     _Pragma("omp parallel num_threads(num_threads) reduction(|:failed)")                              \
     {                                                                                                 \
-        float *scratch = (float *)malloc(sizeof(float) * (2 * G * D + B * D + G * B + G * max_span));     \
-        if (!scratch) failed = 1;                                                                     \
+        if (key) {                                                                                    \
+            T *k_rot = rope ? (T *)malloc(sizeof(T) * Hkv * D) : NULL;                                \
+            if (rope && !k_rot) failed = 1;                                                           \
+            _Pragma("omp for schedule(static)")                                                       \
+            for (int64_t t = 0; t < st->num_writes; t++) {                                            \
+                const T *k = key + t * s->k_token_stride;                                             \
+                if (rope && k_rot) {                                                                  \
+                    const float *cs = st->cos_sin + st->rope_positions[t] * D;                        \
+                    ROTATE(query + t * s->q_token_stride, out + t * s->o_token_stride, cs,            \
+                           s->num_heads, D);                                                          \
+                    ROTATE(k, k_rot, cs, Hkv, D);                                                     \
+                    k = k_rot;                                                                        \
+                }                                                                                     \
+                if (st->slots[t] >= 0 && (k_rot || !rope))                                            \
+                    WRITE(k, value + t * s->v_token_stride, kc, vc, st->slots[t], Hkv, D, B);        \
+            }                                                                                         \
+            free(k_rot);                                                                              \
+        } /* the loop's barrier: every row is written (and every query rotated) before any is read */\
+        float *scratch = items ? (float *)malloc(sizeof(float) * (2 * G * D + B * D + G * B + G * span)) \
+                               : NULL;                                                                \
+        if (items && !scratch) failed = 1;                                                            \
         _Pragma("omp for schedule(dynamic, 4)")                                                       \
         for (int64_t it = 0; it < items; it++) {                                                      \
-            if (!scratch) continue;                                                                   \
-            const int64_t i = it / s->num_kv_heads, h = it % s->num_kv_heads;                         \
-            ITEM(query, kc, vc, out, block_tables + seqs[i] * s->bt_stride, tokens[i], positions[i],  \
-                 h, s, scratch);                                                                      \
+            if (!scratch || failed) continue;                                                         \
+            const int64_t i = it / Hkv, h = it % Hkv;                                                 \
+            ITEM(q, kc, vc, out, st->block_tables + st->seqs[i] * st->bt_stride, st->tokens[i],       \
+                 st->positions[i], h, &sq, scratch);                                                  \
         }                                                                                             \
         free(scratch);                                                                                \
     }                                                                                                 \
     return failed ? -1 : 0;                                                                           \
 }
 
-DEFINE_ENTRY(podium_paged_attention_f32, item_f32, float)
-DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, bf16_t)
+DEFINE_ENTRY(podium_paged_attention_f32, item_f32, write_token_f32, rotate_f32, float)
+DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, write_token_bf16, rotate_bf16, bf16_t)
 
-/* Store new tokens' key/value rows [T, H_kv, D] (token strides k_stride / v_stride, heads contiguous)
- * at their slots (block * B + offset; negative: skip) in the layout above. KEY_AT(d, offset) is the
- * key element's index in its tile. */
-#define KEY_AT_F32(d, offset, B) ((d) * (B) + (offset))
-#define KEY_AT_PAIRS(d, offset, B) (((d) >> 1) * 2 * (B) + 2 * (offset) + ((d) & 1))
-#define DEFINE_WRITE(NAME, T, KEY_AT)                                                                 \
+/* Only the writes: new rows [T, H_kv, D] (token strides k_stride / v_stride) at slots (negative: skip) */
+#define DEFINE_WRITE(NAME, T, WRITE)                                                                  \
 int NAME(const T *key, int64_t k_stride, const T *value, int64_t v_stride, T *kc, T *vc,              \
          const int64_t *slots, int64_t tokens, int64_t Hkv, int64_t D, int64_t B) {                  \
-    for (int64_t t = 0; t < tokens; t++) {                                                            \
-        const int64_t slot = slots[t];                                                                \
-        if (slot < 0) continue;                                                                       \
-        const int64_t block = slot / B, offset = slot % B;                                            \
-        for (int64_t h = 0; h < Hkv; h++) {                                                           \
-            const int64_t base = (block * Hkv + h) * B * D;                                           \
-            const T *k = key + t * k_stride + h * D, *v = value + t * v_stride + h * D;               \
-            for (int64_t d = 0; d < D; d++) kc[base + KEY_AT(d, offset, B)] = k[d];                   \
-            for (int64_t d = 0; d < D; d++) vc[base + offset * D + d] = v[d];                         \
-        }                                                                                             \
-    }                                                                                                 \
+    for (int64_t t = 0; t < tokens; t++)                                                              \
+        if (slots[t] >= 0) WRITE(key + t * k_stride, value + t * v_stride, kc, vc, slots[t], Hkv, D, B); \
     return 0;                                                                                         \
 }
 
-DEFINE_WRITE(podium_write_kv_f32, float, KEY_AT_F32)
-DEFINE_WRITE(podium_write_kv_bf16, bf16_t, KEY_AT_PAIRS)
+DEFINE_WRITE(podium_write_kv_f32, float, write_token_f32)
+DEFINE_WRITE(podium_write_kv_bf16, bf16_t, write_token_bf16)

@@ -1,0 +1,145 @@
+"""Calls of the native paged-attention kernel (native/paged_attention.c), one per layer.
+
+A call takes the layer's query, the step's new key/value rows (or none: attend only), the cache
+and two small structs:
+
+    Step   the step's batch, the same for every layer: int32 block tables, the short sequences'
+           tokens / sequences / positions, the checked int64 slots and, when the kernel rotates q
+           and k itself (``forward_rotary``), the rotary positions and cos/sin table. Built by the
+           first layer of a step and kept in the plan's cache.
+    Shape  one layer's strides and attention parameters, kept per (layer, strides, block size).
+
+The kernel first stores the new rows at their slots, then attends every short-sequence token, in
+one OpenMP region. It trusts its arguments: ``kernel_inputs_fit`` and the checks here are the
+whole of its validation (shapes, strides, dtypes, block ids, slots).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, RotaryInputs
+
+from .attention_plan import StepPlan
+from .native_kernels import NativeKernels, Shape, Step
+
+
+def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec, query: torch.Tensor,
+                new_rows: tuple[torch.Tensor, torch.Tensor] | None, caches: tuple[int, int, int, int],
+                meta: AttentionMetadata, plan: StepPlan, rotary: RotaryInputs | None = None) -> torch.Tensor:
+    """out [T, H, D] with the short sequences' rows attended (other rows uninitialised).
+
+    ``caches``: (key cache address, value cache address, blocks, block size); ``new_rows``: the
+    step's (key, value) [T, Hkv, D], written first, or None. ``rotary`` (with ``new_rows``): query
+    and key come unrotated; the kernel rotates them (``rotary_fits`` checked it applies). The
+    caller checked ``kernel_inputs_fit``.
+    """
+    key_ptr, value_ptr, blocks, block_size = caches
+    if plan.num_tokens != query.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} rows; query_start_loc describes {plan.num_tokens} tokens")
+    if plan.max_block >= blocks:
+        raise ValueError(f"block_tables use block {plan.max_block}; the cache has {blocks} blocks")
+    out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
+    if new_rows is None:
+        key = value = None
+        k_stride = v_stride = 0
+    else:
+        key, value = new_rows
+        k_stride, v_stride = key.stride(0), value.stride(0)
+    step = _step(plan, meta, blocks * block_size, new_rows is not None, rotary)
+    shape_key = (id(layer), query.stride(0), k_stride, v_stride, block_size)
+    entry = shapes.get(shape_key)
+    if entry is None or entry[0] is not layer:
+        entry = shapes[shape_key] = (layer, _shape(layer, query, k_stride, v_stride, block_size))
+    rc = kernels.paged_attention[query.dtype](
+        query.data_ptr(), None if key is None else key.data_ptr(), None if value is None else value.data_ptr(),
+        key_ptr, value_ptr, out.data_ptr(), step, entry[1], torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("native paged attention could not allocate its scratch buffers")
+    return out
+
+
+def kernel_inputs_fit(layer: AttentionLayerSpec, query: torch.Tensor, new_rows, hkv: int, head_size: int,
+                      num_new: int) -> bool:
+    """query [T, H, D] and new key/value rows [num_new, Hkv, D]: each token's heads contiguous."""
+    if layer.num_kv_heads != hkv or layer.head_size != head_size or not token_rows(query, layer.num_heads, head_size):
+        return False
+    return new_rows is None or all(t.shape[0] == num_new and token_rows(t, hkv, head_size) for t in new_rows)
+
+
+def token_rows(t: torch.Tensor, heads: int, d: int) -> bool:
+    """[*, heads, d] with each token's heads contiguous (any token stride)."""
+    return (t.dim() == 3 and t.shape[1] == heads and t.shape[2] == d and t.stride(2) == 1 and t.stride(1) == d
+            and t.stride(0) >= heads * d)
+
+
+def _shape(layer: AttentionLayerSpec, query: torch.Tensor, k_stride: int, v_stride: int, block_size: int) -> Shape:
+    return Shape(
+        q_token_stride=query.stride(0), o_token_stride=layer.num_heads * layer.head_size,
+        k_token_stride=k_stride, v_token_stride=v_stride,
+        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
+        block_size=block_size, window=layer.sliding_window or 0,
+        scale=layer.scale, soft_cap=layer.soft_cap or 0.0,
+    )
+
+
+def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool,
+          rotary: RotaryInputs | None) -> Step:
+    """The step's Step struct; built once per (step, cache size, rotary), its tensors kept in the plan."""
+    key = ("native step", num_slots, writes, rotary is not None)
+    cached = plan.cache.get(key)
+    if cached is not None and cached[0] is meta.slot_mapping and (
+            rotary is None or (cached[2] is rotary.positions and cached[3] is rotary.cos_sin_cache)):
+        return cached[1]
+    tables = plan.cache.get("int32 tables")
+    if tables is None:
+        tables = plan.cache["int32 tables"] = meta.block_tables.to(torch.int32).contiguous()
+    slots = checked_slots(meta.slot_mapping, num_slots, plan) if writes else None
+    step = Step(
+        block_tables=tables.data_ptr(), bt_stride=tables.stride(0),
+        tokens=plan.tokens.data_ptr(), seqs=plan.token_seqs.data_ptr(), positions=plan.token_positions.data_ptr(),
+        num_tokens=plan.tokens.numel(), max_span=plan.max_short_span,
+        slots=None if slots is None else slots.data_ptr(), num_writes=0 if slots is None else slots.numel(),
+    )
+    positions = None
+    if rotary is not None:
+        positions = _checked_positions(rotary)
+        step.cos_sin, step.rope_positions = rotary.cos_sin_cache.data_ptr(), positions.data_ptr()
+    # the tensors the struct points at stay alive with it
+    plan.cache[key] = (meta.slot_mapping, step, rotary and rotary.positions, rotary and rotary.cos_sin_cache,
+                       slots, positions)
+    return step
+
+
+def rotary_fits(rotary: RotaryInputs, num_tokens: int, head_size: int) -> bool:
+    """The kernel can rotate with these inputs: a float32 [P, D] table, one position per new token."""
+    table, positions = rotary.cos_sin_cache, rotary.positions
+    return (table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == head_size and head_size % 2 == 0
+            and table.is_contiguous() and table.is_cpu and positions.dim() == 1 and positions.shape[0] == num_tokens
+            and not positions.is_floating_point())
+
+
+def _checked_positions(rotary: RotaryInputs) -> torch.Tensor:
+    """The rotary positions as contiguous int64, each a row of the cos/sin table."""
+    positions = rotary.positions.to(torch.int64).contiguous()
+    rows = rotary.cos_sin_cache.shape[0]
+    if positions.numel():
+        low, high = torch.aminmax(positions)
+        if int(low) < 0 or int(high) >= rows:
+            raise ValueError(f"positions must be in [0, {rows}), got [{int(low)}, {int(high)}]")
+    return positions
+
+
+def checked_slots(slot_mapping: torch.Tensor, num_slots: int, plan: StepPlan | None) -> torch.Tensor:
+    """slot_mapping as contiguous int64, every slot below ``num_slots``; once per step with a plan."""
+    key = ("slots", num_slots)
+    cached = plan.cache.get(key) if plan is not None else None
+    if cached is not None and cached[0] is slot_mapping:
+        return cached[1]
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.numel() and int(slots.max()) >= num_slots:
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the cache has {num_slots} slots")
+    if plan is not None:
+        plan.cache[key] = (slot_mapping, slots)
+    return slots
