@@ -6,8 +6,8 @@ checks that the step left the new tokens' K/V in the cache (``read_kv``) and tha
 alone over that cache gives the same answer as ``forward``.
 
 ``check_attention_rotary`` runs ``backend.forward_rotary`` (rotary embedding, write, attend: a
-backend may fuse them) on one batch, and the reference rotary op then ``forward`` on an identical
-one: outputs and stored keys must agree.
+backend may fuse them) on one batch, and the platform's rotary op (the reference where it installs
+none) then ``forward`` on an identical one: outputs and stored keys must agree.
 
 ``check_graph_capture`` captures a decode step with the platform's ``GraphRunner``, then, as the
 core's runner does, copies the next steps' inputs (new queries/keys/values, one token longer
@@ -97,9 +97,12 @@ def check_attention_rotary(
     table = rotary_table(max(s for _, s in case.seqs) + 3, case.head_size).to(device)
     layer = case.layer()
     what = f"attention with rotary {case.describe()}, dtype {dtype_name(dtype)}"
+    # the rotary op the model would pass: the platform's own when it installs one (a backend may
+    # fuse exactly that op), else the reference
+    rotate = ops.build_op_table(guarded(f"{what}: platform.custom_ops", platform.custom_ops))["rotary_embedding"]
     got = guarded(f"{what}: backend.forward_rotary", backend.forward_rotary, layer, fused.query, fused.key,
-                  fused.value, fused.kv_cache, fused.meta, RotaryInputs(positions, table, ops.rotary_embedding))
-    query, key = ops.rotary_embedding(positions, plain.query, plain.key, table)
+                  fused.value, fused.kv_cache, fused.meta, RotaryInputs(positions, table, rotate))
+    query, key = rotate(positions, plain.query, plain.key, table)
     want = guarded(f"{what}: rotary_embedding then backend.forward", backend.forward, layer, query, key,
                    plain.value, plain.kv_cache, plain.meta)
     check_close(got, want, what=f"{what}: forward_rotary vs rotary_embedding + forward", dtype=dtype,
