@@ -15,6 +15,17 @@ from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
 
 
 @triton.jit
+def _copy_heads(src_ptr, dst_ptr, stride_h, dst_stride_h,
+                NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's [NUM_HEADS, HEAD_SIZE] rows from src (heads ``stride_h`` apart) to dst, cast to dst's dtype."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_HEADS) & (d < HEAD_SIZE)  # [BLOCK_H, BLOCK_D]
+    x = tl.load(src_ptr + h * stride_h + d, mask=mask)
+    tl.store(dst_ptr + h * dst_stride_h + d, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,  # key/value [T, Hkv, D]; slots int64 [T]
     kv_block_size, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -27,15 +38,10 @@ def write_kv_kernel(
         return
     block = slot // kv_block_size
     offset = slot % kv_block_size
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_SIZE)  # [BLOCK_H, BLOCK_D]
-    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    k_dst = k_cache_ptr + block * stride_kb + offset * stride_ks + h * stride_kch + d
-    v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs + h * stride_vch + d
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _copy_heads(key_ptr + t * stride_kt, k_cache_ptr + block * stride_kb + offset * stride_ks, stride_kh, stride_kch,
+                NUM_KV_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
+    _copy_heads(value_ptr + t * stride_vt, v_cache_ptr + block * stride_vb + offset * stride_vs, stride_vh, stride_vch,
+                NUM_KV_HEADS, HEAD_SIZE, BLOCK_H, BLOCK_D)
 
 
 def write_kv(
@@ -92,12 +98,8 @@ def rotary_write_kv_kernel(
         offset = slot % kv_block_size
         _rotate_heads(key_ptr, k_cache_ptr + block * stride_kb + offset * stride_ks, t, stride_kt, stride_kh,
                       stride_kch, NUM_KV_HEADS, cos, sin, HALF, BLOCK_HKV, BLOCK_HALF)
-        h = tl.arange(0, BLOCK_HKV)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < NUM_KV_HEADS) & (d < 2 * HALF)
-        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-        v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs + h * stride_vch + d
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        _copy_heads(value_ptr + t * stride_vt, v_cache_ptr + block * stride_vb + offset * stride_vs, stride_vh,
+                    stride_vch, NUM_KV_HEADS, 2 * HALF, BLOCK_HKV, BLOCK_D)
 
 
 def rotary_write_kv(
