@@ -46,11 +46,10 @@ for s in $steps; do
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
     tp_cold_log) TAIL=40 run_step $s 200 env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
       --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
-    profile_bs1_1b) TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model llama-3.2-1b-shape \
-      --num-prompts 1 --input-len 512 --output-len 64 --kernels ;;
     decode_sweep) TAIL=12 run_step $s 240 python3 platforms/cuda/scripts/bench_kernels.py --only decode_sweep --out "$OUT/$s.json" ;;
-    profile_bs1_8b) TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --num-prompts 1 \
-      --input-len 512 --output-len 64 --kernels ;;
+    profile_bs1_1b|profile_bs1_8b) model=llama-3.2-1b-shape; [ "$s" = profile_bs1_8b ] && model=llama-3.1-8b-shape
+      TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model $model --num-prompts 1 \
+        --input-len 512 --output-len 64 --kernels ;;
     *) echo "unknown step $s" ;;
   esac
 done
