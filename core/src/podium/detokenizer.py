@@ -154,14 +154,14 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     character gives those bytes, not U+FFFD. Memoised per tokenizer.
     """
     info = _tokenizer_info(tokenizer)
-    if info.id_to_token is not None and info.id_to_token(token_id) is not None:
-        return info.bytes_of(token_id)
     data = info.token_bytes.get(token_id)
-    if data is None:
-        piece = tokenizer.convert_ids_to_tokens(token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
-        match = _BYTE_FALLBACK.fullmatch(piece) if isinstance(piece, str) else None
-        data = bytes([int(match.group(1), 16)]) if match else decode_token(tokenizer, token_id).encode()
-        info.token_bytes[token_id] = data
+    if data is not None:
+        return data
+    if info.id_to_token is not None and info.id_to_token(token_id) is not None:
+        return info.bytes_of(token_id)  # memoises in token_bytes too
+    piece = tokenizer.convert_ids_to_tokens(token_id) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+    match = _BYTE_FALLBACK.fullmatch(piece) if isinstance(piece, str) else None
+    data = info.token_bytes[token_id] = bytes([int(match.group(1), 16)]) if match else decode_token(tokenizer, token_id).encode()
     return data
 
 

@@ -22,11 +22,10 @@ def finite(logprob: float) -> float:
 
 
 class TokenText:
-    """Text and raw bytes of single tokens of one tokenizer, memoised."""
+    """Text and raw bytes of single tokens of one tokenizer."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._bytes: dict[int, list[int]] = {}
 
     def text(self, token_id: int, decoded: str | None) -> str:
         if decoded is not None:
@@ -34,14 +33,8 @@ class TokenText:
         return self._tokenizer.decode([token_id]) if self._tokenizer is not None else f"<{token_id}>"
 
     def bytes(self, token_id: int, decoded: str | None) -> list[int]:
-        cached = self._bytes.get(token_id)
-        if cached is None:
-            cached = self._bytes[token_id] = self._raw_bytes(token_id, decoded)
-        return cached
-
-    def _raw_bytes(self, token_id: int, decoded: str | None) -> list[int]:
         if self._tokenizer is not None:
-            return list(token_bytes(self._tokenizer, token_id))
+            return list(token_bytes(self._tokenizer, token_id))  # memoised per tokenizer in the core
         return list(self.text(token_id, decoded).encode("utf-8"))
 
 
