@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec, RotaryInputs
 from podium_plugin_api.reference import attend_one, attention_mask
 
-from .attention_kernel import call_kernel, checked_slots, kernel_inputs_fit, rotary_fits, token_rows
+from .attention_kernel import call_kernel, check_plan, checked_slots, kernel_inputs_fit, rotary_fits, token_rows
 from .attention_plan import LongSeq, StepPlan, plan_for
 from .native_kernels import NativeKernels
 
@@ -174,16 +174,13 @@ class CpuAttentionBackend(AttentionBackend):
 
     def _attend(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, new_key, new_value) -> torch.Tensor:
         blocks, hkv, block_size, head_size = value_cache.shape
-        if plan.num_tokens != query.shape[0]:
-            raise ValueError(f"query has {query.shape[0]} rows; query_start_loc describes {plan.num_tokens} tokens")
-        if plan.max_block >= blocks:
-            raise ValueError(f"block_tables use block {plan.max_block}; the cache has {blocks} blocks")
         long_seqs = plan.long_seqs
         if plan.short_seqs and self._native_layout(key_cache) and query.dtype == key_cache.dtype and \
                 kernel_inputs_fit(layer, query, None, hkv, head_size, 0):
             caches = (key_cache.data_ptr(), value_cache.data_ptr(), blocks, block_size)
-            out = call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan)
+            out = call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan)  # checks the plan
         else:
+            check_plan(plan, query, blocks)
             out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
             if plan.short_seqs and plan.decode_only:
                 self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)

@@ -35,10 +35,7 @@ def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec,
     caller checked ``kernel_inputs_fit``.
     """
     key_ptr, value_ptr, blocks, block_size = caches
-    if plan.num_tokens != query.shape[0]:
-        raise ValueError(f"query has {query.shape[0]} rows; query_start_loc describes {plan.num_tokens} tokens")
-    if plan.max_block >= blocks:
-        raise ValueError(f"block_tables use block {plan.max_block}; the cache has {blocks} blocks")
+    check_plan(plan, query, blocks)
     out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
     if new_rows is None:
         key = value = None
@@ -58,6 +55,14 @@ def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec,
     if rc != 0:
         raise MemoryError("native paged attention could not allocate its scratch buffers")
     return out
+
+
+def check_plan(plan: StepPlan, query: torch.Tensor, blocks: int) -> None:
+    """The step's plan fits the query rows and the cache (every attention path checks this first)."""
+    if plan.num_tokens != query.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} rows; query_start_loc describes {plan.num_tokens} tokens")
+    if plan.max_block >= blocks:
+        raise ValueError(f"block_tables use block {plan.max_block}; the cache has {blocks} blocks")
 
 
 def kernel_inputs_fit(layer: AttentionLayerSpec, query: torch.Tensor, new_rows, hkv: int, head_size: int,
