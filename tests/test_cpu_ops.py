@@ -152,4 +152,4 @@ def test_tied_lm_head_is_packed_and_gives_the_unpacked_logits():
     want = model.compute_logits(hidden)
     assert pack_linear_layers(model) == 5  # q|k|v, o, gate|up, down, lm_head
     assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is embedding
-    assert torch.equal(model.compute_logits(hidden), want) and want.dtype == torch.float32
+    assert torch.equal(model.compute_logits(hidden), want) and want.dtype == torch.bfloat16

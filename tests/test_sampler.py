@@ -61,6 +61,34 @@ def test_greedy_equals_argmax_fast_path_and_mixed_batch():
     assert out.token_ids[:6] == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_sample_as_their_float32_upcast(dtype):
+    """Models hand over logits in their own dtype: every row, plain greedy (argmax on the half
+    values) or not (bias, penalties, seeded draws, logprobs), gets what the float32 upcast gives."""
+    vocab = 700
+    logits = (torch.randn(8, vocab, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    logits[0, [5, 600]] = logits[0].max() + 1  # a tie after rounding: the first index wins
+
+    def batch(offset):
+        return [make_seq(offset, temperature=0.0), make_seq(offset + 1, temperature=0.0, logprobs=3),
+                make_seq(offset + 2, temperature=0.8, seed=7, top_k=20),
+                make_seq(offset + 3, temperature=1.0, seed=9, top_p=0.9, min_p=0.05),
+                make_seq(offset + 4, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+                make_seq(offset + 5, temperature=0.0, logit_bias={11: 100.0}),
+                make_seq(offset + 6, temperature=0.5, seed=1, frequency_penalty=0.4),
+                make_seq(offset + 7, temperature=0.0)]
+
+    plain = [make_seq(100 + i, temperature=0.0) for i in range(8)]
+    half, full = Sampler(vocab, "cpu", seed=0), Sampler(vocab, "cpu", seed=0)
+    assert half.sample(logits.clone(), plain).token_ids == full.sample(logits.float(), plain).token_ids \
+        == logits.float().argmax(dim=-1).tolist()
+    got, want = half.sample(logits.clone(), batch(0)), full.sample(logits.float(), batch(0))
+    assert got.token_ids == want.token_ids and got.token_ids[5] == 11
+    assert got.logprobs == want.logprobs and got.logprobs[1] is not None
+    first_seqs = batch(20)
+    assert torch.equal(half.sample_device(logits.clone(), first_seqs), full.sample_device(logits.float(), first_seqs))
+
+
 # -- seeds ----------------------------------------------------------------------------------------
 def test_seeded_sampling_is_independent_of_batch_company():
     vocab, steps = 500, 10

@@ -179,16 +179,19 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits [N, V] float32, one row per sequence in ``seqs`` -> one token (and logprobs) each."""
+        """logits [N, V] (any float dtype), one row per sequence in ``seqs`` -> one token (and
+        logprobs) each. Plain greedy rows take the argmax of the logits as they come; everything
+        else computes in float32."""
         self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):  # the common greedy case: nothing but an argmax
             return SamplerOutput(first_argmax(logits).tolist(), [None] * len(seqs))
+        logits = logits.float()
         batch = self._gather(seqs, states)
         raw_logprobs = None
         if batch.logprob_rows:  # [L, V], taken before any edit below
             rows = torch.tensor(batch.logprob_rows, device=logits.device)
-            raw_logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
         tokens = self._tokens(logits, seqs, states, batch)  # [N]
         logprobs: list[PositionLogprobs | None] = [None] * len(seqs)
         if raw_logprobs is not None:
@@ -206,7 +209,7 @@ class Sampler:
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):
             return first_argmax(logits)
-        return self._tokens(logits, seqs, states, self._gather(seqs, states))
+        return self._tokens(logits.float(), seqs, states, self._gather(seqs, states))
 
     def _check(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] != self.vocab_size:

@@ -106,8 +106,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] -> logits [N, vocab] in the model's dtype.
+
+        Not upcast here: a greedy row's argmax is the same in bf16 as in float32 (the upcast is
+        exact and keeps order), so the sampler upcasts only the rows that compute with the values
+        (temperature, penalties, logprobs), and the common all-greedy step skips a [N, vocab] copy.
+        """
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from Hugging Face (name, tensor) pairs; ValueError naming any mismatch.
