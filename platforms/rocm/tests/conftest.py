@@ -17,13 +17,13 @@ which the interpreter computes wrongly).
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
 import pytest
 import torch
 
+from podium_cuda.pytest_support import kernel_device, require_gpu, skip_cuda_marked_without_gpu, skip_interpreted_bf16
+from podium_cuda.testing import ragged_lengths, relative_error
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, reference_paged_attention
 from podium_rocm import RocmPlatform
 from podium_rocm.detection import FORCE_ON_CUDA_ENV
@@ -32,45 +32,25 @@ from podium_rocm.detection import FORCE_ON_CUDA_ENV
 TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (1.5e-2, 4e-2)}
 
 
-def interpreting() -> bool:
-    """Triton's CPU interpreter is requested, triton is importable and no GPU is there."""
-    return (
-        os.environ.get("TRITON_INTERPRET") == "1"
-        and importlib.util.find_spec("triton") is not None
-        and not torch.cuda.is_available()
-    )
-
-
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available() or interpreting():
-        return
-    skip = pytest.mark.skip(reason="needs a GPU (torch.cuda.is_available() is False)")
-    for item in items:
-        if item.get_closest_marker("cuda") is not None:
-            item.add_marker(skip)
+    skip_cuda_marked_without_gpu(items)
 
 
 @pytest.fixture
 def device() -> str:
     """Where the kernels run: the GPU, or the CPU under Triton's interpreter."""
-    return "cpu" if interpreting() else "cuda"
+    return kernel_device()
 
 
 @pytest.fixture
 def gpu(device) -> str:
     """A real GPU; skips under the interpreter."""
-    if device != "cuda":
-        pytest.skip("needs a real GPU, not Triton's interpreter")
-    return device
+    return require_gpu(device)
 
 
 @pytest.fixture
 def check_dtype(device):
-    def check(dtype: torch.dtype) -> None:
-        if device == "cpu" and dtype == torch.bfloat16:
-            pytest.skip("Triton's CPU interpreter computes bf16 tl.dot wrongly; runs on the GPU only")
-
-    return check
+    return lambda dtype: skip_interpreted_bf16(device, dtype)
 
 
 @pytest.fixture
@@ -130,37 +110,6 @@ class RaggedStep:
             sliding_window=layer.sliding_window, soft_cap=layer.soft_cap, compute_dtype=torch.float64,
         )
         return cache, out
-
-
-def ragged_lengths(rng: random.Random, num_seqs: int, max_len: int, kind: str, block_size: int):
-    """(query_lens, seq_lens): decode (1 new token), prefill (all new), prefix (new tokens after a
-    cached prefix, as on a prefix-cache hit or a later chunk), boundary (lengths at block edges),
-    mixed (all four in one batch)."""
-    query_lens, seq_lens = [], []
-    for i in range(num_seqs):
-        pick = kind if kind != "mixed" else ("decode", "prefill", "prefix", "boundary")[i % 4]
-        if pick == "boundary":
-            s = block_size * rng.randint(1, max(1, max_len // block_size)) + rng.choice([-1, 0, 1])
-            s = max(2, min(s, max_len))
-            q = min(rng.choice([1, block_size, block_size + 1, s]), s)
-        else:
-            s = rng.randint(2 if pick == "prefix" else 1, max_len)
-            q = {"decode": 1, "prefill": s, "prefix": rng.randint(1, s - 1) if s > 1 else 1}[pick]
-        query_lens.append(q)
-        seq_lens.append(s)
-    return query_lens, seq_lens
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(||out - ref|| / ||ref|| over everything, the worst per-token value); NaN or inf -> inf."""
-    out = out.detach().cpu()
-    if not torch.isfinite(out).all():
-        return float("inf"), float("inf")
-    diff = (out.double() - ref.double()).flatten(1)
-    refn = ref.double().flatten(1)
-    whole = float(diff.norm() / refn.norm())
-    worst = float((diff.norm(dim=1) / refn.norm(dim=1).clamp_min(1e-12)).max())
-    return whole, worst
 
 
 def within_tolerance(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, context: str) -> None:

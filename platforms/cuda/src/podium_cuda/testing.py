@@ -9,7 +9,10 @@ imports triton or pytest: the ops and the platform bring the kernels.
 - fused ops (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``) against
   the contract's pure-torch reference ops, within two roundings of the output dtype;
 - a decode step captured with the platform's graph runner replays exactly like eager after new
-  lengths, block tables, slots and q/k/v are copied into the captured tensors.
+  lengths, block tables, slots and q/k/v are copied into the captured tensors;
+- the attention tests' shared pieces: random ragged lengths and the relative-error measure.
+
+``podium_cuda.pytest_support`` holds the pytest side (GPU / interpreter skips) both conftests use.
 """
 
 from __future__ import annotations
@@ -147,3 +150,35 @@ def check_decode_graph_replay(platform: Platform, device: str = "cuda", dtype: t
         ref = reference_paged_attention(q.float(), cache[0].float(), cache[1].float(), meta, scale=layer.scale)
         err = float((replayed.float() - ref).norm() / ref.norm())
         assert err < 1.5e-2, f"replayed decode vs reference, seed {seed}: relative error {err:.2e}"
+
+
+def ragged_lengths(rng: random.Random, num_seqs: int, max_len: int, kind: str, block_size: int):
+    """(query_lens, seq_lens): decode (1 new token), prefill (all new), prefix (new tokens after a
+    cached prefix, as on a prefix-cache hit or a later chunk), boundary (lengths at block edges),
+    mixed (all four in one batch)."""
+    query_lens, seq_lens = [], []
+    for i in range(num_seqs):
+        pick = kind if kind != "mixed" else ("decode", "prefill", "prefix", "boundary")[i % 4]
+        if pick == "boundary":
+            s = block_size * rng.randint(1, max(1, max_len // block_size)) + rng.choice([-1, 0, 1])
+            s = max(2, min(s, max_len))
+            q = min(rng.choice([1, block_size, block_size + 1, s]), s)
+        else:
+            s = rng.randint(2 if pick == "prefix" else 1, max_len)
+            q = {"decode": 1, "prefill": s, "prefix": rng.randint(1, s - 1) if s > 1 else 1}[pick]
+        query_lens.append(q)
+        seq_lens.append(s)
+    return query_lens, seq_lens
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(||out - ref|| / ||ref|| over everything, the worst per-token value), in float64 on the CPU;
+    NaN or inf in ``out`` -> inf."""
+    out = out.detach().cpu()
+    if not torch.isfinite(out).all():
+        return float("inf"), float("inf")
+    diff = (out.double() - ref.detach().cpu().double()).flatten(1)
+    refn = ref.detach().cpu().double().flatten(1)
+    whole = float(diff.norm() / refn.norm())
+    worst = float((diff.norm(dim=1) / refn.norm(dim=1).clamp_min(1e-12)).max())
+    return whole, worst
