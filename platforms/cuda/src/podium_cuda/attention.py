@@ -20,6 +20,7 @@ import torch
 
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
+from .compile_log import install_from_env
 from .fused_ops import rotary_embedding
 from .kv_write import rotary_write_kv, write_kv
 from .paged_attention import paged_attention
@@ -35,6 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, tuning: KernelTuning = CUDA_TUNING) -> None:
         self.tuning = tuning
+        install_from_env()  # PODIUM_TRITON_COMPILE_LOG=1: log every kernel variant built (any platform using these kernels)
 
     def write_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor

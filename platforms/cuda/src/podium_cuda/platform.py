@@ -107,9 +107,6 @@ class CudaPlatform(Platform):
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
             from .attention import TritonAttentionBackend  # triton is imported here, not before
-            from .compile_log import install_from_env
-
-            install_from_env()
 
             self._backend = TritonAttentionBackend()
         return self._backend
