@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from podium_cuda.fused_ops import silu_and_mul
-from podium_cuda.gemm import gemm, gemm_kernel, gemm_silu_mul
+from podium_cuda.gemm import gemm, gemm_kernel, gemm_silu_mul, pair_gate_up, plan_schedule
 from podium_cuda.tuning import GemmTiling
 
 DTYPE, DEV = torch.bfloat16, "cuda"
@@ -44,12 +44,15 @@ def T(bm, bn, bk=64, w=8, s=3, loader="tma", ws=False):
                       stream_k_waves=1)
 
 
-# tile shapes per kind; each is timed under every schedule in SCHEDULES (a run-time choice: no rebuild)
-PLAIN = [T(128, 256), T(128, 256, loader="ptr"), T(128, 256, s=4), T(128, 128, s=4), T(64, 256, w=4, s=4),
-         T(128, 256, ws=True), T(128, 128, w=4, s=4, ws=True)]
-GATED = [T(128, 128), T(128, 128, loader="ptr"), T(128, 128, s=4), T(64, 128, w=4, s=4), T(128, 128, ws=True),
-         T(128, 64, w=4, s=4, ws=True)]
-SCHEDULES = (1, 0, -1)  # at decode sizes 2 waves of stream-K is all of them (-1)
+# tile shapes per kind; each is timed under every schedule in SCHEDULES (a run-time choice: no rebuild).
+# Run 1 (2026-11-29) also had warp_specialize=True variants: on sm_90 they built without warp
+# specialization (no setmaxnreg) and timed like the plain ones, so they are gone.
+PLAIN = [T(128, 256, s=4), T(128, 256, loader="ptr"), T(128, 128, s=4), T(256, 128, s=3), T(256, 128, s=4),
+         T(64, 256, w=4, s=4), T(128, 128, w=4, s=4), T(128, 128, bk=128, s=3)]
+HALVES = [T(128, 128, s=4), T(128, 128, loader="ptr"), T(256, 64, s=4), T(64, 128, w=4, s=4)]
+PAIRED = [T(128, 256, s=4), T(256, 128, s=3), T(256, 128, s=4), T(128, 128, s=4), T(64, 256, w=4, s=4),
+          T(128, 256, loader="ptr")]
+SCHEDULES = (1, 2, 0, -1)  # a schedule that plans like an earlier one for the shape is skipped
 
 
 def with_waves(t: GemmTiling, waves: int) -> GemmTiling:
@@ -116,11 +119,13 @@ class Case:
         self.flops = 2 * M * N * K
         full = self.x.float() @ self.weights[0].float().T
         self.ref = F.silu(full[:, : self.out_cols]) * full[:, self.out_cols:] if self.gated else full
+        self.paired = [pair_gate_up(w) for w in self.weights] if self.gated else []
         self.y = torch.empty(M, self.out_cols, device=DEV, dtype=DTYPE)
         self.gu = torch.empty(M, N, device=DEV, dtype=DTYPE)
 
-    def rotated(self, fn):
-        return [lambda w=w: fn(w) for w in self.weights] * max(1, CALLS // len(self.weights))
+    def rotated(self, fn, paired: bool = False):
+        weights = self.paired if paired else self.weights
+        return [lambda w=w: fn(w) for w in weights] * max(1, CALLS // len(weights))
 
     def baselines(self):
         I, x = self.out_cols, self.x
@@ -129,13 +134,32 @@ class Case:
             yield "cublas+silu_triton", lambda w: silu_and_mul(torch.mm(x, w.t(), out=self.gu))
             yield "cublas+silu_torch", lambda w: F.silu(torch.mm(x, w.t(), out=self.gu)[:, :I]) * self.gu[:, I:]
 
-    def triton_call(self, tiling: GemmTiling):
+    def variants(self):
+        """(kind, tiling) for every Triton variant worth timing at this M."""
+        kinds = [("halves", HALVES), ("paired", PAIRED)] if self.gated else [("plain", PLAIN)]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for kind, shapes in kinds:
+            rows = {"plain": self.N, "halves": self.N // 2, "paired": self.N}[kind]
+            for shape in shapes:
+                if shape.block_m > self.M or (shape.block_m > 64 and self.M <= 64 and shape.block_n >= 256):
+                    continue
+                tiles = -(-self.M // shape.block_m) * -(-rows // shape.block_n)
+                plans = set()
+                for waves in SCHEDULES:
+                    plan = plan_schedule(tiles, -(-self.K // shape.block_k), sms, waves)
+                    if plan not in plans:
+                        plans.add(plan)
+                        yield kind, with_waves(shape, waves)
+
+    def triton_call(self, kind: str, tiling: GemmTiling):
+        if kind == "paired":
+            return lambda w: gemm_silu_mul(self.x, w, tiling, out=self.y, paired=True)
         op = gemm_silu_mul if self.gated else gemm
         return lambda w: op(self.x, w, tiling, out=self.y)
 
-    def check(self, tiling: GemmTiling) -> float:
+    def check(self, kind: str, tiling: GemmTiling) -> float:
         self.y.fill_(float("nan"))  # poisoned: an unwritten element fails the check
-        self.triton_call(tiling)(self.weights[0])
+        self.triton_call(kind, tiling)((self.paired if kind == "paired" else self.weights)[0])
         torch.cuda.synchronize()
         return rel_err(self.y, self.ref)
 
@@ -147,34 +171,31 @@ def run_case(case: Case, log, rows: list, deadline: float, failed: set, seen: se
         us = graph_us(case.rotated(fn))
         cublas_us = cublas_us or us
         rows.append({**base, "variant": name, "us": us, "TFLOPs": case.flops / us / 1e6})
-        log(f"  {name:<34} {us:8.1f} us {case.flops / us / 1e6:6.0f} TFLOP/s")
+        log(f"  {name:<41} {us:8.1f} us {case.flops / us / 1e6:6.0f} TFLOP/s")
     # gated: against what the model runs now, cuBLAS + the platform's SiLU-and-mul kernel
     ref_us = next(r["us"] for r in rows[::-1] if r["variant"] == "cublas+silu_triton") if case.gated else cublas_us
-    for shape in GATED if case.gated else PLAIN:
-        if shape.block_m > 64 and case.M <= 64 and shape.block_n >= 256:
+    for kind, tiling in case.variants():
+        tag = f"{kind} {tiling.tag()}" if case.gated else tiling.tag()
+        build_key = f"{kind} {with_waves(tiling, 1).tag()}"
+        if time.time() > deadline or build_key in failed:
             continue
-        for waves in SCHEDULES:
-            tiling = with_waves(shape, waves)
-            if time.time() > deadline or shape.tag() in failed:
-                continue
-            try:
-                t0 = time.time()
-                err = case.check(tiling)
-                for build in new_builds(seen):
-                    log(f"  build {tiling.tag()} ({'gated' if case.gated else 'plain'}, {time.time() - t0:.1f} s): "
-                        f"{json.dumps(build)}")
-                    rows.append({**base, "variant": tiling.tag(), "build": build})
-                us = graph_us(case.rotated(case.triton_call(tiling))) if err < TOL else float("nan")
-            except Exception as exc:  # a tiling that does not build on this device: record it, go on
-                failed.add(shape.tag())
-                log(f"  {tiling.tag():<34} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-                rows.append({**base, "variant": tiling.tag(), "error": f"{type(exc).__name__}: {exc}"[:2000]})
-                continue
-            ratio = ref_us / us if us == us else float("nan")
-            rows.append({**base, "variant": tiling.tag(), "us": us, "TFLOPs": case.flops / us / 1e6,
-                         "rel_err": err, "speedup_vs_cublas": ratio})
-            flag = "" if err < TOL else f"  WRONG rel_err {err:.2e}"
-            log(f"  {tiling.tag():<34} {us:8.1f} us {case.flops / us / 1e6:6.0f} TFLOP/s x{ratio:5.3f} err {err:.1e}{flag}")
+        try:
+            t0 = time.time()
+            err = case.check(kind, tiling)
+            for build in new_builds(seen):
+                log(f"  build {tag} ({time.time() - t0:.1f} s): {json.dumps(build)}")
+                rows.append({**base, "variant": tag, "build": build})
+            us = graph_us(case.rotated(case.triton_call(kind, tiling), kind == "paired")) if err < TOL else float("nan")
+        except Exception as exc:  # a tiling that does not build on this device: record it, go on
+            failed.add(build_key)
+            log(f"  {tag:<41} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            rows.append({**base, "variant": tag, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            continue
+        ratio = ref_us / us if us == us else float("nan")  # noqa: PLR0124 (NaN)
+        rows.append({**base, "variant": tag, "us": us, "TFLOPs": case.flops / us / 1e6, "rel_err": err,
+                     "speedup_vs_cublas": ratio})
+        flag = "" if err < TOL else f"  WRONG rel_err {err:.2e}"
+        log(f"  {tag:<41} {us:8.1f} us {case.flops / us / 1e6:6.0f} TFLOP/s x{ratio:5.3f} err {err:.1e}{flag}")
 
 
 def summarize(rows: list, log) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from podium_cuda.gemm import gemm, gemm_silu_mul, plan_schedule
+from podium_cuda.gemm import gemm, gemm_silu_mul, pair_gate_up, plan_schedule
 from podium_cuda.tuning import GemmTiling
 
 pytestmark = pytest.mark.cuda
@@ -46,9 +46,13 @@ def reference(x, w, gated):
 
 
 def run(x, w, gated, tiling):
+    """gated: False (plain gemm), True or "halves" ([gate; up] weights), "paired" (rows interleaved)."""
     out = torch.full((x.shape[0], w.shape[0] // 2 if gated else w.shape[0]), float("nan"), dtype=x.dtype,
                      device=x.device)  # poisoned: an unwritten element stays NaN and fails the check
-    (gemm_silu_mul if gated else gemm)(x, w, tiling, out=out)
+    if gated == "paired":
+        gemm_silu_mul(x, pair_gate_up(w), tiling, out=out, paired=True)
+    else:
+        (gemm_silu_mul if gated else gemm)(x, w, tiling, out=out)
     return out
 
 
@@ -58,13 +62,13 @@ def assert_close(out, ref, dtype):
     assert err < TOL[dtype], f"relative error {err:.2e} over {TOL[dtype]:.0e}"
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["gemm", "silu_mul"])
+@pytest.mark.parametrize("gated", [False, "halves", "paired"])
 @pytest.mark.parametrize("loader", ["ptr", "tma"])
 @pytest.mark.parametrize("waves", [0, 1, -1])
 def test_small_tiles_ragged(gated, loader, waves, kernel_device):
     M, N, K = 37, 2 * 40 if gated else 72, 88  # M, N and K all off the 16 x 32 x 16 tile
     for i, dtype in enumerate(dtypes(kernel_device)):
-        x, w = inputs(M, N, K, dtype, kernel_device, seed=10 * waves + i + 100 * gated)
+        x, w = inputs(M, N, K, dtype, kernel_device, seed=10 * waves + i + 100 * bool(gated))
         assert_close(run(x, w, gated, small(loader, waves)), reference(x, w, gated), dtype)
 
 
@@ -77,16 +81,16 @@ def test_row_counts(M, kernel_device):
 def test_repeat_is_bit_equal(kernel_device):
     """Stream-K pieces are added in program order, whoever arrives last: no run-to-run drift."""
     x, w = inputs(45, 2 * 48, 96, torch.float16, kernel_device, seed=7)
-    first = run(x, w, True, small("ptr", -1))
-    assert torch.equal(first, run(x, w, True, small("ptr", -1)))
+    first = run(x, w, "halves", small("ptr", -1))
+    assert torch.equal(first, run(x, w, "halves", small("ptr", -1)))
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["gemm", "silu_mul"])
+@pytest.mark.parametrize("gated", [False, "halves", "paired"])
 @pytest.mark.parametrize("loader", ["ptr", "tma"])
 def test_decode_tiling_on_gpu(gated, loader, gpu):
     """The bench's tile shapes at a ragged decode-like shape, with stream-K over 132 programs."""
-    tiling = GemmTiling(block_m=128, block_n=128 if gated else 256, block_k=64, num_warps=8, num_stages=3,
-                        loader=loader, stream_k_waves=1)
+    tiling = GemmTiling(block_m=128, block_n=128 if gated == "halves" else 256, block_k=64, num_warps=8,
+                        num_stages=3 if loader == "ptr" else 4, loader=loader, stream_k_waves=1)
     x, w = inputs(200, 2 * 1000 if gated else 1000, 4096, torch.bfloat16, gpu, seed=3)
     out = run(x, w, gated, tiling)
     assert_close(out, reference(x, w, gated), torch.bfloat16)
@@ -95,7 +99,7 @@ def test_decode_tiling_on_gpu(gated, loader, gpu):
 
 @pytest.mark.parametrize("gated", [False, True], ids=["gemm", "silu_mul"])
 def test_graph_replay_equals_eager(gated, gpu):
-    tiling = GemmTiling(block_m=128, block_n=128 if gated else 256, block_k=64, num_warps=8, num_stages=3,
+    tiling = GemmTiling(block_m=128, block_n=128 if gated else 256, block_k=64, num_warps=8, num_stages=4,
                         loader="tma", stream_k_waves=1)
     x, w = inputs(256, 2 * 1024 if gated else 2048, 4096, torch.bfloat16, gpu, seed=5)
     op = gemm_silu_mul if gated else gemm
@@ -124,6 +128,11 @@ def test_plan_schedule():
     assert plan_schedule(32, 224, 132, 1) == (132, 0)  # down at M=256: 32 tiles, all stream-K
     assert plan_schedule(32, 224, 132, 0) == (32, 32)  # whole tiles: one program each
     assert plan_schedule(8, 10, 132, 1) == (8, 8)  # fewer k-steps than programs: whole tiles
+
+
+def test_pair_gate_up_layout():
+    w = torch.arange(12.0).view(6, 2)  # gate rows 0..2, up rows 3..5
+    assert pair_gate_up(w)[:, 0].tolist() == [0.0, 6.0, 2.0, 8.0, 4.0, 10.0]
 
 
 def test_rejects_bad_shapes():

@@ -4,7 +4,9 @@ x [M, K] activations (M: a decode batch, about 64..512 rows), w [N, K] weights i
 y [M, N]; bf16 or fp16 operands, float32 accumulation. ``gemm_silu_mul`` is the gate_up projection
 with the activation fused into its epilogue: w = [gate; up] [2I, K] (gate rows [0, I), up rows
 [I, 2I)), each tile accumulates a gate tile and the matching up tile and writes silu(gate) * up
-[M, I], so the [M, 2I] intermediate never reaches memory.
+[M, I], so the [M, 2I] intermediate never reaches memory. With ``paired=True`` the weight's rows
+are interleaved once at load time (``pair_gate_up``: gate j, up j, gate j+1, ...), so a tile is one
+dot over BN rows whose column pairs are (gate, up) of BN / 2 outputs.
 
 Why not one tile a program: at M = 256 Llama-8B's gate_up has 224 output tiles of 128 x 256 for 132
 multiprocessors, so the second wave runs 92 tiles and 40 multiprocessors idle (wave quantization).
@@ -54,11 +56,16 @@ def _slot(p, tile, k_iters, total, programs):
     return tl.where((p * total // programs) // k_iters == tile, 0, 1)
 
 
+PLAIN, HALVES, PAIRED = 0, 1, 2  # what a tile computes (the GATE constexpr), see _accumulate
+
+
 @triton.jit
 def _accumulate(x_src, w_src, off_m, off_n, up_row, k_lo, k_hi, M, N, K, stride_xm, stride_wn,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                GATED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr):
-    """Sums k-steps [k_lo, k_hi) of one tile: (x @ w[off_n:].T, x @ w[up_row + off_n:].T if GATED)."""
+                GATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Sums k-steps [k_lo, k_hi) of one tile: acc = x @ w[off_n : off_n + BN].T [BM, BN], and for
+    GATE == HALVES also acc_up = x @ w[up_row + off_n :][:BN].T (PLAIN and PAIRED: acc_up unused).
+    N is the number of weight rows the tiles cover (rows past it are never stored)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     if TMA:  # descriptors: out-of-bounds rows and columns read as zeros
@@ -66,7 +73,7 @@ def _accumulate(x_src, w_src, off_m, off_n, up_row, k_lo, k_hi, M, N, K, stride_
             k = ki * BK
             a = x_src.load([off_m, k])
             acc = tl.dot(a, w_src.load([off_n, k]).T, acc)
-            if GATED:
+            if GATE == 1:
                 acc_up = tl.dot(a, w_src.load([up_row + off_n, k]).T, acc_up)
     else:
         # rows past M / N re-read valid rows (never stored), so only K needs a mask
@@ -85,7 +92,7 @@ def _accumulate(x_src, w_src, off_m, off_n, up_row, k_lo, k_hi, M, N, K, stride_
                 a = tl.load(x_ptrs, mask=k_ok, other=0.0)
                 b = tl.load(w_ptrs, mask=k_ok, other=0.0)
             acc = tl.dot(a, tl.trans(b), acc)
-            if GATED:
+            if GATE == 1:
                 if EVEN_K:
                     u = tl.load(u_ptrs)
                 else:
@@ -98,33 +105,41 @@ def _accumulate(x_src, w_src, off_m, off_n, up_row, k_lo, k_hi, M, N, K, stride_
 
 
 @triton.jit
-def _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, N, stride_ym,
-                BM: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr):
-    """Writes one output tile; GATED rounds gate and up like the unfused path (GEMM output in y's
-    dtype, then silu(gate) rounded, times up)."""
+def _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, out_cols, stride_ym,
+                BM: tl.constexpr, BN: tl.constexpr, GATE: tl.constexpr):
+    """Writes one output tile. Gated tiles round gate and up like the unfused path (GEMM output in
+    y's dtype, then silu(gate) rounded, times up). PAIRED: the tile's BN weight rows alternate gate
+    and up rows, so acc's column pairs are (gate, up) of BN // 2 outputs."""
     dtype = y_ptr.dtype.element_ty
-    if GATED:
-        g = acc.to(dtype).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        out = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    if GATE == 2:
+        gate, up = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
+        cols = off_n // 2 + tl.arange(0, BN // 2)
     else:
+        gate = acc
+        up = acc_up
+        cols = off_n + tl.arange(0, BN)
+    if GATE == 0:
         out = acc.to(dtype)
-    rm = off_m + tl.arange(0, BM)
-    rn = off_n + tl.arange(0, BN)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out, mask=(rm < M)[:, None] & (rn < N)[None, :])
+    else:
+        g = gate.to(dtype).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        out = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+    rows = off_m + tl.arange(0, BM)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out,
+             mask=(rows < M)[:, None] & (cols < out_cols)[None, :])
 
 
 @triton.jit
-def _finish_split_tile(y_ptr, ws_ptr, lock_ptr, acc, acc_up, pid, tile, sk_tile, off_m, off_n, M, N, stride_ym,
-                       k_iters, total, programs,
-                       BM: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr):
+def _finish_split_tile(y_ptr, ws_ptr, lock_ptr, acc, acc_up, pid, tile, sk_tile, off_m, off_n, M, out_cols,
+                       stride_ym, k_iters, total, programs,
+                       BM: tl.constexpr, BN: tl.constexpr, GATE: tl.constexpr):
     """Stores this program's partial sum of a split tile; the last of the tile's programs to arrive
     adds all of them in program order, writes the tile and resets its counter."""
-    NACC: tl.constexpr = 2 if GATED else 1
+    NACC: tl.constexpr = 2 if GATE == 1 else 1
     cells = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     mine = ws_ptr + (pid * 2 + _slot(pid, sk_tile, k_iters, total, programs)) * (NACC * BM * BN)
     tl.store(mine + cells, acc)
-    if GATED:
+    if GATE == 1:
         tl.store(mine + BM * BN + cells, acc_up)
     tl.debug_barrier()  # every thread's partial is written before the counter moves
     first = _owner(sk_tile * k_iters, total, programs)
@@ -136,16 +151,17 @@ def _finish_split_tile(y_ptr, ws_ptr, lock_ptr, acc, acc_up, pid, tile, sk_tile,
         for p in range(first, last + 1):
             piece = ws_ptr + (p * 2 + _slot(p, sk_tile, k_iters, total, programs)) * (NACC * BM * BN)
             acc += tl.load(piece + cells, cache_modifier=".cg")
-            if GATED:
+            if GATE == 1:
                 acc_up += tl.load(piece + BM * BN + cells, cache_modifier=".cg")
-        _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, N, stride_ym, BM, BN, GATED)
+        _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, out_cols, stride_ym, BM, BN, GATE)
         tl.atomic_xchg(lock_ptr + tile, 0)
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "up_row", "dp_tiles"])  # one build serves every decode shape
-def gemm_kernel(x_src, w_src, y_ptr, ws_ptr, lock_ptr, M, N, K, up_row, stride_xm, stride_wn, stride_ym, dp_tiles,
+@triton.jit(do_not_specialize=["M", "N", "K", "out_cols", "up_row", "dp_tiles"])  # one build for every decode shape
+def gemm_kernel(x_src, w_src, y_ptr, ws_ptr, lock_ptr, M, N, K, out_cols, up_row, stride_xm, stride_wn, stride_ym,
+                dp_tiles,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                GATED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr):
+                GATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     num_m = tl.cdiv(M, BM)
@@ -155,26 +171,26 @@ def gemm_kernel(x_src, w_src, y_ptr, ws_ptr, lock_ptr, M, N, K, up_row, stride_x
         off_m = (tile % num_m) * BM
         off_n = (tile // num_m) * BN
         acc, acc_up = _accumulate(x_src, w_src, off_m, off_n, up_row, 0, k_iters, M, N, K, stride_xm, stride_wn,
-                                  BM, BN, BK, GATED, TMA, WS, EVEN_K)
-        _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, N, stride_ym, BM, BN, GATED)
-    total = (tiles - dp_tiles) * k_iters  # stream-K phase: an equal run of k-steps a program
-    it = pid * total // programs
+                                  BM, BN, BK, GATE, TMA, WS, EVEN_K)
+        _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, out_cols, stride_ym, BM, BN, GATE)
+    # stream-K phase: program pid runs k-steps [start, end) of the remaining tiles (end > start:
+    # plan_schedule gives every program at least one), a for loop so the k-loop inside is pipelined
+    total = (tiles - dp_tiles) * k_iters
+    start = pid * total // programs
     end = (pid + 1) * total // programs
-    while it < end:
-        sk_tile = it // k_iters
-        k_lo = it - sk_tile * k_iters
-        k_hi = tl.minimum(k_iters, k_lo + end - it)
+    for sk_tile in range(start // k_iters, (end + k_iters - 1) // k_iters):
+        k_lo = tl.maximum(start - sk_tile * k_iters, 0)
+        k_hi = tl.minimum(end - sk_tile * k_iters, k_iters)
         tile = dp_tiles + sk_tile
         off_m = (tile % num_m) * BM
         off_n = (tile // num_m) * BN
         acc, acc_up = _accumulate(x_src, w_src, off_m, off_n, up_row, k_lo, k_hi, M, N, K, stride_xm, stride_wn,
-                                  BM, BN, BK, GATED, TMA, WS, EVEN_K)
+                                  BM, BN, BK, GATE, TMA, WS, EVEN_K)
         if k_lo == 0 and k_hi == k_iters:
-            _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, N, stride_ym, BM, BN, GATED)
+            _store_tile(y_ptr, acc, acc_up, off_m, off_n, M, out_cols, stride_ym, BM, BN, GATE)
         else:
-            _finish_split_tile(y_ptr, ws_ptr, lock_ptr, acc, acc_up, pid, tile, sk_tile, off_m, off_n, M, N,
-                               stride_ym, k_iters, total, programs, BM, BN, GATED)
-        it += k_hi - k_lo
+            _finish_split_tile(y_ptr, ws_ptr, lock_ptr, acc, acc_up, pid, tile, sk_tile, off_m, off_n, M, out_cols,
+                               stride_ym, k_iters, total, programs, BM, BN, GATE)
 
 
 @functools.cache
@@ -187,11 +203,11 @@ def _sm_count(device: torch.device) -> int:
 _SCRATCH: dict = {}
 
 
-def _scratch(device: torch.device, programs: int, tiling: GemmTiling, gated: bool):
+def _scratch(device: torch.device, programs: int, tiling: GemmTiling, accumulators: int):
     """(workspace, counters) for one device and tile shape: allocated once, left zeroed by every launch."""
-    key = (device, programs, tiling.block_m, tiling.block_n, gated)
+    key = (device, programs, tiling.block_m, tiling.block_n, accumulators)
     if key not in _SCRATCH:
-        cells = programs * 2 * (2 if gated else 1) * tiling.block_m * tiling.block_n
+        cells = programs * 2 * accumulators * tiling.block_m * tiling.block_n
         counters = _SCRATCH.setdefault(("counters", device), torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device))
         _SCRATCH[key] = (torch.empty(cells, dtype=torch.float32, device=device), counters)
     return _SCRATCH[key]
@@ -235,17 +251,18 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w))
 
 
-def _launch(x, w, y, out_cols: int, up_row: int, gated: bool, tiling: GemmTiling) -> torch.Tensor:
+def _launch(x, w, y, rows: int, up_row: int, gate: int, tiling: GemmTiling) -> torch.Tensor:
+    """Tiles cover ``rows`` weight rows (PLAIN: N, HALVES: the gate rows, PAIRED: all 2I)."""
     M, K = x.shape
     if M == 0:
         return y
     bm, bn, bk = tiling.block_m, tiling.block_n, tiling.block_k
-    tiles = triton.cdiv(M, bm) * triton.cdiv(out_cols, bn)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(rows, bn)
     k_iters = triton.cdiv(K, bk)
     programs, dp_tiles = plan_schedule(tiles, k_iters, _sm_count(x.device), tiling.stream_k_waves)
     if tiles > MAX_COUNTERS or tiles * k_iters * programs >= 2**31:
         raise ValueError(f"gemm: {tiles} tiles of {bm}x{bn} over K={K} is too large for this decode GEMM")
-    ws, counters = _scratch(x.device, programs, tiling, gated)
+    ws, counters = _scratch(x.device, programs, tiling, 2 if gate == HALVES else 1)
     tma = tiling.loader == "tma" and _tma_ok(x, w)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -255,8 +272,8 @@ def _launch(x, w, y, out_cols: int, up_row: int, gated: bool, tiling: GemmTiling
     else:
         x_src, w_src = x, w
     gemm_kernel[(programs,)](
-        x_src, w_src, y, ws, counters, M, out_cols, K, up_row, x.stride(0), w.stride(0), y.stride(0), dp_tiles,
-        BM=bm, BN=bn, BK=bk, GATED=gated, TMA=tma, WS=tma and tiling.warp_specialize, EVEN_K=K % bk == 0,
+        x_src, w_src, y, ws, counters, M, rows, K, y.shape[1], up_row, x.stride(0), w.stride(0), y.stride(0), dp_tiles,
+        BM=bm, BN=bn, BK=bk, GATE=gate, TMA=tma, WS=tma and tiling.warp_specialize, EVEN_K=K % bk == 0,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     return y
@@ -266,14 +283,26 @@ def gemm(x: torch.Tensor, w: torch.Tensor, tiling: GemmTiling = DEFAULT_TILING,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype (float32 accumulation)."""
     y = _check(x, w, w.shape[0], out, "gemm")
-    return _launch(x, w, y, w.shape[0], 0, False, tiling)
+    return _launch(x, w, y, w.shape[0], 0, PLAIN, tiling)
 
 
 def gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, tiling: GemmTiling = DEFAULT_TILING,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) [M, I] for w_gate_up = [gate; up] [2I, K]."""
+                  out: torch.Tensor | None = None, paired: bool = False) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [M, I] for w_gate_up = [gate; up] [2I, K], or, with
+    ``paired``, for the rows interleaved by ``pair_gate_up`` (gate row j at 2j, up row j at 2j + 1:
+    one dot a tile, its column pairs split in registers)."""
     if w_gate_up.shape[0] % 2:
         raise ValueError(f"gemm_silu_mul: w_gate_up has {w_gate_up.shape[0]} rows; [gate; up] needs an even count")
     inter = w_gate_up.shape[0] // 2
     y = _check(x, w_gate_up, inter, out, "gemm_silu_mul")
-    return _launch(x, w_gate_up, y, inter, inter, True, tiling)
+    if paired:
+        if tiling.block_n < 32:
+            raise ValueError("gemm_silu_mul(paired=True) needs block_n >= 32 (block_n // 2 outputs a tile)")
+        return _launch(x, w_gate_up, y, 2 * inter, 0, PAIRED, tiling)
+    return _launch(x, w_gate_up, y, inter, inter, HALVES, tiling)
+
+
+def pair_gate_up(w_gate_up: torch.Tensor) -> torch.Tensor:
+    """[gate; up] [2I, K] -> rows interleaved (gate 0, up 0, gate 1, up 1, ...) for ``paired=True``."""
+    two_i, k = w_gate_up.shape
+    return w_gate_up.view(2, two_i // 2, k).transpose(0, 1).reshape(two_i, k).contiguous()
