@@ -55,46 +55,6 @@ class SplitPolicy:
 
 
 @dataclass(frozen=True)
-class GemmTiling:
-    """One configuration of the decode-batch GEMM (``gemm.py``).
-
-    Tiles of block_m x block_n outputs, block_k of the reduction a pipelined step. ``loader`` picks
-    plain pointer loads ("ptr": runs everywhere, the interpreter too) or Hopper tensor-memory
-    descriptors ("tma"). ``stream_k_waves`` says how much of the work is shared out by K iterations
-    instead of whole tiles: 0 = every tile whole (a persistent data-parallel grid), 1 = the last,
-    partial wave of tiles, 2 = that plus one full wave, -1 = everything.
-    """
-
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    loader: str = "ptr"
-    warp_specialize: bool = False
-    stream_k_waves: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"GemmTiling.{name} must be a power of two, got {value}")
-        if min(self.block_m, self.block_n, self.block_k) < 16:
-            raise ValueError("GemmTiling blocks must be >= 16 (tensor-core tiles)")
-        if self.loader not in ("ptr", "tma"):
-            raise ValueError(f"GemmTiling.loader must be 'ptr' or 'tma', got {self.loader!r}")
-        if self.warp_specialize and self.loader != "tma":
-            raise ValueError("GemmTiling.warp_specialize needs loader='tma'")
-        if self.stream_k_waves < -1 or self.num_stages < 1:
-            raise ValueError("GemmTiling.stream_k_waves must be >= -1 and num_stages >= 1")
-
-    def tag(self) -> str:
-        ws = "+ws" if self.warp_specialize else ""
-        return (f"{self.loader}{ws} m{self.block_m}n{self.block_n}k{self.block_k} w{self.num_warps}s{self.num_stages}"
-                f" sk{self.stream_k_waves}")
-
-
-@dataclass(frozen=True)
 class KernelTuning:
     """Every launch parameter of podium_cuda's kernels."""
 
