@@ -32,6 +32,10 @@ CASES = [
     AttentionCase("odd-head33", ((1, 40), (5, 21)), num_heads=2, num_kv_heads=1, head_size=33),  # keys not paired
     AttentionCase("decodes-window", ((1, 70), (1, 5), (1, 33)), num_heads=4, num_kv_heads=2, sliding_window=19),
     AttentionCase("decodes-soft-cap", ((1, 30), (1, 64)), num_heads=4, num_kv_heads=1, soft_cap=2.5),
+    # queries longer than attention_plan.SHORT_QUERY_MAX (48): the SDPA path, fresh and over cached context
+    AttentionCase("long", ((1, 37), (60, 60), (50, 90), (23, 23), (1, 16)), num_heads=8, num_kv_heads=2),
+    AttentionCase("long-window", ((64, 64), (49, 80), (1, 70)), num_heads=4, num_kv_heads=2, sliding_window=19),
+    AttentionCase("long-soft-cap", ((50, 50), (1, 30)), num_heads=4, num_kv_heads=1, soft_cap=2.5),
 ]
 
 

@@ -19,7 +19,7 @@ from podium.engine import LLMEngine
 from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.ipex_support import ipex_status
-from podium_cpu.linear_packing import PackedLinear, can_pack
+from podium_cpu.linear_packing import AmxLinear, PackedLinear, can_pack
 from podium_cpu.platform import ATTENTION_ENV
 from podium_plugin_api import Availability
 
@@ -85,7 +85,7 @@ def test_ipex_attention_gives_the_plain_paths_tokens(plain_tokens, monkeypatch):
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN linear packing unavailable in this torch")
 def test_prepared_model_gives_the_unprepared_tokens_in_bf16(monkeypatch):
     packed = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=256)
-    assert any(isinstance(m, PackedLinear) for m in packed.engine.model.modules())
+    assert any(isinstance(m, (AmxLinear, PackedLinear)) for m in packed.engine.model.modules())
     want = greedy(on_platform(monkeypatch, UnpreparedCpuPlatform(), "bfloat16"))
     assert greedy(packed) == want
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from podium_cpu import fused_ops
-from podium_cpu.linear_packing import PackedLinear, can_pack, pack_linear_layers
+from podium_cpu.linear_packing import AMX_MAX_ROWS, AmxLinear, PackedLinear, can_pack, pack_linear_layers
 from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import ops as reference
 
@@ -153,3 +153,63 @@ def test_tied_lm_head_is_packed_and_gives_the_unpacked_logits():
     assert pack_linear_layers(model) == 5  # q|k|v, o, gate|up, down, lm_head
     assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is embedding
     assert torch.equal(model.compute_logits(hidden), want) and want.dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def amx_kernel(kernels):
+    kernel = kernels.amx_linear.get(torch.bfloat16)
+    if kernel is None:
+        pytest.skip("no AMX tiles on this CPU (or not granted to this process)")
+    return kernel
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x . weight^T + bias in float64: exact here (bf16 products, short sums)."""
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("features", [(576, 960), (70, 100), (1536, 576), (64, 33)])
+def test_amx_linear_rounds_the_exact_result_once(amx_kernel, features):
+    in_features, out_features = features
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=True).bfloat16().requires_grad_(False)
+    layer = AmxLinear(linear, amx_kernel)
+    for rows in (1, 16, 17, 32, 45, 100):
+        x = torch.randn(rows, in_features).bfloat16()
+        got = layer(x).double()
+        want = exact_linear(x, linear.weight, linear.bias)
+        magnitude = exact_linear(x.abs(), linear.weight.abs(), linear.bias.abs())
+        # float32 sums (error below K ulps of the sum of |terms|), then one rounding to bf16
+        bound = 2.0**-8 * want.abs() + in_features * 2.0**-23 * magnitude
+        assert bool(((got - want).abs() <= bound).all()), rows
+        assert float((got - want).abs().mean()) < 2.0**-9 * float(want.abs().mean())  # not merely within bounds
+
+
+def test_amx_linear_rows_do_not_depend_on_the_batch(amx_kernel):
+    torch.manual_seed(1)
+    linear = nn.Linear(96, 200, bias=False).bfloat16().requires_grad_(False)
+    layer = AmxLinear(linear, amx_kernel)
+    wide = torch.randn(100, 150).bfloat16()
+    x = wide[:, :96]  # rows 150 apart: read in place, no copy
+    batch = layer(x)
+    for i in (0, 31, 32, 63, 99):  # first, last of a 32-row chunk, inside the padded last chunk
+        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1])
+    assert torch.equal(layer(x.reshape(4, 25, 96)), batch.reshape(4, 25, 200))
+
+
+def test_amx_linear_leaves_large_batches_to_onednn(amx_kernel):
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 48).bfloat16().requires_grad_(False)
+    x = torch.randn(AMX_MAX_ROWS + 1, 64).bfloat16()
+    assert torch.equal(AmxLinear(linear, amx_kernel)(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_amx_packing_keeps_parameters_and_ties(amx_kernel):
+    embedding = nn.Embedding(300, 64).bfloat16()
+    head = nn.Linear(64, 300, bias=False).bfloat16()
+    head.weight = embedding.weight
+    model = nn.ModuleDict({"embed": embedding, "head": head, "f32": nn.Linear(4, 4)})
+    assert pack_linear_layers(model, amx_kernel) == 1  # float32 stays as it is
+    assert isinstance(model["head"], AmxLinear) and model["head"].weight is embedding.weight
+    assert sorted(dict(model.named_parameters())) == ["embed.weight", "f32.bias", "f32.weight"]

@@ -3,7 +3,8 @@
 Why native: paged attention in pure torch must either gather every sequence's K/V into a dense
 copy per layer (which doubles the step's memory traffic) or loop per sequence in Python; a small
 C kernel reads each key/value row once, straight through the block table. The decoder's
-RMSNorm, rotary embedding and SiLU-and-mul are one pass each in C instead of 2-10 torch ops.
+RMSNorm, rotary embedding and SiLU-and-mul are one pass each in C instead of 2-10 torch ops. Where
+the CPU has AMX, bf16 linear layers of decode-sized batches run on its tiles (amx_linear.c).
 
 Build: the system C compiler (``cc``, ``gcc`` or ``clang``) with ``-O3 -march=native -fopenmp``,
 about a second (the libraries build in parallel), once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
@@ -32,6 +33,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 LIBRARIES = {
     "paged_attention": (NATIVE_DIR / "paged_attention.c", ()),
     "fused_ops": (NATIVE_DIR / "fused_ops.c", ("-ffp-contract=off",)),
+    "amx_linear": (NATIVE_DIR / "amx_linear.c", ()),
 }
 COMPILERS = ("cc", "gcc", "clang")
 COMPILE_TIMEOUT_S = 120
@@ -71,6 +73,7 @@ class NativeKernels:
     rms_norm: dict
     rotary: dict
     silu_and_mul: dict
+    amx_linear: dict  # empty where this CPU or process cannot use AMX tiles
 
 
 def cache_dir() -> Path:
@@ -139,6 +142,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
                       ("f32", "bf16")),
     "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("bf16",)),
+    "podium_amx_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -193,7 +197,9 @@ def _load() -> tuple[NativeKernels | None, str]:
         for name in missing:
             _remove_stale(name, targets[name])
         paths = list(targets.values())
-        entries = _bind([ctypes.CDLL(str(p)) for p in paths])
+        libs = [ctypes.CDLL(str(p)) for p in paths]
+        entries = _bind(libs)
+        amx_ready = _amx_ready(libs)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"native kernels unavailable ({exc}); using pure-torch attention and ops"
     return NativeKernels(
@@ -203,4 +209,15 @@ def _load() -> tuple[NativeKernels | None, str]:
         rms_norm=entries["podium_rms_norm"],
         rotary=entries["podium_rotary"],
         silu_and_mul=entries["podium_silu_and_mul"],
+        amx_linear=entries["podium_amx_linear"] if amx_ready else {},
     ), ""
+
+
+def _amx_ready(libs: list[ctypes.CDLL]) -> bool:
+    """Whether AMX tiles work here: built with them (-march=native on an AMX CPU) and granted by the
+    OS to this process (the C side asks once; oneDNN asks the same)."""
+    init = next((lib.podium_amx_init for lib in libs if hasattr(lib, "podium_amx_init")), None)
+    if init is None:
+        return False
+    init.argtypes, init.restype = [], ctypes.c_int
+    return init() == 0

@@ -91,8 +91,10 @@ class CpuPlatform(Platform):
         return cpu_ops(load_kernels()[0])
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Called once the weights are loaded: pack bf16 linear weights for oneDNN. Returns the model."""
-        pack_linear_layers(model)
+        """Called once the weights are loaded: pack bf16 linear weights for the native AMX kernel
+        where it runs, else for oneDNN. Returns the model."""
+        kernels = load_kernels()[0]
+        pack_linear_layers(model, kernels.amx_linear.get(torch.bfloat16) if kernels is not None else None)
         return model
 
 

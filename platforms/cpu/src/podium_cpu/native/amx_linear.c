@@ -1,0 +1,170 @@
+/* bfloat16 linear layers on AMX tiles: out [M, N] = bf16(x [M, K] . w [N, K]^T + bias), float32 sums.
+ *
+ * Weight layout (packed once at load, linear_packing.py): w padded with zeros to N % 32 == 0 and
+ * K % 32 == 0, then cut into tiles of 16 output columns x 32 inputs, each stored as AMX's B operand
+ * wants it, the inputs k and k+1 of a column side by side:
+ *
+ *     packed [N/16][K/32][16 k-pairs][16 columns][2]      (1 KiB per tile, a column block's tiles
+ *                                                         contiguous in K order)
+ *
+ * One work item is a pair of column blocks (32 outputs): for each chunk of 32 rows of x it keeps
+ * four 16 x 16 float32 accumulator tiles (2 row tiles x 2 column blocks) and walks K 32 inputs at a
+ * time: two A loads (rows of x, straight from the caller's memory), two B loads, four
+ * tdpbf16ps. Items split statically over the threads, so each weight byte is read once per chunk
+ * of 32 rows; a decode step's batch fits one chunk and the weights stream from memory once.
+ *
+ * Every output element sums its K products in the same order whatever M is and whichever chunk
+ * its row falls in: a row's result does not depend on the other rows of the call (batch
+ * invariance). Bias is added in float32 before the one rounding to bf16 (round to nearest even).
+ * Rows of a last partial chunk, and x when K % 32 != 0, go through a zero-padded copy.
+ *
+ * AMX state is per thread: each thread loads its tile configuration on entry and releases the
+ * tiles on exit (other AMX users, oneDNN, configure their own). The process asks the kernel for
+ * AMX tile data once (podium_amx_init). The caller (linear_packing.py) validates shapes, strides
+ * and dtypes: this code trusts its arguments.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "bf16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 0 when this process may use AMX tiles (asking the kernel for them if needed), else -1 */
+int podium_amx_init(void) {
+    unsigned long bitmask = 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bitmask) == 0 && (bitmask & (1ul << XFEATURE_XTILEDATA)))
+        return 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
+    return syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bitmask) == 0 &&
+                   (bitmask & (1ul << XFEATURE_XTILEDATA))
+               ? 0
+               : -1;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tiles 0-3: accumulators (16 x 16 float32); 4, 5: rows of x (16 x 32 bf16); 6, 7: weight tiles */
+static void configure_tiles(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* out rows [m0, m0 + rows) x columns [n0, n0 + 32) (those below N) from the accumulator tiles */
+static void store_block(float *restrict c, int64_t rows, int64_t n0, int64_t N, const float *bias,
+                        bf16_t *out, int64_t out_stride) {
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (rows > 16) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+    const int64_t cols = N - n0 < 32 ? N - n0 : 32;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = c + r * 32;
+        if (bias)
+            for (int64_t j = 0; j < cols; j++) row[j] += bias[n0 + j];
+        bf16_t *o = out + r * out_stride + n0;
+        if (cols == 32) {
+            store16_bf16(o, load16(row));
+            store16_bf16(o + 16, load16(row + 16));
+        } else {
+            for (int64_t j = 0; j < cols; j++) o[j] = f32_to_bf16(row[j]);
+        }
+    }
+}
+
+/* One chunk of up to 32 rows (a, row stride a_stride bytes) times one column-block pair */
+static inline void chunk_pair(const bf16_t *a, int64_t a_stride, int64_t rows, const bf16_t *b0,
+                              const bf16_t *b1, int64_t kb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < kb; k++) {
+            _tile_loadd(4, a + k * 32, a_stride);
+            _tile_loadd(5, (const char *)(a + k * 32) + 16 * a_stride, a_stride);
+            _tile_loadd(6, b0 + k * 512, 64);
+            _tile_loadd(7, b1 + k * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int64_t k = 0; k < kb; k++) {
+            _tile_loadd(4, a + k * 32, a_stride);
+            _tile_loadd(6, b0 + k * 512, 64);
+            _tile_loadd(7, b1 + k * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+}
+
+/* x [M, K] (row stride x_stride elements), packed weights for [N, K], bias [N] float32 or NULL,
+ * out [M, N] (row stride out_stride). Returns 0, or -1 when scratch memory could not be allocated. */
+int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
+                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
+    const int64_t kb = (K + 31) / 32, kp = kb * 32, pairs = (N + 31) / 32;
+    const int64_t full = K % 32 == 0 ? M / 32 : 0;  /* chunks read in place */
+    const int64_t chunks = (M + 31) / 32;
+    bf16_t *pad = NULL; /* rows of the chunks not read in place, zero padded to 32 rows and kp columns */
+    if (chunks > full) {
+        pad = (bf16_t *)calloc((size_t)(chunks - full) * 32 * kp, sizeof(bf16_t));
+        if (!pad) return -1;
+        for (int64_t r = full * 32; r < M; r++)
+            memcpy(pad + (r - full * 32) * kp, x + r * x_stride, (size_t)K * sizeof(bf16_t));
+    }
+    const int parallel = num_threads > 1 && pairs > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        float c[32 * 32];
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            const bf16_t *b0 = packed + 2 * p * kb * 512, *b1 = b0 + kb * 512;
+            for (int64_t ch = 0; ch < chunks; ch++) {
+                const int64_t m0 = ch * 32, rows = M - m0 < 32 ? M - m0 : 32;
+                if (ch < full)
+                    chunk_pair(x + m0 * x_stride, x_stride * 2, rows, b0, b1, kb);
+                else
+                    chunk_pair(pad + (m0 - full * 32) * kp, kp * 2, rows, b0, b1, kb);
+                store_block(c, rows, 32 * p, N, bias, out + m0 * out_stride, out_stride);
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+    return 0;
+}
+
+#else /* no AMX in this build (-march=native on a CPU without it): nothing to run */
+int podium_amx_init(void) { return -1; }
+
+int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
+                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
+    (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride;
+    (void)num_threads;
+    return -1;
+}
+#endif
