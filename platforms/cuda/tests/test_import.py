@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -22,6 +23,17 @@ def test_importing_podium_cuda_does_not_import_triton():
     assert run.returncode == 0, run.stderr
     assert "TRITON_MODULES []" in run.stdout, run.stdout
     assert "AVAILABLE" in run.stdout
+
+
+def test_platform_turns_off_the_cublas_workspace_unless_the_user_set_one():
+    probe = "import os, podium_cuda; podium_cuda.CudaPlatform(); print(os.environ['CUBLAS_WORKSPACE_CONFIG'])"
+    for preset, want in ((None, ":0:0"), (":4096:8", ":4096:8")):
+        env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+        if preset is not None:
+            env["CUBLAS_WORKSPACE_CONFIG"] = preset
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip().splitlines()[-1] == want
 
 
 def test_split_plan_is_a_power_of_two_and_grows_only_for_few_long_sequences():

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
 from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
 
 from .tuning import CUDA_TUNING
+
+# No cuBLAS workspace by default. Without one cuBLAS picks GEMM kernels that do not split K into a
+# second reduction kernel: on the H200 batch-1 decode of the Llama-3.1-8B shape went from 4.66 to
+# 4.52 ms per token (the step's 64 split-K reduces and their launch gaps gone), and the 256 x 512/256
+# throughput run did not move (10,364 vs 10,342 out tok/s; platforms/cuda/NOTES.md, session 4).
+# torch reads the variable when it creates the process's first cuBLAS workspace, so it is set when
+# the platform is made, before any model runs; a value the user set is kept.
+CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_WORKSPACE_DEFAULT = ":0:0"
 
 
 def cuda_availability() -> Availability:
@@ -55,6 +65,7 @@ class CudaPlatform(Platform):
     priority = 100
 
     def __init__(self) -> None:
+        os.environ.setdefault(CUBLAS_WORKSPACE_ENV, CUBLAS_WORKSPACE_DEFAULT)
         self._backend: AttentionBackend | None = None
 
     def availability(self) -> Availability:
