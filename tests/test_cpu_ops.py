@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from podium_cpu import fused_ops
-from podium_cpu.linear_packing import AMX_MAX_ROWS, AmxLinear, PackedLinear, can_pack, pack_linear_layers
+from podium_cpu.linear_packing import AMX_MAX_ROWS, AmxLinear, PackedLinear, amx_tiles, can_pack, pack_linear_layers
 from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import ops as reference
 
@@ -163,6 +163,20 @@ def amx_kernel(kernels):
     return kernel
 
 
+@pytest.fixture(scope="module")
+def amx_pack(kernels):
+    return kernels.amx_pack[torch.bfloat16]  # plain C: there wherever the library loads
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (49152, 576), (100, 70), (33, 64), (16, 31), (1, 1)])
+def test_native_amx_packing_is_the_torch_layout_bit_for_bit(amx_pack, shape):
+    """The load-time packer writes exactly ``amx_tiles``' pad + permute definition, zero padding included."""
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).bfloat16()
+    want = amx_tiles(weight)
+    assert torch.equal(amx_tiles(weight, amx_pack), want)
+    assert torch.equal(amx_tiles(weight.t().contiguous().t(), amx_pack), want)  # a non-contiguous weight
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x . weight^T + bias in float64: exact here (bf16 products, short sums)."""
     out = x.double() @ weight.double().T
@@ -170,11 +184,11 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 @pytest.mark.parametrize("features", [(576, 960), (70, 100), (1536, 576), (64, 33)])
-def test_amx_linear_rounds_the_exact_result_once(amx_kernel, features):
+def test_amx_linear_rounds_the_exact_result_once(amx_kernel, amx_pack, features):
     in_features, out_features = features
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=True).bfloat16().requires_grad_(False)
-    layer = AmxLinear(linear, amx_kernel)
+    layer = AmxLinear(linear, amx_kernel, amx_pack)
     for rows in (1, 16, 17, 32, 45, 100):
         x = torch.randn(rows, in_features).bfloat16()
         got = layer(x).double()

@@ -64,26 +64,33 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
 
 
-def amx_tiles(weight: torch.Tensor) -> torch.Tensor:
+def amx_tiles(weight: torch.Tensor, pack=None) -> torch.Tensor:
     """weight [N, K] bf16 -> the AMX kernel's layout [N/16, K/32, 16, 16, 2], zero padded to N % 32 == 0
-    and K % 32 == 0: tiles of 16 outputs x 32 inputs, inputs k and k+1 of an output side by side."""
+    and K % 32 == 0: tiles of 16 outputs x 32 inputs, inputs k and k+1 of an output side by side.
+    ``pack`` (``NativeKernels.amx_pack[torch.bfloat16]``) writes it in one parallel pass; without
+    it torch pads and permutes (the definition the native packer is tested against)."""
     n, k = weight.shape
-    padded = F.pad(weight.detach(), (0, -k % 32, 0, -n % 32))  # [Np, Kp]
-    n_pad, k_pad = padded.shape
+    n_pad, k_pad = n + -n % 32, k + -k % 32
+    if pack is not None:
+        source = weight.detach().contiguous()
+        tiles = torch.empty(n_pad // 16, k_pad // 32, 16, 16, 2, dtype=torch.bfloat16)
+        pack(source.data_ptr(), n, k, tiles.data_ptr(), torch.get_num_threads())
+        return tiles
+    padded = F.pad(weight.detach(), (0, k_pad - k, 0, n_pad - n))  # [Np, Kp]
     return padded.view(n_pad // 16, 16, k_pad // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 class AmxLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` holding bf16 weights: same parameters, the native AMX kernel."""
 
-    def __init__(self, linear: nn.Linear, kernel) -> None:
+    def __init__(self, linear: nn.Linear, kernel, pack=None) -> None:
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
             raise ValueError(f"AmxLinear needs a bfloat16 CPU weight, got {linear.weight.dtype} on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # kept: larger batches, state_dict, tied references see the usual parameter
         self.bias = linear.bias
-        self.tiles = amx_tiles(linear.weight)
+        self.tiles = amx_tiles(linear.weight, pack)
         self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.kernel = kernel
 
@@ -106,15 +113,17 @@ class AmxLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=amx"
 
 
-def pack_linear_layers(model: nn.Module, amx_kernel=None) -> int:
+def pack_linear_layers(model: nn.Module, amx_kernel=None, amx_pack=None) -> int:
     """Replace every bf16 CPU ``nn.Linear`` in ``model`` by an ``AmxLinear`` (given the native kernel,
-    ``NativeKernels.amx_linear[torch.bfloat16]``) or a ``PackedLinear``; returns how many."""
+    ``NativeKernels.amx_linear[torch.bfloat16]``, and its packer, ``amx_pack``) or a ``PackedLinear``;
+    returns how many."""
     if amx_kernel is None and not can_pack(torch.bfloat16):
         return 0
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
-                setattr(parent, name, AmxLinear(child, amx_kernel) if amx_kernel is not None else PackedLinear(child))
+                setattr(parent, name, AmxLinear(child, amx_kernel, amx_pack) if amx_kernel is not None
+                        else PackedLinear(child))
                 count += 1
     return count

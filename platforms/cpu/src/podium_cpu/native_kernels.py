@@ -74,6 +74,7 @@ class NativeKernels:
     rotary: dict
     silu_and_mul: dict
     amx_linear: dict  # empty where this CPU or process cannot use AMX tiles
+    amx_pack: dict  # the weight layout amx_linear reads (plain C, present wherever the library loads)
 
 
 def cache_dir() -> Path:
@@ -143,6 +144,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
                       ("f32", "bf16")),
     "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("bf16",)),
     "podium_amx_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
+    "podium_amx_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -210,6 +212,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         rotary=entries["podium_rotary"],
         silu_and_mul=entries["podium_silu_and_mul"],
         amx_linear=entries["podium_amx_linear"] if amx_ready else {},
+        amx_pack=entries["podium_amx_pack"],
     ), ""
 
 

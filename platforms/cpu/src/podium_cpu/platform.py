@@ -94,7 +94,10 @@ class CpuPlatform(Platform):
         """Called once the weights are loaded: pack bf16 linear weights for the native AMX kernel
         where it runs, else for oneDNN. Returns the model."""
         kernels = load_kernels()[0]
-        pack_linear_layers(model, kernels.amx_linear.get(torch.bfloat16) if kernels is not None else None)
+        if kernels is None:
+            pack_linear_layers(model)
+        else:
+            pack_linear_layers(model, kernels.amx_linear.get(torch.bfloat16), kernels.amx_pack.get(torch.bfloat16))
         return model
 
 

@@ -31,6 +31,33 @@
 
 #include "bf16.h"
 
+/* w [N, K] (rows contiguous) -> packed (the layout above), zeros where N or K are padded; threads
+ * split the 16-column blocks. Plain C (no AMX needed). A (k, k+1) pair of one column is one 32-bit
+ * word of a tile, so each row is copied a word at a time into its column of 16-word tile rows. */
+int podium_amx_pack_bf16(const bf16_t *w, int64_t N, int64_t K, bf16_t *packed, int num_threads) {
+    const int64_t kb = (K + 31) / 32, blocks = 2 * ((N + 31) / 32), pairs = K / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        uint32_t *block = (uint32_t *)(packed + nb * kb * 512); /* [kb][16 k-pairs][16 columns] words */
+        for (int64_t col = 0; col < 16; col++) {
+            const int64_t n = nb * 16 + col;
+            uint32_t *dst = block + col; /* k-pair p of this column: dst[(p / 16) * 256 + (p % 16) * 16] */
+            int64_t p = 0;
+            if (n < N) {
+                const bf16_t *row = w + n * K;
+                for (; p < pairs; p++) {
+                    uint32_t word;
+                    memcpy(&word, row + 2 * p, sizeof word);
+                    dst[(p >> 4) * 256 + (p & 15) * 16] = word;
+                }
+                if (K % 2) dst[(p >> 4) * 256 + (p & 15) * 16] = row[K - 1], p++; /* its pair's second half: 0 */
+            }
+            for (; p < kb * 16; p++) dst[(p >> 4) * 256 + (p & 15) * 16] = 0;
+        }
+    }
+    return 0;
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
