@@ -16,7 +16,7 @@ from .tuning import CUDA_TUNING
 # 4.52 ms per token (the step's 64 split-K reduces and their launch gaps gone), and the 256 x 512/256
 # throughput run did not move (10,364 vs 10,342 out tok/s; platforms/cuda/NOTES.md, session 4).
 # torch reads the variable when it creates the process's first cuBLAS workspace, so it is set when
-# the platform is made, before any model runs; a value the user set is kept.
+# the platform is made, before any model runs; a value the user set is kept. Not on ROCm builds.
 CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_WORKSPACE_DEFAULT = ":0:0"
 
@@ -65,7 +65,8 @@ class CudaPlatform(Platform):
     priority = 100
 
     def __init__(self) -> None:
-        os.environ.setdefault(CUBLAS_WORKSPACE_ENV, CUBLAS_WORKSPACE_DEFAULT)
+        if not getattr(torch.version, "hip", None):  # measured on NVIDIA only; hipBLAS keeps its default
+            os.environ.setdefault(CUBLAS_WORKSPACE_ENV, CUBLAS_WORKSPACE_DEFAULT)
         self._backend: AttentionBackend | None = None
 
     def availability(self) -> Availability:
