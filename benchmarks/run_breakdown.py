@@ -17,20 +17,10 @@ import collections
 import statistics
 import time
 
+from decode_breakdown import wrap  # benchmarks/ is the script's folder, first on sys.path
+
 from podium.bench.backends import EngineOptions, podium_backend, target_of
 from podium.bench.datasets import DatasetSpec, build_requests
-
-
-def wrap(obj, attr: str, key: str, acc: dict) -> None:
-    fn = getattr(obj, attr)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        acc[key] += time.perf_counter() - start
-        return result
-
-    setattr(obj, attr, timed)
 
 
 def main() -> None:
@@ -47,7 +37,7 @@ def main() -> None:
         import podium_cpu.platform as cpu_platform
 
         pack = cpu_platform.pack_linear_layers
-        cpu_platform.pack_linear_layers = lambda model, amx_kernel=None: pack(model)
+        cpu_platform.pack_linear_layers = lambda model, *amx: pack(model)
     options = EngineOptions(model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
     backend = podium_backend(options)
     spec = DatasetSpec(name="random", num_prompts=args.num_prompts, input_len=args.input_len,
