@@ -92,7 +92,8 @@ def inverse_frequencies(config) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin cache; ``forward`` rotates q [T, H, D] and k [T, Hkv, D] by ``positions`` [T]."""
+    """Holds the cos/sin cache; ``inputs(positions)`` hands it, the positions and the rotary op to the
+    attention backend, which rotates q [T, H, D] and k [T, Hkv, D] (``forward_rotary``)."""
 
     def __init__(self, config, rotary_op: Callable) -> None:
         super().__init__()
@@ -111,9 +112,6 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = positions[:, None] * self.inv_freq_host.to(device)[None, :]  # [P, D/2]
         self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, D] float32
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_op(positions, query, key, self.cos_sin_cache)
 
     def inputs(self, positions: torch.Tensor) -> RotaryInputs:
         """What the attention backend needs to rotate a step's q and k (``forward_rotary``)."""

@@ -177,8 +177,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     out = out.detach().cpu()
     if not torch.isfinite(out).all():
         return float("inf"), float("inf")
-    diff = (out.double() - ref.detach().cpu().double()).flatten(1)
     refn = ref.detach().cpu().double().flatten(1)
+    diff = out.double().flatten(1) - refn
     whole = float(diff.norm() / refn.norm())
     worst = float((diff.norm(dim=1) / refn.norm(dim=1).clamp_min(1e-12)).max())
     return whole, worst
