@@ -8,7 +8,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from podium_cpu import fused_ops
-from podium_cpu.linear_packing import AMX_MAX_ROWS, AmxLinear, PackedLinear, amx_tiles, can_pack, pack_linear_layers
+from podium_cpu.linear_packing import (
+    AMX_MAX_ROWS,
+    AmxLinear,
+    PackedLinear,
+    amx_tiles,
+    can_pack,
+    pack_linear_layers,
+    packing_unavailable,
+)
 from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import ops as reference
 
@@ -118,7 +126,20 @@ def test_top_k_prefilter_keeps_what_the_reference_keeps():
     assert torch.equal(fused_ops.top_k_top_p(logits, top_k, top_p), reference.top_k_top_p(logits, top_k, top_p))
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN linear packing unavailable in this torch")
+def test_packing_is_refused_exactly_where_onednn_has_no_bf16_matmul():
+    """The probe agrees with what oneDNN does with a real weight, and packing nothing is not an error."""
+    model = nn.Sequential(nn.Linear(64, 64)).bfloat16()
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(model[0].weight.detach(), 32)
+        refused = False
+    except RuntimeError:
+        refused = True
+    assert can_pack(torch.bfloat16) == (not refused) and bool(packing_unavailable()) == refused
+    assert pack_linear_layers(model) == (0 if refused else 1)
+    assert not can_pack(torch.float32)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason=packing_unavailable() or "packing available")
 def test_packed_linear_is_bit_identical_to_f_linear():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 200, bias=True), nn.ReLU(), nn.Linear(200, 64, bias=False)).bfloat16()
@@ -135,7 +156,7 @@ def test_packed_linear_is_bit_identical_to_f_linear():
     assert pack_linear_layers(nn.Sequential(nn.Linear(4, 4))) == 0  # float32 stays unpacked
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN linear packing unavailable in this torch")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason=packing_unavailable() or "packing available")
 def test_tied_lm_head_is_packed_and_gives_the_unpacked_logits():
     from transformers import LlamaConfig
 

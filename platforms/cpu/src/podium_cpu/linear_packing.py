@@ -31,7 +31,28 @@ AMX_MAX_ROWS = 256  # AmxLinear's kernel up to this many rows, oneDNN above (mea
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN packs and runs ``dtype`` linears here (bf16 only; see ``packing_unavailable``)."""
+    return dtype == torch.bfloat16 and not packing_unavailable()
+
+
+@functools.cache
+def packing_unavailable() -> str:
+    """Why oneDNN cannot pack bf16 linear weights in this process ("" when it can).
+
+    Its bf16 matmul needs AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 3, say)
+    ``_reorder_linear_weight`` raises, so one tiny weight is packed and used once to find out.
+    """
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return "this torch has no oneDNN linear ops"
+    try:
+        weight = torch.ones(32, 32, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        out = _linear_op()(torch.ones(2, 32, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError as exc:
+        return f"oneDNN cannot pack bf16 weights on this CPU ({str(exc).splitlines()[0]})"
+    if not bool((out == 32).all()):
+        return "oneDNN's packed bf16 linear gave a wrong result on this CPU"
+    return ""
 
 
 @functools.cache
