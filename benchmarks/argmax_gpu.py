@@ -1,6 +1,7 @@
 """GPU argmax over a 128,256-token vocabulary, eager: torch's argmax on float32 and bf16 logits, the
-upcast then argmax (what the sampler did while ``compute_logits`` returned float32), and a chunked
-two-pass argmax (the CPU sampler's trick).
+upcast then argmax (what the sampler did while ``compute_logits`` returned float32), a chunked
+two-pass argmax (the CPU sampler's trick), and the CUDA platform's Triton argmax (plugin API 1.3
+op), eager and as device time (20 calls captured in a CUDA graph, replayed; launch cost excluded).
 
     python3 benchmarks/argmax_gpu.py      (on a CUDA machine; prints microseconds per call)
 """
@@ -34,16 +35,46 @@ def microseconds(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+def graphed_microseconds(fn, calls: int = 20, replays: int = 50) -> float:
+    """Device time per call: ``calls`` calls captured in one CUDA graph, the median replay / calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
+    from podium_cuda.fused_ops import argmax as triton_argmax
+
     for rows in (1, 4, 256):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, VOCAB, device="cuda").to(dtype)
             assert torch.equal(chunked_argmax(x), x.argmax(-1))
+            assert torch.equal(triton_argmax(x), x.argmax(-1))
             plain = microseconds(lambda x=x: x.argmax(-1))
             chunked = microseconds(lambda x=x: chunked_argmax(x))
             upcast = microseconds(lambda x=x: x.float().argmax(-1))
+            ours = microseconds(lambda x=x: triton_argmax(x))
+            plain_dev = graphed_microseconds(lambda x=x: x.argmax(-1))
+            ours_dev = graphed_microseconds(lambda x=x: triton_argmax(x))
             print(f"n={rows} {str(dtype):15s} argmax {plain:7.1f} us  chunked {chunked:7.1f} us  "
-                  f"upcast+argmax {upcast:7.1f} us")
+                  f"upcast+argmax {upcast:7.1f} us  triton {ours:7.1f} us | device (graph): "
+                  f"argmax {plain_dev:6.1f} us  triton {ours_dev:6.1f} us")
 
 
 if __name__ == "__main__":

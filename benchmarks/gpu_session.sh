@@ -3,7 +3,8 @@
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
-#        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep
+#        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep fused_tests argmax_bench
+#        graph_gaps_1
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -28,6 +29,9 @@ for s in $steps; do
     engine_tests) run_step $s 170 python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
     engine_tests_rocm) run_step $s 240 env PODIUM_ROCM_FORCE_ON_CUDA=1 PODIUM_TEST_GPU_DEVICE=rocm \
       python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
+    fused_tests) run_step $s 200 python3 -m pytest platforms/cuda/tests/test_fused_ops.py -q -p no:cacheprovider -rfE ;;
+    argmax_bench) run_step $s 120 python3 benchmarks/argmax_gpu.py ;;
+    graph_gaps_1) TAIL=30 run_step $s 150 python3 benchmarks/graph_gaps.py --sizes 1 --trace-dir "$OUT" ;;
     kernel_tests) run_step $s 400 python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
     rocm_tests) run_step $s 200 env PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests \
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;

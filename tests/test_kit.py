@@ -348,6 +348,22 @@ def test_top_k_off_by_one_is_caught_naming_the_row():
         check_op("top_k_top_p", top_k_plus_one, torch.float32, CPU, "test")
 
 
+def test_an_argmax_taking_the_last_tie_or_skipping_nan_is_caught():
+    from podium.sampler import first_argmax
+
+    def last_tie(logits):  # the last index of the maximum
+        return logits.shape[-1] - 1 - logits.flip(-1).argmax(dim=-1)
+
+    def nan_blind(logits):
+        return torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
+
+    for wrong in (last_tie, nan_blind):
+        with pytest.raises(ConformanceError, match=r"custom op argmax from test .*the reference \(first index"):
+            check_op("argmax", wrong, torch.float32, CPU, "test")
+    for dtype in (torch.float32, torch.bfloat16):
+        check_op("argmax", first_argmax, dtype, CPU, "test")  # the core's chunked CPU argmax
+
+
 def test_an_unknown_op_name_is_caught():
     with pytest.raises(ConformanceError, match="overrides unknown op 'gelu_tanh'"):
         check_op("gelu_tanh", lambda x: x, torch.float32, CPU, "platform.custom_ops()")

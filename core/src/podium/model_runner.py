@@ -11,7 +11,8 @@ and slots are computed with vectorised numpy, not per-token Python. Logits are c
 the rows that sample (the last token of each sequence that has caught up with its tokens).
 
 Pure-decode steps whose batch fits a captured size replay a captured graph (when the platform
-can capture): inputs are copied into static buffers, padded rows write nowhere (slot -1).
+can capture): inputs arrive in its static buffers by one host -> device copy (``step_staging``),
+padded rows write nowhere (slot -1).
 
 Async scheduling: ``execute(plan, feed=previous, defer=True)`` returns a ``LaunchedStep`` whose
 tokens are still being computed; a token the previous step sampled but the host has not read yet
@@ -32,6 +33,7 @@ from podium_plugin_api import AttentionMetadata, Platform
 from .models.context import ForwardContext
 from .request import Sequence
 from .scheduler import SchedulerOutput
+from .step_staging import StagingRing, StepLayout, fill_host
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -145,6 +147,7 @@ class ModelRunner:
         self.static_shapes = platform.capabilities().static_shapes
         self.capture_seconds = 0.0
         self.last_used_graph = False
+        self.staging = StagingRing(device)  # host side of replayed steps' input copies
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence's row."""
@@ -200,7 +203,7 @@ class ModelRunner:
             return self._execute(plan, feed, defer)
 
     def _placeholder_fill(self, plan: SchedulerOutput, tokens: list[int], query_lens: np.ndarray,
-                          feed: LaunchedStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                          feed: LaunchedStep | None) -> tuple[list[int], list[int]] | None:
         """(destination rows of input_ids, source rows of feed.tokens) for placeholder tokens."""
         if feed is None:
             return None
@@ -211,10 +214,12 @@ class ModelRunner:
             owners = dst
         else:
             owners = np.repeat(np.arange(len(plan.scheduled)), query_lens)[dst].tolist()
-        src = [feed.rows[plan.scheduled[i].seq.seq_id] for i in owners]
-        to = self.device
-        return (torch.tensor(dst, dtype=torch.long).to(to, non_blocking=True),
-                torch.tensor(src, dtype=torch.long).to(to, non_blocking=True))
+        return dst, [feed.rows[plan.scheduled[i].seq.seq_id] for i in owners]
+
+    def _fill_on_device(self, input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
+                        feed: LaunchedStep) -> None:
+        """input_ids[dst] = feed.tokens[src], on the device (the previous step's tokens stay there)."""
+        input_ids.index_copy_(0, dst, feed.tokens.index_select(0, src))
 
     def _execute(self, plan: SchedulerOutput, feed: LaunchedStep | None, defer: bool) -> StepResult | LaunchedStep:
         tokens, positions, slots, cu, seq_lens, rows, query_lens = self._host_batch(plan)
@@ -236,7 +241,8 @@ class ModelRunner:
             ctx = ForwardContext(meta, self.kv_caches, self.backend)
             input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
             if fill is not None:
-                input_ids.index_copy_(0, fill[0], feed.tokens.index_select(0, fill[1]))
+                dst, src = (torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True) for x in fill)
+                self._fill_on_device(input_ids, dst, src, feed)
             pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
             hidden = self.model(input_ids, pos, ctx)
             if self.static_shapes:  # one graph per bucket: cut here, then logits at the padded row count
@@ -325,14 +331,21 @@ class ModelRunner:
 
     def _capture_one_inner(self, runner, size: int):
         dev = self.device
-        buf = {
-            "input_ids": torch.zeros(size, dtype=torch.long, device=dev),
-            "positions": torch.zeros(size, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((size,), -1, dtype=torch.long, device=dev),
-            "seq_lens": torch.ones(size, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(size, self.max_blocks, dtype=torch.int32, device=dev),
-        }
+        if self.static_shapes:
+            buf = {
+                "input_ids": torch.zeros(size, dtype=torch.long, device=dev),
+                "positions": torch.zeros(size, dtype=torch.long, device=dev),
+                "slot_mapping": torch.full((size,), -1, dtype=torch.long, device=dev),
+                "seq_lens": torch.ones(size, dtype=torch.int32, device=dev),
+            }
+        else:  # the static inputs are slices of one region a single copy fills (step_staging)
+            layout = StepLayout(size, self.max_blocks)
+            region = torch.zeros(layout.numel, dtype=torch.long, device=dev)
+            buf = {"layout": layout, "region": region, **layout.views(region)}
+            buf["slot_mapping"].fill_(-1)
+            buf["seq_lens"].fill_(1)
+        buf["query_start_loc"] = torch.arange(size + 1, dtype=torch.int32, device=dev)
+        buf["block_tables"] = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
             query_start_loc=buf["query_start_loc"], seq_lens=buf["seq_lens"], block_tables=buf["block_tables"],
             slot_mapping=buf["slot_mapping"], max_query_len=1, max_seq_len=self.max_blocks * self.block_size,
@@ -348,6 +361,25 @@ class ModelRunner:
 
     def _replay(self, size, tokens, positions, slots, seq_lens, rows, fill=None, feed=None) -> torch.Tensor:
         replay, buf = self.graphs[size]
+        if self.static_shapes:
+            self._stage_padded(buf, size, tokens, positions, slots, seq_lens, rows, fill, feed)
+            return replay()[:len(tokens)]
+        n, layout = len(tokens), buf["layout"]
+        # only the columns this step reads; stale entries beyond them are never read, and padded
+        # rows (seq_len 1, slot -1) read a stale but valid block id and write nothing
+        width = -(-int(seq_lens.max()) // self.block_size)
+        used = layout.used(n, width)
+        slot, host = self.staging.take(used)
+        fill_host(layout, host, tokens, positions, slots, seq_lens, self.rows.table[rows, :width], fill)
+        self.staging.copy(slot, buf["region"], used)
+        buf["block_tables"][:n, :width].copy_(buf["table"][:n * width].view(n, width))
+        if fill is not None:  # placeholders: the previous step's tokens, still on the device
+            k = len(fill[0])
+            self._fill_on_device(buf["input_ids"], buf["fill_dst"][:k], buf["fill_src"][:k], feed)
+        return replay()[:n]
+
+    def _stage_padded(self, buf, size, tokens, positions, slots, seq_lens, rows, fill, feed) -> None:
+        """Static-shape platforms (XLA): every copy has the bucket's shape, so nothing recompiles."""
         n = len(tokens)
         host = np.zeros((4, size), dtype=np.int64)
         host[0, :n], host[1, :n] = tokens, positions
@@ -355,17 +387,11 @@ class ModelRunner:
         host[3, :], host[3, :n] = 1, seq_lens
         staged = torch.from_numpy(host).to(self.device, non_blocking=True)
         buf["input_ids"].copy_(staged[0])
-        if fill is not None:  # placeholders: the previous step's tokens, still on the device
-            buf["input_ids"].index_copy_(0, fill[0], feed.tokens.index_select(0, fill[1]))
+        if fill is not None:
+            dst, src = (torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True) for x in fill)
+            self._fill_on_device(buf["input_ids"], dst, src, feed)
         buf["positions"].copy_(staged[1])
         buf["slot_mapping"].copy_(staged[2])
         buf["seq_lens"].copy_(staged[3])
-        # only the columns this step reads; stale entries beyond them are never read, and padded
-        # rows (seq_len 1, slot -1) read a stale but valid block id and write nothing
-        width = self.max_blocks if self.static_shapes else -(-int(seq_lens.max()) // self.block_size)
-        table = torch.from_numpy(self.rows.table[rows, :width]).to(self.device, non_blocking=True)
-        rows_written = n
-        if self.static_shapes:  # one copy shape per bucket, or XLA compiles a new graph per step
-            table, rows_written = torch.nn.functional.pad(table, (0, 0, 0, size - n)), size
-        buf["block_tables"][:rows_written, :width].copy_(table)
-        return replay()[:n]
+        table = torch.from_numpy(self.rows.table[rows, :self.max_blocks]).to(self.device, non_blocking=True)
+        buf["block_tables"].copy_(torch.nn.functional.pad(table, (0, 0, 0, size - n)))

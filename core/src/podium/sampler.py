@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from podium_plugin_api.ops import argmax as reference_argmax
 from podium_plugin_api.ops import top_k_top_p as reference_top_k_top_p
 
 from .outputs import Logprob, PositionLogprobs
@@ -130,6 +131,9 @@ class Sampler:
         self.eos_token_ids = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]
         self.seed = seed
         self._top_k_top_p = (ops or {}).get("top_k_top_p", reference_top_k_top_p)
+        # the platform's argmax where it has one (a GPU's multi-program kernel); else first_argmax
+        argmax = (ops or {}).get("argmax", reference_argmax)
+        self._argmax = first_argmax if argmax is reference_argmax else argmax
         self._states: dict[int, _SeqState] = {}
         self._counts = _TokenCounts(vocab_size, self.device)
         self._generator: torch.Generator | None = None  # shared by unseeded rows; made on first use
@@ -185,7 +189,7 @@ class Sampler:
         self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):  # the common greedy case: nothing but an argmax
-            return SamplerOutput(first_argmax(logits).tolist(), [None] * len(seqs))
+            return SamplerOutput(self._argmax(logits).tolist(), [None] * len(seqs))
         logits = logits.float()
         batch = self._gather(seqs, states)
         raw_logprobs = None
@@ -208,7 +212,7 @@ class Sampler:
         self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):
-            return first_argmax(logits)
+            return self._argmax(logits)
         return self._tokens(logits.float(), seqs, states, self._gather(seqs, states))
 
     def _check(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -282,7 +286,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, b: _Batch) -> torch.Tensor:
         """Greedy rows: argmax; the others: temperature, top-k/top-p, min-p, then the draw. -> [N]"""
         device = logits.device
-        greedy_tokens = first_argmax(logits) if any(b.greedy) else None  # [N]
+        greedy_tokens = self._argmax(logits) if any(b.greedy) else None  # [N]
         if all(b.greedy):
             return greedy_tokens
         temperature = _on(device, b.temperature, logits.dtype)

@@ -44,6 +44,14 @@ def test_silu_and_mul(dtype, inter, ops, kernel_device, check_dtype):
     checks.check_silu_and_mul(ops, dtype, inter, kernel_device, seed=random.randrange(1 << 30))
 
 
+@pytest.mark.parametrize("dtype", checks.FUSED_OP_DTYPES)
+@pytest.mark.parametrize("rows,vocab", checks.ARGMAX_SHAPES)
+def test_argmax_is_torchs_first_maximum(dtype, rows, vocab, kernel_device):
+    from podium_cuda.fused_ops import FUSED_OPS  # checked whether or not the tuning installs it
+
+    checks.check_argmax(FUSED_OPS, dtype, rows, vocab, kernel_device, seed=random.randrange(1 << 30))
+
+
 def test_platform_installs_only_known_ops_with_reference_signatures(ops, kernel_device):
     assert set(ops) <= set(reference.REFERENCE_OPS)
     built = reference.build_op_table(ops)

@@ -72,12 +72,21 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(logits).scatter_(-1, order, masked)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> int64 [B]: each row's first index of its maximum, NaN counting as the maximum.
+
+    What greedy sampling takes (torch.argmax's rule). Added in plugin API 1.3.
+    """
+    return logits.argmax(dim=-1)
+
+
 REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
     "top_k_top_p": top_k_top_p,
+    "argmax": argmax,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

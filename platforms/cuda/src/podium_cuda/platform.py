@@ -8,6 +8,7 @@ import os
 import torch
 
 from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
+from podium_plugin_api.ops import REFERENCE_OPS
 
 from .tuning import CUDA_TUNING
 
@@ -130,4 +131,5 @@ class CudaPlatform(Platform):
         """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""
         from .fused_ops import FUSED_OPS  # triton is imported here, not before
 
-        return {name: FUSED_OPS[name] for name in CUDA_TUNING.fused_ops}
+        # only ops this plugin API knows (argmax came in 1.3; podium-cuda runs on any 1.x)
+        return {name: FUSED_OPS[name] for name in CUDA_TUNING.fused_ops if name in REFERENCE_OPS}

@@ -7,7 +7,8 @@ or the platform itself) and raises AssertionError naming the case and its seed. 
 imports triton or pytest: the ops and the platform bring the kernels.
 
 - fused ops (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``) against
-  the contract's pure-torch reference ops, within two roundings of the output dtype;
+  the contract's pure-torch reference ops, within two roundings of the output dtype; ``argmax``
+  exactly (ties, NaNs, infinities, strided rows);
 - a decode step captured with the platform's graph runner replays exactly like eager after new
   lengths, block tables, slots and q/k/v are copied into the captured tensors;
 - the attention tests' shared pieces: random ragged lengths and the relative-error measure.
@@ -92,6 +93,27 @@ def check_silu_and_mul(ops: OpTable, dtype: torch.dtype, inter: int, device: str
     gen = torch.Generator().manual_seed(seed)
     x = _randn(gen, 19, 2 * inter, dtype=dtype, device=device, scale=4.0)
     _close(ops["silu_and_mul"](x), reference.silu_and_mul(x), dtype, f"silu_and_mul, {dtype}, inter {inter}, seed {seed}")
+
+
+ARGMAX_SHAPES = ((1, 128256), (5, 49152), (3, 4097), (2, 7))  # (rows, vocab): one, several, ragged chunks
+
+
+def check_argmax(ops: OpTable, dtype: torch.dtype, rows: int, vocab: int, device: str, seed: int) -> None:
+    """The first index of each row's maximum, exactly torch's: ties (values on a coarse grid), a
+    late maximum, NaNs (the first one wins), an all -inf row, and rows of a wider tensor (strided)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randint(-20, 20, (rows + 3, vocab + 5), generator=gen).float() / 4  # many ties
+    wide[0, vocab - 1] = 100.0  # the maximum in the last column
+    wide[1, vocab // 2], wide[1, vocab // 3] = float("nan"), float("nan")
+    wide[2, :] = float("-inf")
+    wide[3, 0], wide[3, vocab - 1] = float("inf"), float("nan")
+    for logits in (wide[:rows, :vocab], wide[3:rows + 3, :vocab]):
+        on_device = logits.to(dtype=dtype, device=device)
+        got = ops["argmax"](on_device)
+        want = on_device.cpu().argmax(dim=-1)
+        what = f"argmax, {dtype}, [{rows}, {vocab}] (row stride {on_device.stride(0)}), seed {seed}"
+        assert got.dtype == torch.int64 and got.shape == (rows,), f"{what}: got {got.dtype} {list(got.shape)}"
+        assert torch.equal(got.cpu(), want), f"{what}: {got.cpu().tolist()} != torch's {want.tolist()}"
 
 
 # decode graph: Llama-3.1-8B attention (32 q heads, 8 KV heads, head 128), 8 sequences up to 2048

@@ -67,6 +67,8 @@ class KernelTuning:
     max_head_size: int = 256  # larger heads fall back to the pure-torch reference
     # fused ops the platform installs: those that beat the torch reference on the device (H200, bf16,
     # Llama-3.1-8B shapes, 1..8192 tokens: each fused op was 2-18x faster in graph replay and eager)
+    # FUSED_OPS also has "argmax" (greedy sampling over V / 4096 programs a row instead of torch's one
+    # block a row); correct on the interpreter, not yet timed on a GPU, so not installed (NOTES.md)
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 
 

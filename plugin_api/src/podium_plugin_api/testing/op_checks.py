@@ -2,7 +2,8 @@
 
 Inputs are random, in the dtype under test, on the platform's device; the reference runs on
 the same numbers in float64 on the CPU. ``top_k_top_p`` is compared by the set of tokens it
-keeps and their values, since which tokens survive is what sampling depends on.
+keeps and their values, since which tokens survive is what sampling depends on; ``argmax`` by
+exact equality (ties and NaNs included).
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def op_inputs(name: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any,
         top_k = torch.tensor([0, 1, 5, 50, 0, 10])
         top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 0.3, 0.8])
         return logits, top_k, top_p
+    if name == "argmax":
+        # small integers: many ties (the first index must win); row 2 holds NaNs (NaN is the maximum),
+        # row 3 an infinity before a NaN; columns past 4096 so that chunked kernels see several chunks
+        logits = torch.randint(-4, 4, (5, 5000), generator=gen).to(dtype)
+        logits[1, 4321] = 9  # the maximum in a late chunk
+        logits[2, 3000], logits[2, 17] = float("nan"), float("nan")
+        logits[3, 10], logits[3, 4999] = float("inf"), float("nan")
+        return (logits,)
     raise ValueError(f"no kit inputs for op {name!r}; known ops are {sorted(REFERENCE_OPS)}")
 
 
@@ -84,6 +93,11 @@ def check_op(
     want = REFERENCE_OPS[name](*_to(args, "cpu", float64=True))
     if name == "top_k_top_p":
         _check_top_k_top_p(got, want, args, what, dtype)
+        return
+    if name == "argmax":
+        got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.int64 or not torch.equal(got, want):
+            raise ConformanceError(f"{what}: returned {got}, the reference (first index of the maximum) {want}")
         return
     outputs = want if isinstance(want, tuple) else (want,)
     results = got if isinstance(got, tuple) else (got,)
