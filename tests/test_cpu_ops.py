@@ -11,9 +11,11 @@ from podium_cpu import fused_ops
 from podium_cpu.linear_packing import (
     AMX_MAX_ROWS,
     AmxLinear,
+    FmaLinear,
     PackedLinear,
     amx_tiles,
     can_pack,
+    fma_panels,
     pack_linear_layers,
     packing_unavailable,
 )
@@ -189,13 +191,25 @@ def amx_pack(kernels):
     return kernels.amx_pack[torch.bfloat16]  # plain C: there wherever the library loads
 
 
+@pytest.fixture(scope="module", params=["amx", "fma"])
+def native_linear(request, kernels):
+    """(layer class, kernel, packer) of each native bf16 linear kernel this CPU runs."""
+    kind = request.param
+    kernel = getattr(kernels, f"{kind}_linear").get(torch.bfloat16)
+    if kernel is None:
+        pytest.skip(f"the {kind} linear kernel does not run on this CPU")
+    return {"amx": AmxLinear, "fma": FmaLinear}[kind], kernel, getattr(kernels, f"{kind}_pack")[torch.bfloat16]
+
+
 @pytest.mark.parametrize("shape", [(960, 576), (49152, 576), (100, 70), (33, 64), (16, 31), (1, 1)])
-def test_native_amx_packing_is_the_torch_layout_bit_for_bit(amx_pack, shape):
-    """The load-time packer writes exactly ``amx_tiles``' pad + permute definition, zero padding included."""
+@pytest.mark.parametrize("layout,kind", [(amx_tiles, "amx"), (fma_panels, "fma")], ids=["amx", "fma"])
+def test_native_packing_is_the_torch_layout_bit_for_bit(kernels, layout, kind, shape):
+    """The load-time packers write exactly the torch definition of their layout, zero padding included."""
+    pack = getattr(kernels, f"{kind}_pack")[torch.bfloat16]  # plain C: there wherever the library loads
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).bfloat16()
-    want = amx_tiles(weight)
-    assert torch.equal(amx_tiles(weight, amx_pack), want)
-    assert torch.equal(amx_tiles(weight.t().contiguous().t(), amx_pack), want)  # a non-contiguous weight
+    want = layout(weight)
+    assert torch.equal(layout(weight, pack), want)
+    assert torch.equal(layout(weight.t().contiguous().t(), pack), want)  # a non-contiguous weight
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -205,12 +219,13 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 @pytest.mark.parametrize("features", [(576, 960), (70, 100), (1536, 576), (64, 33)])
-def test_amx_linear_rounds_the_exact_result_once(amx_kernel, amx_pack, features):
+def test_native_linear_rounds_the_exact_result_once(native_linear, features):
+    layer_class, kernel, pack = native_linear
     in_features, out_features = features
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=True).bfloat16().requires_grad_(False)
-    layer = AmxLinear(linear, amx_kernel, amx_pack)
-    for rows in (1, 16, 17, 32, 45, 100):
+    layer = layer_class(linear, kernel, pack)
+    for rows in (1, 5, 6, 16, 17, 32, 45, 100):
         x = torch.randn(rows, in_features).bfloat16()
         got = layer(x).double()
         want = exact_linear(x, linear.weight, linear.bias)
@@ -221,14 +236,16 @@ def test_amx_linear_rounds_the_exact_result_once(amx_kernel, amx_pack, features)
         assert float((got - want).abs().mean()) < 2.0**-9 * float(want.abs().mean())  # not merely within bounds
 
 
-def test_amx_linear_rows_do_not_depend_on_the_batch(amx_kernel):
+def test_native_linear_rows_do_not_depend_on_the_batch(native_linear):
+    layer_class, kernel, _ = native_linear
     torch.manual_seed(1)
     linear = nn.Linear(96, 200, bias=False).bfloat16().requires_grad_(False)
-    layer = AmxLinear(linear, amx_kernel)
+    layer = layer_class(linear, kernel)
     wide = torch.randn(100, 150).bfloat16()
     x = wide[:, :96]  # rows 150 apart: read in place, no copy
     batch = layer(x)
-    for i in (0, 31, 32, 63, 99):  # first, last of a 32-row chunk, inside the padded last chunk
+    # first, last of a 32-row AMX chunk / 48-row FMA chunk, 6-row FMA blocks, inside the last chunk
+    for i in (0, 5, 6, 31, 32, 47, 48, 63, 99):
         assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1])
     assert torch.equal(layer(x.reshape(4, 25, 96)), batch.reshape(4, 25, 200))
 
@@ -240,11 +257,27 @@ def test_amx_linear_leaves_large_batches_to_onednn(amx_kernel):
     assert torch.equal(AmxLinear(linear, amx_kernel)(x), F.linear(x, linear.weight, linear.bias))
 
 
-def test_amx_packing_keeps_parameters_and_ties(amx_kernel):
+def test_fma_linear_takes_every_batch(native_linear):
+    layer_class, kernel, _ = native_linear
+    if layer_class is not FmaLinear:
+        pytest.skip("the AMX kernel stops at AMX_MAX_ROWS (test above)")
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 48).bfloat16().requires_grad_(False)
+    x = torch.randn(1000, 64).bfloat16()
+    got = FmaLinear(linear, kernel)(x).double()
+    want = exact_linear(x, linear.weight, linear.bias)
+    assert float((got - want).abs().max()) <= 2.0**-7 * float(want.abs().max())
+
+
+def test_native_packing_keeps_parameters_and_ties(native_linear):
+    layer_class, kernel, _ = native_linear
     embedding = nn.Embedding(300, 64).bfloat16()
     head = nn.Linear(64, 300, bias=False).bfloat16()
     head.weight = embedding.weight
     model = nn.ModuleDict({"embed": embedding, "head": head, "f32": nn.Linear(4, 4)})
-    assert pack_linear_layers(model, amx_kernel) == 1  # float32 stays as it is
-    assert isinstance(model["head"], AmxLinear) and model["head"].weight is embedding.weight
+    given = {"amx_kernel": kernel} if layer_class is AmxLinear else {"fma_kernel": kernel}
+    assert pack_linear_layers(model, **given) == 1  # float32 stays as it is
+    # oneDNN's packing comes before the FMA kernel where it can pack bf16
+    want = PackedLinear if layer_class is FmaLinear and can_pack(torch.bfloat16) else layer_class
+    assert isinstance(model["head"], want) and model["head"].weight is embedding.weight
     assert sorted(dict(model.named_parameters())) == ["embed.weight", "f32.bias", "f32.weight"]

@@ -1,4 +1,5 @@
-"""bfloat16 linear layers with weights pre-packed at load: the native AMX kernel, else oneDNN's.
+"""bfloat16 linear layers with weights pre-packed at load: the native AMX kernel, else oneDNN's, else
+the native AVX2 FMA kernel.
 
 ``F.linear`` on a bf16 CPU tensor hands oneDNN a plain [out, in] weight, which it reorders into
 its blocked matmul layout on every call; packing once at load time removes that reorder, about a
@@ -12,6 +13,11 @@ rows with ~20 us less fixed cost per call than oneDNN's packed path, whose per-c
 weight stream took a decode step's linears to half this machine's read bandwidth. Each row's
 result is independent of the other rows (batch invariance); larger batches (prefill chunks) go to
 oneDNN through ``F.linear``, whose per-call reorder is small next to their matmul.
+
+Where oneDNN has no bf16 matmul (AVX2 without AVX-512, e.g. AMD Zen 3), ``FmaLinear`` runs every
+bf16 linear on the native FMA kernel (native/fma_linear.c: bf16 weight panels widened in
+registers, float32 sums, rows independent of each other); torch's own bf16 matmul there is ~5x
+slower than its float32 one.
 
 This is a transformation applied to a loaded model (``pack_linear_layers``); the model's modules
 keep their names and parameters, so nothing else changes. Re-loading weights afterwards would leave
@@ -101,50 +107,97 @@ def amx_tiles(weight: torch.Tensor, pack=None) -> torch.Tensor:
     return padded.view(n_pad // 16, 16, k_pad // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-class AmxLinear(nn.Module):
-    """Drop-in for an ``nn.Linear`` holding bf16 weights: same parameters, the native AMX kernel."""
+def fma_panels(weight: torch.Tensor, pack=None) -> torch.Tensor:
+    """weight [N, K] bf16 -> the FMA kernel's layout [N/16, K, 16], zero rows padding N to N % 16 == 0:
+    panels of 16 outputs, k-major. ``pack`` (``NativeKernels.fma_pack[torch.bfloat16]``) writes it in
+    one parallel pass; without it torch pads and transposes (the definition the packer is tested against)."""
+    n, k = weight.shape
+    n_pad = n + -n % 16
+    if pack is not None:
+        source = weight.detach().contiguous()
+        panels = torch.empty(n_pad // 16, k, 16, dtype=torch.bfloat16)
+        pack(source.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+        return panels
+    padded = F.pad(weight.detach(), (0, 0, 0, n_pad - n))  # [Np, K]
+    return padded.view(n_pad // 16, 16, k).transpose(1, 2).contiguous()
+
+
+class NativeLinear(nn.Module):
+    """Drop-in for an ``nn.Linear`` holding bf16 weights: same parameters, a native kernel over
+    weights packed once at load (``layout(weight, pack)``), for batches of up to ``max_rows`` rows
+    (None: any); other inputs go to ``F.linear``."""
+
+    kind = "native"
+    max_rows: int | None = None
 
     def __init__(self, linear: nn.Linear, kernel, pack=None) -> None:
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
-            raise ValueError(f"AmxLinear needs a bfloat16 CPU weight, got {linear.weight.dtype} on {linear.weight.device}")
+            raise ValueError(f"{type(self).__name__} needs a bfloat16 CPU weight, got {linear.weight.dtype} "
+                             f"on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # kept: larger batches, state_dict, tied references see the usual parameter
+        self.weight = linear.weight  # kept: other batches, state_dict, tied references see the usual parameter
         self.bias = linear.bias
-        self.tiles = amx_tiles(linear.weight, pack)
+        self.packed = self.layout(linear.weight, pack)
         self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.kernel = kernel
+
+    @staticmethod
+    def layout(weight: torch.Tensor, pack=None) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # [M, in]
         m = rows.shape[0]
-        if m > AMX_MAX_ROWS or m == 0 or rows.dtype != torch.bfloat16 or rows.stride(-1) != 1:
+        too_many = self.max_rows is not None and m > self.max_rows
+        if too_many or m == 0 or rows.dtype != torch.bfloat16 or rows.stride(-1) != 1:
             return F.linear(x, self.weight, self.bias)
         if rows.shape[1] != self.in_features:
             raise ValueError(f"input has {rows.shape[1]} features; this layer takes {self.in_features}")
         out = torch.empty((m, self.out_features), dtype=torch.bfloat16)  # [M, out]
         bias = None if self.bias_f32 is None else self.bias_f32.data_ptr()
-        rc = self.kernel(rows.data_ptr(), rows.stride(0), m, self.tiles.data_ptr(), self.out_features,
+        rc = self.kernel(rows.data_ptr(), rows.stride(0), m, self.packed.data_ptr(), self.out_features,
                          self.in_features, bias, out.data_ptr(), self.out_features, torch.get_num_threads())
         if rc != 0:
-            raise MemoryError("the AMX linear kernel could not allocate its padded rows")
+            raise MemoryError(f"the {self.kind} linear kernel could not allocate its scratch rows")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=amx"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed={self.kind}"
 
 
-def pack_linear_layers(model: nn.Module, amx_kernel=None, amx_pack=None) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` in ``model`` by an ``AmxLinear`` (given the native kernel,
-    ``NativeKernels.amx_linear[torch.bfloat16]``, and its packer, ``amx_pack``) or a ``PackedLinear``;
-    returns how many."""
-    if amx_kernel is None and not can_pack(torch.bfloat16):
+class AmxLinear(NativeLinear):
+    """The native AMX kernel (amx_linear.c) for decode-sized batches; oneDNN through F.linear above."""
+
+    kind, max_rows = "amx", AMX_MAX_ROWS
+    layout = staticmethod(amx_tiles)
+
+
+class FmaLinear(NativeLinear):
+    """The native AVX2 FMA kernel (fma_linear.c) for every batch: where oneDNN has no bf16 matmul,
+    torch's bf16 F.linear is ~5x slower than its float32 one, so nothing goes back to it."""
+
+    kind = "fma"
+    layout = staticmethod(fma_panels)
+
+
+def pack_linear_layers(model: nn.Module, amx_kernel=None, amx_pack=None, fma_kernel=None, fma_pack=None) -> int:
+    """Replace every bf16 CPU ``nn.Linear`` in ``model``, in this order of preference, by an ``AmxLinear``
+    (given the native AMX kernel and its packer, ``NativeKernels.amx_linear`` / ``amx_pack``), a
+    ``PackedLinear`` (where oneDNN packs bf16), or an ``FmaLinear`` (given ``NativeKernels.fma_linear``
+    / ``fma_pack``); returns how many (0: none of them runs here)."""
+    if amx_kernel is not None:
+        make = lambda child: AmxLinear(child, amx_kernel, amx_pack)  # noqa: E731
+    elif can_pack(torch.bfloat16):
+        make = PackedLinear
+    elif fma_kernel is not None:
+        make = lambda child: FmaLinear(child, fma_kernel, fma_pack)  # noqa: E731
+    else:
         return 0
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
-                setattr(parent, name, AmxLinear(child, amx_kernel, amx_pack) if amx_kernel is not None
-                        else PackedLinear(child))
+                setattr(parent, name, make(child))
                 count += 1
     return count

@@ -4,7 +4,8 @@ Why native: paged attention in pure torch must either gather every sequence's K/
 copy per layer (which doubles the step's memory traffic) or loop per sequence in Python; a small
 C kernel reads each key/value row once, straight through the block table. The decoder's
 RMSNorm, rotary embedding and SiLU-and-mul are one pass each in C instead of 2-10 torch ops. Where
-the CPU has AMX, bf16 linear layers of decode-sized batches run on its tiles (amx_linear.c).
+the CPU has AMX, bf16 linear layers of decode-sized batches run on its tiles (amx_linear.c); where
+it has AVX2 but oneDNN no bf16 matmul, every bf16 linear runs on its FMA units (fma_linear.c).
 
 Build: the system C compiler (``cc``, ``gcc`` or ``clang``) with ``-O3 -march=native -fopenmp``,
 about a second (the libraries build in parallel), once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
@@ -34,6 +35,7 @@ LIBRARIES = {
     "paged_attention": (NATIVE_DIR / "paged_attention.c", ()),
     "fused_ops": (NATIVE_DIR / "fused_ops.c", ("-ffp-contract=off",)),
     "amx_linear": (NATIVE_DIR / "amx_linear.c", ()),
+    "fma_linear": (NATIVE_DIR / "fma_linear.c", ()),
 }
 COMPILERS = ("cc", "gcc", "clang")
 COMPILE_TIMEOUT_S = 120
@@ -75,6 +77,8 @@ class NativeKernels:
     silu_and_mul: dict
     amx_linear: dict  # empty where this CPU or process cannot use AMX tiles
     amx_pack: dict  # the weight layout amx_linear reads (plain C, present wherever the library loads)
+    fma_linear: dict  # empty where this build has no AVX2 + FMA
+    fma_pack: dict  # the weight layout fma_linear reads (plain C)
 
 
 def cache_dir() -> Path:
@@ -145,6 +149,8 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("bf16",)),
     "podium_amx_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
     "podium_amx_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
+    "podium_fma_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
+    "podium_fma_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -202,6 +208,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         libs = [ctypes.CDLL(str(p)) for p in paths]
         entries = _bind(libs)
         amx_ready = _amx_ready(libs)
+        fma_ready = _ready(libs, "podium_fma_ready") == 1
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"native kernels unavailable ({exc}); using pure-torch attention and ops"
     return NativeKernels(
@@ -213,14 +220,21 @@ def _load() -> tuple[NativeKernels | None, str]:
         silu_and_mul=entries["podium_silu_and_mul"],
         amx_linear=entries["podium_amx_linear"] if amx_ready else {},
         amx_pack=entries["podium_amx_pack"],
+        fma_linear=entries["podium_fma_linear"] if fma_ready else {},
+        fma_pack=entries["podium_fma_pack"],
     ), ""
+
+
+def _ready(libs: list[ctypes.CDLL], name: str) -> int:
+    """What the library's ``int name(void)`` answers (-1 where no library has it)."""
+    fn = next((getattr(lib, name) for lib in libs if hasattr(lib, name)), None)
+    if fn is None:
+        return -1
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return fn()
 
 
 def _amx_ready(libs: list[ctypes.CDLL]) -> bool:
     """Whether AMX tiles work here: built with them (-march=native on an AMX CPU) and granted by the
     OS to this process (the C side asks once; oneDNN asks the same)."""
-    init = next((lib.podium_amx_init for lib in libs if hasattr(lib, "podium_amx_init")), None)
-    if init is None:
-        return False
-    init.argtypes, init.restype = [], ctypes.c_int
-    return init() == 0
+    return _ready(libs, "podium_amx_init") == 0

@@ -92,12 +92,14 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Called once the weights are loaded: pack bf16 linear weights for the native AMX kernel
-        where it runs, else for oneDNN. Returns the model."""
+        where it runs, else for oneDNN, else for the native FMA kernel. Returns the model."""
         kernels = load_kernels()[0]
         if kernels is None:
             pack_linear_layers(model)
         else:
-            pack_linear_layers(model, kernels.amx_linear.get(torch.bfloat16), kernels.amx_pack.get(torch.bfloat16))
+            bf16 = torch.bfloat16
+            pack_linear_layers(model, kernels.amx_linear.get(bf16), kernels.amx_pack.get(bf16),
+                               kernels.fma_linear.get(bf16), kernels.fma_pack.get(bf16))
         return model
 
 

@@ -111,8 +111,8 @@ static void store_block(float *restrict c, int64_t rows, int64_t n0, int64_t N, 
             for (int64_t j = 0; j < cols; j++) row[j] += bias[n0 + j];
         bf16_t *o = out + r * out_stride + n0;
         if (cols == 32) {
-            store16_bf16(o, load16(row));
-            store16_bf16(o + 16, load16(row + 16));
+            storev_bf16(o, loadv(row));
+            storev_bf16(o + 16, loadv(row + 16));
         } else {
             for (int64_t j = 0; j < cols; j++) o[j] = f32_to_bf16(row[j]);
         }

@@ -12,7 +12,7 @@
  * bf16 pairs feed AVX512-BF16's dot product (two d per instruction, no conversion) where the CPU
  * has it, and are widened to the float32 tile otherwise; every query head of a group is scored in
  * the same pass over the tile. Values are summed row by row in float32 (bf16 rows widened in
- * registers), up to 3 heads x 64 dims of accumulators at once so the FMAs of a row do not wait on
+ * registers), up to 3 heads x ACC_NV vectors of accumulators at once so the FMAs of a row do not wait on
  * each other. One work item is (query token, kv head): the
  * G = H / H_kv query heads sharing that kv head go together, so each tile is read once for all.
  * A token at position p attends to [max(0, p - window + 1), p]; scores are scaled, optionally
@@ -65,33 +65,39 @@ typedef struct { /* one step's batch, the same for every layer */
             __builtin_prefetch((const char *)(p) + off_, 0, locality);                                \
     } while (0)
 
+/* key tiles asked for this many blocks ahead of the one being scored (blocks are scattered, so the
+ * hardware prefetcher cannot guess them; one block of scoring is shorter than a DRAM round trip) */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
+
 /* x[0..n) <- softmax(soft_cap * tanh(x / soft_cap)) (soft_cap <= 0: no cap), in place */
 static void softmax_row(float *restrict x, int64_t n, float soft_cap) {
     if (soft_cap > 0.f)
         for (int64_t j = 0; j < n; j++) x[j] = soft_cap * tanhf(x[j] / soft_cap);
-    v16f m16 = {0};
+    vf mv = {0};
     int64_t j = 0;
     float m = x[0];
-    if (n >= 16) {
-        m16 = load16(x);
-        for (j = 16; j + 16 <= n; j += 16) {
-            m16 = max16(load16(x + j), m16);
+    if (n >= VL) {
+        mv = loadv(x);
+        for (j = VL; j + VL <= n; j += VL) {
+            mv = maxv(loadv(x + j), mv);
         }
-        for (int k = 0; k < 16; k++) m = m16[k] > m ? m16[k] : m;
+        for (int k = 0; k < VL; k++) m = mv[k] > m ? mv[k] : m;
     }
     for (; j < n; j++) m = x[j] > m ? x[j] : m;
-    v16f sum16 = {0};
-    for (j = 0; j + 16 <= n; j += 16) {
-        const v16f e = exp16(load16(x + j) - m);
-        store16(x + j, e);
-        sum16 += e;
+    vf sumv = {0};
+    for (j = 0; j + VL <= n; j += VL) {
+        const vf e = expv(loadv(x + j) - m);
+        storev(x + j, e);
+        sumv += e;
     }
     float sum = 0.f;
-    for (int k = 0; k < 16; k++) sum += sum16[k];
-    if (j < n) { /* the last n % 16 scores through a padded copy */
-        float tail[16] = {0};
+    for (int k = 0; k < VL; k++) sum += sumv[k];
+    if (j < n) { /* the last n % VL scores through a padded copy */
+        float tail[VL] = {0};
         memcpy(tail, x + j, (size_t)(n - j) * sizeof(float));
-        const v16f e = exp16(load16(tail) - m);
+        const vf e = expv(loadv(tail) - m);
         for (int64_t k = 0; k < n - j; k++) sum += (x[j + k] = e[k]);
     }
     const float inv = 1.f / sum;
@@ -104,18 +110,18 @@ static void tile_scores(const float *restrict qf, const float *restrict kt, floa
                         int64_t G, int64_t D, int64_t B) {
     for (int64_t g = 0; g < G; g++) {
         const float *restrict qg = qf + g * D;
-        if ((B & 15) == 0) { /* 16 keys per vector; four independent chains over d */
-            for (int64_t t = 0; t < B; t += 16) {
-                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        if (B % VL == 0) { /* VL keys per vector; four independent chains over d */
+            for (int64_t t = 0; t < B; t += VL) {
+                vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                 int64_t d = 0;
                 for (; d + 4 <= D; d += 4) {
-                    a0 += qg[d] * load16(kt + d * B + t);
-                    a1 += qg[d + 1] * load16(kt + (d + 1) * B + t);
-                    a2 += qg[d + 2] * load16(kt + (d + 2) * B + t);
-                    a3 += qg[d + 3] * load16(kt + (d + 3) * B + t);
+                    a0 += qg[d] * loadv(kt + d * B + t);
+                    a1 += qg[d + 1] * loadv(kt + (d + 1) * B + t);
+                    a2 += qg[d + 2] * loadv(kt + (d + 2) * B + t);
+                    a3 += qg[d + 3] * loadv(kt + (d + 3) * B + t);
                 }
-                for (; d < D; d++) a0 += qg[d] * load16(kt + d * B + t);
-                store16(row + g * B + t, (a0 + a1) + (a2 + a3));
+                for (; d < D; d++) a0 += qg[d] * loadv(kt + d * B + t);
+                storev(row + g * B + t, (a0 + a1) + (a2 + a3));
             }
         } else {
             for (int64_t t = 0; t < B; t++) row[g * B + t] = 0.f;
@@ -191,49 +197,57 @@ static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf
     tile_scores(qf, tile, row, G, D, B);
 }
 
-/* 16 values as float32: float data as is, bf16 widened (a 16-bit shift) */
-static inline v16f load16_f32(const float *p) { return load16(p); }
+/* VL values as float32: float data as is, bf16 widened (a 16-bit shift) */
+static inline vf loadv_f32(const float *p) { return loadv(p); }
 
-/* acc[g][d0 + 16 j] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t[d0 + 16 j], for GS heads
+/* acc[g][d0 + VL j] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t[d0 + VL j], for GS heads
  * from g0 and NV vectors from d0: GS * NV independent accumulators per value row, so the FMAs of one
  * row overlap instead of waiting on each other (one accumulator per chain is latency-bound). GS and
  * NV are constants after inlining: the accumulators live in registers. */
-#define DEFINE_ACC_BLOCK(NAME, T, LOAD16)                                                             \
+#define DEFINE_ACC_BLOCK(NAME, T, LOADV)                                                              \
 static inline __attribute__((always_inline)) void NAME(                                               \
     const float *restrict w, int64_t n, int64_t shift, const T *restrict vt, float *restrict acc,     \
     int64_t D, int64_t t0, int64_t t1, int64_t g0, int64_t d0, const int GS, const int NV) {          \
-    v16f a[4][4];                                                                                     \
+    vf a[4][4];                                                                                     \
     for (int g = 0; g < GS; g++)                                                                      \
-        for (int j = 0; j < NV; j++) a[g][j] = load16(acc + (g0 + g) * D + d0 + 16 * j);              \
+        for (int j = 0; j < NV; j++) a[g][j] = loadv(acc + (g0 + g) * D + d0 + VL * j);              \
     for (int64_t t = t0; t < t1; t++) {                                                               \
-        v16f v[4];                                                                                    \
-        for (int j = 0; j < NV; j++) v[j] = LOAD16(vt + t * D + d0 + 16 * j);                         \
+        vf v[4];                                                                                    \
+        for (int j = 0; j < NV; j++) v[j] = LOADV(vt + t * D + d0 + VL * j);                          \
         for (int g = 0; g < GS; g++) {                                                                \
             const float wt = w[(g0 + g) * n + shift + t];                                             \
             for (int j = 0; j < NV; j++) a[g][j] += wt * v[j];                                        \
         }                                                                                             \
     }                                                                                                 \
     for (int g = 0; g < GS; g++)                                                                      \
-        for (int j = 0; j < NV; j++) store16(acc + (g0 + g) * D + d0 + 16 * j, a[g][j]);              \
+        for (int j = 0; j < NV; j++) storev(acc + (g0 + g) * D + d0 + VL * j, a[g][j]);              \
 }
-DEFINE_ACC_BLOCK(acc_block_f32, float, load16_f32)
-DEFINE_ACC_BLOCK(acc_block_bf16, bf16_t, load16_bf16)
+DEFINE_ACC_BLOCK(acc_block_f32, float, loadv_f32)
+DEFINE_ACC_BLOCK(acc_block_bf16, bf16_t, loadv_bf16)
+
+#if VL == 16
+#define ACC_NV 4
+#else
+#define ACC_NV 2
+#endif
 
 /* acc[g] += sum over t in [t0, t1) of w[g * n + shift + t] * v_t, for one value tile vt [B][D]:
- * blocks of up to 3 heads x 64 dims, then 16-dim remainders; D not a multiple of 16: scalar. */
+ * blocks of up to 3 heads x ACC_NV vectors, then one-vector remainders; D not a multiple of VL:
+ * scalar. 3 x ACC_NV accumulators and ACC_NV value vectors fit the registers (32 zmm with AVX-512;
+ * 16 ymm with AVX2, where 3 x 4 would spill). */
 #define DEFINE_ACCUMULATE(NAME, T, BLOCK, LOAD)                                                       \
 static void NAME(const float *restrict w, int64_t n, int64_t shift, const T *restrict vt,             \
                  float *restrict acc, int64_t G, int64_t D, int64_t t0, int64_t t1) {                 \
-    if ((D & 15) == 0) {                                                                              \
+    if (D % VL == 0) {                                                                                \
         for (int64_t g = 0; g < G; g += 3) {                                                          \
             const int64_t gs = G - g < 3 ? G - g : 3;                                                 \
             int64_t d = 0;                                                                            \
-            for (; d + 64 <= D; d += 64) {                                                            \
-                if (gs == 3) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 3, 4);                      \
-                else if (gs == 2) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 2, 4);                 \
-                else BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 1, 4);                              \
+            for (; d + VL * ACC_NV <= D; d += VL * ACC_NV) {                                          \
+                if (gs == 3) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 3, ACC_NV);                 \
+                else if (gs == 2) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 2, ACC_NV);            \
+                else BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 1, ACC_NV);                         \
             }                                                                                         \
-            for (; d < D; d += 16) {                                                                  \
+            for (; d < D; d += VL) {                                                                  \
                 if (gs == 3) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 3, 1);                      \
                 else if (gs == 2) BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 2, 1);                 \
                 else BLOCK(w, n, shift, vt, acc, D, t0, t1, g, d, 1, 1);                              \
@@ -265,11 +279,15 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     float *scores = acc + G * D;                                                                      \
     const T *q = query + token * s->q_token_stride + h * G * D;                                       \
     for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(q[i]);                                           \
+    for (int64_t b = first; b <= last && b < first + PREFETCH_AHEAD; b++)                            \
+        prefetch_tile(kc + ((int64_t)table[b] * s->num_kv_heads + h) * tile_size,                     \
+                      tile_size * (int64_t)sizeof(T), 3);                                             \
     for (int64_t b = first; b <= last; b++) {                                                         \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
         const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
-        if (b < last) prefetch_tile(kc + ((int64_t)table[b + 1] * s->num_kv_heads + h) * tile_size,   \
-                                    tile_size * (int64_t)sizeof(T), 3);                               \
+        if (b + PREFETCH_AHEAD <= last)                                                               \
+            prefetch_tile(kc + ((int64_t)table[b + PREFETCH_AHEAD] * s->num_kv_heads + h) * tile_size, \
+                          tile_size * (int64_t)sizeof(T), 3);                                         \
         prefetch_tile(vc + base, tile_size * (int64_t)sizeof(T), 2); /* for the value pass, into L2 */ \
         SCORES(q, qf, kc + base, tile, row, G, D, B);                                                 \
         for (int64_t g = 0; g < G; g++) { /* key positions b * B + t0 .. b * B + t1 - 1 */           \

@@ -19,7 +19,7 @@
 #endif
 
 /* One [heads, D] row rotated by (cos, sin) [D/2 each] into out. */
-#define DEFINE_ROTATE(NAME, T, LOAD, STORE, LOAD16, STORE16)                                          \
+#define DEFINE_ROTATE(NAME, T, LOAD, STORE, LOADV, STOREV)                                          \
 NO_CONTRACTION static void NAME(const T *x, T *out, const float *cs, int64_t heads, int64_t D) {       \
     const int64_t half = D / 2;                                                                       \
     const float *c = cs, *s = cs + half;                                                              \
@@ -27,12 +27,12 @@ NO_CONTRACTION static void NAME(const T *x, T *out, const float *cs, int64_t hea
         const T *xh = x + h * D;                                                                      \
         T *oh = out + h * D;                                                                          \
         int64_t i = 0;                                                                                \
-        for (; i + 16 <= half; i += 16) {                                                             \
-            const v16f x1 = LOAD16(xh + i), x2 = LOAD16(xh + i + half);                               \
-            const v16f cv = load16(c + i), sv = load16(s + i);                                        \
-            const v16f a = x1 * cv, b = x2 * sv, e = x2 * cv, f = x1 * sv;                            \
-            STORE16(oh + i, a - b);                                                                   \
-            STORE16(oh + i + half, e + f);                                                            \
+        for (; i + VL <= half; i += VL) {                                                             \
+            const vf x1 = LOADV(xh + i), x2 = LOADV(xh + i + half);                               \
+            const vf cv = loadv(c + i), sv = loadv(s + i);                                        \
+            const vf a = x1 * cv, b = x2 * sv, e = x2 * cv, f = x1 * sv;                            \
+            STOREV(oh + i, a - b);                                                                   \
+            STOREV(oh + i + half, e + f);                                                            \
         }                                                                                             \
         for (; i < half; i++) {                                                                       \
             const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                    \
@@ -43,7 +43,7 @@ NO_CONTRACTION static void NAME(const T *x, T *out, const float *cs, int64_t hea
     }                                                                                                 \
 }
 
-DEFINE_ROTATE(rotate_f32, float, load_f32, store_f32, load16, store16_f32)
-DEFINE_ROTATE(rotate_bf16, bf16_t, bf16_to_f32, f32_to_bf16, load16_bf16, store16_bf16)
+DEFINE_ROTATE(rotate_f32, float, load_f32, store_f32, loadv, storev_f32)
+DEFINE_ROTATE(rotate_bf16, bf16_t, bf16_to_f32, f32_to_bf16, loadv_bf16, storev_bf16)
 
 #endif
