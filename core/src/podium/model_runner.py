@@ -147,7 +147,7 @@ class ModelRunner:
         self.static_shapes = platform.capabilities().static_shapes
         self.capture_seconds = 0.0
         self.last_used_graph = False
-        self.staging = StagingRing(device)  # host side of replayed steps' input copies
+        self.staging = StagingRing(device, platform.capabilities().pinned_memory)  # replayed steps' input copies
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence's row."""

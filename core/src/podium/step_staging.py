@@ -13,14 +13,12 @@ step's block-table rows ([rows, width], packed) are copied into the graph's [siz
 table and the placeholder tokens are filled from the previous step's tokens (``fill_dst`` rows of
 ``input_ids`` take ``fill_src`` rows of its tokens).
 
-Host buffers come in pairs used in turn and are pinned (page-locked) where the device allows, so
-the copy is asynchronous; before a buffer is rewritten the host waits for the event recorded after
+Host buffers come in pairs used in turn and are pinned (page-locked) where the platform says its
+device can copy from such memory (``Capabilities.pinned_memory``), so the copy is asynchronous; before a buffer is rewritten the host waits for the event recorded after
 its last copy (two steps ago), so no pending copy ever reads bytes the host is changing.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import torch
@@ -31,16 +29,6 @@ FIELDS = ("input_ids", "positions", "slot_mapping", "fill_dst", "fill_src")
 def _pairs(n: int) -> int:
     """int64 slots holding n int32 values."""
     return (n + 1) // 2
-
-
-@functools.cache
-def can_pin() -> bool:
-    """Whether this process can allocate page-locked host memory (a CUDA/ROCm build with a device)."""
-    try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError:
-        return False
-    return True
 
 
 class StepLayout:
@@ -67,8 +55,8 @@ class StepLayout:
 class StagingRing:
     """Host staging buffers, used in turn; grown (never shrunk) to the largest layout asked for."""
 
-    def __init__(self, device: torch.device, depth: int = 2) -> None:
-        self.pin = device.type != "cpu" and can_pin()
+    def __init__(self, device: torch.device, pin: bool, depth: int = 2) -> None:
+        self.pin = pin  # the platform's Capabilities.pinned_memory
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None] * depth
         self._events: list = [None] * depth
