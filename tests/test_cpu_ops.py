@@ -138,7 +138,8 @@ def test_packing_is_refused_exactly_where_onednn_has_no_bf16_matmul():
         refused = True
     assert can_pack(torch.bfloat16) == (not refused) and bool(packing_unavailable()) == refused
     assert pack_linear_layers(model) == (0 if refused else 1)
-    assert not can_pack(torch.float32)
+    assert can_pack(torch.float32) == (packing_unavailable(torch.float32) == "")
+    assert not can_pack(torch.float16) and "float16" in packing_unavailable(torch.float16)
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason=packing_unavailable() or "packing available")
@@ -155,7 +156,27 @@ def test_packed_linear_is_bit_identical_to_f_linear():
         xs = torch.randn(rows, 96).bfloat16()
         assert torch.equal(model[0](xs), F.linear(xs, first_weight, model[0].bias))
     assert torch.equal(model(x), want)
-    assert pack_linear_layers(nn.Sequential(nn.Linear(4, 4))) == 0  # float32 stays unpacked
+    assert pack_linear_layers(nn.Sequential(nn.Linear(4, 4)), float32=False) == 0  # float32 left as it is
+
+
+@pytest.mark.skipif(not can_pack(torch.float32), reason=packing_unavailable(torch.float32) or "packing available")
+def test_float32_packing_is_accurate_and_batch_invariant():
+    """oneDNN's packed fp32 matmul: within float32 rounding of the exact result, and each row's result
+    the same whatever the batch (MKL's F.linear is not: its kernels change with the row count)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(576, 960), nn.Linear(960, 1536, bias=False)).requires_grad_(False)
+    first = model[0].weight
+    assert pack_linear_layers(model) == 2
+    assert isinstance(model[0], PackedLinear) and model[0].weight is first and model[0].dtype == torch.float32
+    x = torch.randn(300, 576)
+    want = x.double() @ first.double().T + model[0].bias.double()
+    magnitude = x.double().abs() @ first.double().abs().T + model[0].bias.double().abs()
+    got = model[0](x)
+    assert got.dtype == torch.float32
+    assert bool(((got.double() - want).abs() <= 576 * 2.0**-23 * magnitude + 1e-30).all())
+    for rows in (1, 2, 7, 31, 32, 33, 64, 255):
+        assert torch.equal(model[0](x[:rows]), got[:rows]), rows
+    assert torch.equal(model[0](x.reshape(3, 100, 576)), got.reshape(3, 100, 960))  # leading dims kept
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason=packing_unavailable() or "packing available")
@@ -276,7 +297,7 @@ def test_native_packing_keeps_parameters_and_ties(native_linear):
     head.weight = embedding.weight
     model = nn.ModuleDict({"embed": embedding, "head": head, "f32": nn.Linear(4, 4)})
     given = {"amx_kernel": kernel} if layer_class is AmxLinear else {"fma_kernel": kernel}
-    assert pack_linear_layers(model, **given) == 1  # float32 stays as it is
+    assert pack_linear_layers(model, **given, float32=False) == 1  # float32 left as it is
     # oneDNN's packing comes before the FMA kernel where it can pack bf16
     want = PackedLinear if layer_class is FmaLinear and can_pack(torch.bfloat16) else layer_class
     assert isinstance(model["head"], want) and model["head"].weight is embedding.weight

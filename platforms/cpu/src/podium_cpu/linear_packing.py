@@ -1,11 +1,14 @@
-"""bfloat16 linear layers with weights pre-packed at load: the native AMX kernel, else oneDNN's, else
-the native AVX2 FMA kernel.
+"""Linear layers with weights pre-packed at load. bfloat16: the native AMX kernel, else oneDNN's,
+else the native AVX2 FMA kernel; float32: oneDNN's.
 
 ``F.linear`` on a bf16 CPU tensor hands oneDNN a plain [out, in] weight, which it reorders into
 its blocked matmul layout on every call; packing once at load time removes that reorder, about a
 third of a small-batch decode step's matmul time here, with bit-identical results (the same
-kernel runs on the same blocked weights). float32 is left alone: MKL's packed sgemm only pays at
-exactly the batch size it was packed for.
+kernel runs on the same blocked weights). float32 linears are packed for oneDNN too: ``F.linear``
+runs them on MKL's sgemm, which oneDNN's packed fp32 matmul beat 1.3-2.7x at 8-32 rows on an AVX2
+CPU (equal at prefill sizes), and whose row results depend on the batch size (oneDNN's packed ones
+did not at 1-256 rows): faster decode steps and batch-invariant rows, at the price of not being
+bit-identical with an unpacked model (transformers' float32 greedy tokens stay the same, tested).
 
 Where the CPU has AMX, ``AmxLinear`` goes further for the rows of a decode step (up to
 ``AMX_MAX_ROWS``): the native kernel (native/amx_linear.c) streams its tiled weights once per 32
@@ -36,28 +39,34 @@ PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this many rows; any row co
 AMX_MAX_ROWS = 256  # AmxLinear's kernel up to this many rows, oneDNN above (measured alike at 256-512)
 
 
+PACKABLE = (torch.bfloat16, torch.float32)
+
+
 def can_pack(dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs and runs ``dtype`` linears here (bf16 only; see ``packing_unavailable``)."""
-    return dtype == torch.bfloat16 and not packing_unavailable()
+    """Whether oneDNN packs and runs ``dtype`` linears here (bf16 or fp32; see ``packing_unavailable``)."""
+    return dtype in PACKABLE and not packing_unavailable(dtype)
 
 
 @functools.cache
-def packing_unavailable() -> str:
-    """Why oneDNN cannot pack bf16 linear weights in this process ("" when it can).
+def packing_unavailable(dtype: torch.dtype = torch.bfloat16) -> str:
+    """Why oneDNN cannot pack ``dtype`` linear weights in this process ("" when it can).
 
     Its bf16 matmul needs AVX512BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 3, say)
     ``_reorder_linear_weight`` raises, so one tiny weight is packed and used once to find out.
     """
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in PACKABLE:
+        return f"oneDNN linear packing is for {', '.join(str(d).removeprefix('torch.') for d in PACKABLE)}, not {name}"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch has no oneDNN linear ops"
     try:
-        weight = torch.ones(32, 32, dtype=torch.bfloat16)
+        weight = torch.ones(32, 32, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-        out = _linear_op()(torch.ones(2, 32, dtype=torch.bfloat16), packed, None, "none", [], "")
+        out = _linear_op()(torch.ones(2, 32, dtype=dtype), packed, None, "none", [], "")
     except RuntimeError as exc:
-        return f"oneDNN cannot pack bf16 weights on this CPU ({str(exc).splitlines()[0]})"
+        return f"oneDNN cannot pack {name} weights on this CPU ({str(exc).splitlines()[0]})"
     if not bool((out == 32).all()):
-        return "oneDNN's packed bf16 linear gave a wrong result on this CPU"
+        return f"oneDNN's packed {name} linear gave a wrong result on this CPU"
     return ""
 
 
@@ -68,27 +77,30 @@ def _linear_op():
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an ``nn.Linear`` holding bf16 weights: same parameters, packed matmul."""
+    """Drop-in for an ``nn.Linear`` holding bf16 or fp32 weights: same parameters, oneDNN's matmul
+    over weights packed once."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
-            raise ValueError(f"PackedLinear needs a bfloat16 CPU weight, got {linear.weight.dtype} on {linear.weight.device}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        dtype = linear.weight.dtype
+        if dtype not in PACKABLE or linear.weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear needs a bfloat16 or float32 CPU weight, got {dtype} on {linear.weight.device}")
+        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, dtype
         self.weight = linear.weight  # kept: state_dict, tied references and introspection see the usual parameter
         self.bias = linear.bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():  # the model's [T, in] rows
+        if x.dim() == 2 and x.dtype == self.dtype and x.is_contiguous():  # the model's [T, in] rows
             return _linear_op()(x, self.packed, self.bias, "none", [], "")  # [T, out]
         lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [N, in]
+        rows = x.reshape(-1, self.in_features).to(self.dtype).contiguous()  # [N, in]
         out = _linear_op()(rows, self.packed, self.bias, "none", [], "")  # [N, out]
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed=onednn {str(self.dtype).removeprefix('torch.')}")
 
 
 def amx_tiles(weight: torch.Tensor, pack=None) -> torch.Tensor:
@@ -181,23 +193,28 @@ class FmaLinear(NativeLinear):
     layout = staticmethod(fma_panels)
 
 
-def pack_linear_layers(model: nn.Module, amx_kernel=None, amx_pack=None, fma_kernel=None, fma_pack=None) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` in ``model``, in this order of preference, by an ``AmxLinear``
-    (given the native AMX kernel and its packer, ``NativeKernels.amx_linear`` / ``amx_pack``), a
-    ``PackedLinear`` (where oneDNN packs bf16), or an ``FmaLinear`` (given ``NativeKernels.fma_linear``
-    / ``fma_pack``); returns how many (0: none of them runs here)."""
+def pack_linear_layers(model: nn.Module, amx_kernel=None, amx_pack=None, fma_kernel=None, fma_pack=None,
+                       float32: bool = True) -> int:
+    """Replace the CPU ``nn.Linear`` modules of ``model``; returns how many were replaced.
+
+    bf16 ones, in this order of preference: an ``AmxLinear`` (given the native AMX kernel and its
+    packer, ``NativeKernels.amx_linear`` / ``amx_pack``), a ``PackedLinear`` (where oneDNN packs
+    bf16), an ``FmaLinear`` (given ``NativeKernels.fma_linear`` / ``fma_pack``). fp32 ones (with
+    ``float32``): a ``PackedLinear`` where oneDNN packs fp32."""
+    makers = {}
     if amx_kernel is not None:
-        make = lambda child: AmxLinear(child, amx_kernel, amx_pack)  # noqa: E731
+        makers[torch.bfloat16] = lambda child: AmxLinear(child, amx_kernel, amx_pack)
     elif can_pack(torch.bfloat16):
-        make = PackedLinear
+        makers[torch.bfloat16] = PackedLinear
     elif fma_kernel is not None:
-        make = lambda child: FmaLinear(child, fma_kernel, fma_pack)  # noqa: E731
-    else:
-        return 0
+        makers[torch.bfloat16] = lambda child: FmaLinear(child, fma_kernel, fma_pack)
+    if float32 and can_pack(torch.float32):
+        makers[torch.float32] = PackedLinear
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+            make = makers.get(child.weight.dtype) if type(child) is nn.Linear else None
+            if make is not None and child.weight.device.type == "cpu":
                 setattr(parent, name, make(child))
                 count += 1
     return count
