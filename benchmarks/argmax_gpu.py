@@ -8,7 +8,13 @@ op), eager and as device time (20 calls captured in a CUDA graph, replayed; laun
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platforms" / "cuda" / "scripts"))
+from bench_kernels import graph_ms  # noqa: E402  (the kernel benchmarks' graph timing)
 
 VOCAB = 128256
 
@@ -35,27 +41,9 @@ def microseconds(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
-def graphed_microseconds(fn, calls: int = 20, replays: int = 50) -> float:
-    """Device time per call: ``calls`` calls captured in one CUDA graph, the median replay / calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+def graphed_microseconds(fn, calls: int = 20) -> float:
+    """Device time per call: ``calls`` calls captured in one CUDA graph (bench_kernels' graph_ms)."""
+    return graph_ms([fn] * calls) * 1e3
 
 
 def main() -> None:

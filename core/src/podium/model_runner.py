@@ -216,9 +216,11 @@ class ModelRunner:
             owners = np.repeat(np.arange(len(plan.scheduled)), query_lens)[dst].tolist()
         return dst, [feed.rows[plan.scheduled[i].seq.seq_id] for i in owners]
 
-    def _fill_on_device(self, input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
-                        feed: LaunchedStep) -> None:
-        """input_ids[dst] = feed.tokens[src], on the device (the previous step's tokens stay there)."""
+    def _fill_on_device(self, input_ids: torch.Tensor, fill, feed: LaunchedStep) -> None:
+        """input_ids[dst] = feed.tokens[src], on the device (the previous step's tokens stay there);
+        ``fill``: (dst, src) as host lists, or as index tensors already on the device."""
+        dst, src = (x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long).to(
+            self.device, non_blocking=True) for x in fill)
         input_ids.index_copy_(0, dst, feed.tokens.index_select(0, src))
 
     def _execute(self, plan: SchedulerOutput, feed: LaunchedStep | None, defer: bool) -> StepResult | LaunchedStep:
@@ -241,8 +243,7 @@ class ModelRunner:
             ctx = ForwardContext(meta, self.kv_caches, self.backend)
             input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
             if fill is not None:
-                dst, src = (torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True) for x in fill)
-                self._fill_on_device(input_ids, dst, src, feed)
+                self._fill_on_device(input_ids, fill, feed)
             pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
             hidden = self.model(input_ids, pos, ctx)
             if self.static_shapes:  # one graph per bucket: cut here, then logits at the padded row count
@@ -375,7 +376,7 @@ class ModelRunner:
         buf["block_tables"][:n, :width].copy_(buf["table"][:n * width].view(n, width))
         if fill is not None:  # placeholders: the previous step's tokens, still on the device
             k = len(fill[0])
-            self._fill_on_device(buf["input_ids"], buf["fill_dst"][:k], buf["fill_src"][:k], feed)
+            self._fill_on_device(buf["input_ids"], (buf["fill_dst"][:k], buf["fill_src"][:k]), feed)
         return replay()[:n]
 
     def _stage_padded(self, buf, size, tokens, positions, slots, seq_lens, rows, fill, feed) -> None:
@@ -388,8 +389,7 @@ class ModelRunner:
         staged = torch.from_numpy(host).to(self.device, non_blocking=True)
         buf["input_ids"].copy_(staged[0])
         if fill is not None:
-            dst, src = (torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True) for x in fill)
-            self._fill_on_device(buf["input_ids"], dst, src, feed)
+            self._fill_on_device(buf["input_ids"], fill, feed)
         buf["positions"].copy_(staged[1])
         buf["slot_mapping"].copy_(staged[2])
         buf["seq_lens"].copy_(staged[3])
