@@ -160,9 +160,10 @@ def test_packed_linear_is_bit_identical_to_f_linear():
 
 
 @pytest.mark.skipif(not can_pack(torch.float32), reason=packing_unavailable(torch.float32) or "packing available")
-def test_float32_packing_is_accurate_and_batch_invariant():
-    """oneDNN's packed fp32 matmul: within float32 rounding of the exact result, and each row's result
-    the same whatever the batch (MKL's F.linear is not: its kernels change with the row count)."""
+def test_float32_packing_is_accurate_for_every_batch_size():
+    """oneDNN's packed fp32 matmul: within float32 rounding of the exact result at every row count.
+    (Bit-equal rows across batch sizes held with torch 2.13's oneDNN at 1-256 rows, not with torch
+    2.8's, nor for MKL's F.linear: not asserted.)"""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(576, 960), nn.Linear(960, 1536, bias=False)).requires_grad_(False)
     first = model[0].weight
@@ -170,13 +171,12 @@ def test_float32_packing_is_accurate_and_batch_invariant():
     assert isinstance(model[0], PackedLinear) and model[0].weight is first and model[0].dtype == torch.float32
     x = torch.randn(300, 576)
     want = x.double() @ first.double().T + model[0].bias.double()
-    magnitude = x.double().abs() @ first.double().abs().T + model[0].bias.double().abs()
-    got = model[0](x)
-    assert got.dtype == torch.float32
-    assert bool(((got.double() - want).abs() <= 576 * 2.0**-23 * magnitude + 1e-30).all())
-    for rows in (1, 2, 7, 31, 32, 33, 64, 255):
-        assert torch.equal(model[0](x[:rows]), got[:rows]), rows
-    assert torch.equal(model[0](x.reshape(3, 100, 576)), got.reshape(3, 100, 960))  # leading dims kept
+    bound = 576 * 2.0**-23 * (x.double().abs() @ first.double().abs().T + model[0].bias.double().abs())
+    for rows in (1, 2, 7, 31, 32, 33, 64, 255, 300):
+        got = model[0](x[:rows])
+        assert got.dtype == torch.float32 and got.shape == (rows, 960)
+        assert bool(((got.double() - want[:rows]).abs() <= bound[:rows]).all()), rows
+    assert model[0](x.reshape(3, 100, 576)).shape == (3, 100, 960)  # leading dims kept
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason=packing_unavailable() or "packing available")

@@ -6,9 +6,9 @@ its blocked matmul layout on every call; packing once at load time removes that 
 third of a small-batch decode step's matmul time here, with bit-identical results (the same
 kernel runs on the same blocked weights). float32 linears are packed for oneDNN too: ``F.linear``
 runs them on MKL's sgemm, which oneDNN's packed fp32 matmul beat 1.3-2.7x at 8-32 rows on an AVX2
-CPU (equal at prefill sizes), and whose row results depend on the batch size (oneDNN's packed ones
-did not at 1-256 rows): faster decode steps and batch-invariant rows, at the price of not being
-bit-identical with an unpacked model (transformers' float32 greedy tokens stay the same, tested).
+CPU (equal at prefill sizes). Neither is bit-identical with the other (transformers' float32 greedy
+tokens stay the same, tested), and neither promises a row the same bits at every batch size (MKL's
+did not; torch 2.13's oneDNN did at 1-256 rows, torch 2.8's did not).
 
 Where the CPU has AMX, ``AmxLinear`` goes further for the rows of a decode step (up to
 ``AMX_MAX_ROWS``): the native kernel (native/amx_linear.c) streams its tiled weights once per 32
