@@ -14,8 +14,9 @@ table and the placeholder tokens are filled from the previous step's tokens (``f
 ``input_ids`` take ``fill_src`` rows of its tokens).
 
 Host buffers come in pairs used in turn and are pinned (page-locked) where the platform says its
-device can copy from such memory (``Capabilities.pinned_memory``), so the copy is asynchronous; before a buffer is rewritten the host waits for the event recorded after
-its last copy (two steps ago), so no pending copy ever reads bytes the host is changing.
+device can copy from such memory (``Capabilities.pinned_memory``), so the copy is asynchronous;
+before a buffer is rewritten the host waits for the event recorded after its last copy (two steps
+ago), so no pending copy ever reads bytes the host is changing.
 """
 
 from __future__ import annotations

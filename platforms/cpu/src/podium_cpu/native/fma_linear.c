@@ -9,11 +9,12 @@
  *     packed [N/16][K][16]
  *
  * x is widened to float32 once per call (a [M, K] scratch, rows in place for the broadcasts).
- * Work items are (chunk of CHUNK rows, panel); an item walks its chunk ROWS rows at a time, each
- * row block keeping ROWS x 2 accumulators of 8 lanes (12 of the 16 ymm registers) over all K: per
- * k two weight loads, ROWS broadcasts, 2 * ROWS FMAs. The panel (16 x K bf16, 18-48 KB for
- * SmolLM2) stays in L1/L2 while the chunk's row blocks reuse it; a decode step's batch is one
- * chunk, so the weights stream from memory once per call.
+ * Work items are (chunk of CHUNK rows, panel); an item widens its panel to float32 once (a
+ * per-thread [K][16] scratch, 36-96 KB for SmolLM2, in L2), then walks its chunk ROWS rows at a
+ * time, each row block keeping ROWS x 2 accumulators of 8 lanes (12 of the 16 ymm registers) over
+ * all K: per k two weight loads, ROWS broadcasts, 2 * ROWS FMAs. A decode step's batch is one
+ * chunk, so the weights stream from memory once per call. (Widening in the inner loop instead, and
+ * 4-row blocks, measured slower.)
  *
  * Every output element is one FMA chain over k = 0..K-1 whatever M is and wherever its row falls
  * (full row block or remainder): a row's result does not depend on the other rows of the call
