@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
 #        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep fused_tests argmax_bench
-#        graph_gaps_1
+#        graph_gaps_1 latency_8b_argmax latency_1b_argmax tp_fixed_8b_argmax
+# *_argmax: the same run with the Triton argmax installed too (PODIUM_CUDA_FUSED_OPS), an A/B in one call.
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -22,6 +23,7 @@ run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
   echo "== $name: rc $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
   tail -n "${TAIL:-14}" "$OUT/$name.log" | tee -a "$OUT/summary.txt"
 }
+with_argmax="PODIUM_CUDA_FUSED_OPS=rms_norm,fused_add_rms_norm,rotary_embedding,silu_and_mul,argmax"
 shape8b="--model llama-3.1-8b-shape --max-model-len 1024 --no-progress"
 steps=${*:-engine_tests tp_fixed_8b latency_8b latency_1b kernel_tests rocm_tests}
 for s in $steps; do
@@ -46,6 +48,11 @@ for s in $steps; do
       --dataset sharegpt-like --num-prompts 256 --compare hf --hf-batch-size 64 --json-out "$OUT/$s.json" ;;
     step_profile_8b) run_step $s 150 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --kernels ;;
     latency_8b) run_step $s 70 podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
+    latency_8b_argmax) run_step $s 70 env $with_argmax podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
+    latency_1b_argmax) run_step $s 50 env $with_argmax podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
+      --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
+    tp_fixed_8b_argmax) run_step $s 150 env $with_argmax podium bench throughput $shape8b --dataset random --input-len 512 \
+      --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
     latency_1b) run_step $s 50 podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
     tp_cold_log) TAIL=40 run_step $s 200 env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
@@ -57,4 +64,7 @@ for s in $steps; do
     *) echo "unknown step $s" ;;
   esac
 done
+# the device tool brings back at most 8 files: keep summary.txt, bundle the rest
+cd "$OUT" && others=$(ls | grep -v -x -e summary.txt -e logs.tar.gz) && [ -n "$others" ] && \
+  tar czf logs.tar.gz $others && rm -rf $others
 exit 0

@@ -49,3 +49,17 @@ def test_split_plan_is_a_power_of_two_and_grows_only_for_few_long_sequences():
         for length in (1, 300, 1000, 5000, 100_000):
             splits = plan_splits(seqs, 8, length, policy)
             assert splits & (splits - 1) == 0 and 1 <= splits <= 64
+
+
+def test_fused_ops_env_override_names_known_ops_or_fails_clearly():
+    import pytest
+
+    from podium_cuda.tuning import fused_ops_from_env
+
+    known = {"rms_norm": 1, "argmax": 2}
+    assert fused_ops_from_env(None, ("rms_norm",), known) == ("rms_norm",)
+    assert fused_ops_from_env("rms_norm, argmax", ("rms_norm",), known) == ("rms_norm", "argmax")
+    assert fused_ops_from_env("none", ("rms_norm",), known) == ()
+    assert fused_ops_from_env("", ("rms_norm",), known) == ()
+    with pytest.raises(ValueError, match=r"PODIUM_CUDA_FUSED_OPS.*'rms_nrom'.*known"):
+        fused_ops_from_env("rms_nrom", ("rms_norm",), known)

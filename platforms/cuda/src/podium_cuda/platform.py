@@ -10,7 +10,7 @@ import torch
 from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
 from podium_plugin_api.ops import REFERENCE_OPS
 
-from .tuning import CUDA_TUNING
+from .tuning import CUDA_TUNING, FUSED_OPS_ENV, fused_ops_from_env
 
 # No cuBLAS workspace by default. Without one cuBLAS picks GEMM kernels that do not split K into a
 # second reduction kernel: on the H200 batch-1 decode of the Llama-3.1-8B shape went from 4.66 to
@@ -131,5 +131,6 @@ class CudaPlatform(Platform):
         """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""
         from .fused_ops import FUSED_OPS  # triton is imported here, not before
 
+        names = fused_ops_from_env(os.environ.get(FUSED_OPS_ENV), CUDA_TUNING.fused_ops, FUSED_OPS)
         # only ops this plugin API knows (argmax came in 1.3; podium-cuda runs on any 1.x)
-        return {name: FUSED_OPS[name] for name in CUDA_TUNING.fused_ops if name in REFERENCE_OPS}
+        return {name: FUSED_OPS[name] for name in names if name in REFERENCE_OPS}

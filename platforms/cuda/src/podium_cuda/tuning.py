@@ -74,6 +74,24 @@ class KernelTuning:
 
 CUDA_TUNING = KernelTuning()
 
+FUSED_OPS_ENV = "PODIUM_CUDA_FUSED_OPS"  # comma-separated op names, "none" for the torch references
+
+
+def fused_ops_from_env(value: str | None, default: tuple[str, ...], known) -> tuple[str, ...]:
+    """The fused ops to install: ``default`` unless ``PODIUM_CUDA_FUSED_OPS`` names them (A/B runs).
+
+    ``"none"`` (or an empty value) installs none; an unknown name is an error that lists the known.
+    """
+    if value is None:
+        return default
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if names in ((), ("none",)):
+        return ()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{FUSED_OPS_ENV}: unknown fused op(s) {unknown}; known: {sorted(known)}")
+    return names
+
 
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
