@@ -4,8 +4,9 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
 #        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep fused_tests argmax_bench
-#        graph_gaps_1 latency_8b_argmax latency_1b_argmax tp_fixed_8b_argmax
-# *_argmax: the same run with the Triton argmax installed too (PODIUM_CUDA_FUSED_OPS), an A/B in one call.
+#        graph_gaps_1
+# STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
+#   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -23,43 +24,40 @@ run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
   echo "== $name: rc $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
   tail -n "${TAIL:-14}" "$OUT/$name.log" | tee -a "$OUT/summary.txt"
 }
-with_argmax="PODIUM_CUDA_FUSED_OPS=rms_norm,fused_add_rms_norm,rotary_embedding,silu_and_mul,argmax"
 shape8b="--model llama-3.1-8b-shape --max-model-len 1024 --no-progress"
 steps=${*:-engine_tests tp_fixed_8b latency_8b latency_1b kernel_tests rocm_tests}
 for s in $steps; do
-  case $s in
-    engine_tests) run_step $s 170 python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
-    engine_tests_rocm) run_step $s 240 env PODIUM_ROCM_FORCE_ON_CUDA=1 PODIUM_TEST_GPU_DEVICE=rocm \
+  pre=""
+  base=${s%_B}
+  [ "$base" != "$s" ] && pre="env ${AB_ENV:?STEP_B needs AB_ENV}"
+  case $base in
+    engine_tests) run_step $s 170 $pre python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
+    engine_tests_rocm) run_step $s 240 $pre env PODIUM_ROCM_FORCE_ON_CUDA=1 PODIUM_TEST_GPU_DEVICE=rocm \
       python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
-    fused_tests) run_step $s 200 python3 -m pytest platforms/cuda/tests/test_fused_ops.py -q -p no:cacheprovider -rfE ;;
-    argmax_bench) run_step $s 120 python3 benchmarks/argmax_gpu.py ;;
-    graph_gaps_1) TAIL=30 run_step $s 150 python3 benchmarks/graph_gaps.py --sizes 1 --trace-dir "$OUT" ;;
-    kernel_tests) run_step $s 400 python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
-    rocm_tests) run_step $s 200 env PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests \
+    fused_tests) run_step $s 200 $pre python3 -m pytest platforms/cuda/tests/test_fused_ops.py -q -p no:cacheprovider -rfE ;;
+    argmax_bench) run_step $s 120 $pre python3 benchmarks/argmax_gpu.py ;;
+    graph_gaps_1) TAIL=30 run_step $s 150 $pre python3 benchmarks/graph_gaps.py --sizes 1 --trace-dir "$OUT" ;;
+    kernel_tests) run_step $s 400 $pre python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
+    rocm_tests) run_step $s 200 $pre env PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests \
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;
-    tp_fixed_8b) run_step $s 200 podium bench throughput $shape8b --dataset random --input-len 512 \
+    tp_fixed_8b) run_step $s 200 $pre podium bench throughput $shape8b --dataset random --input-len 512 \
       --output-len 256 --num-prompts 256 --compare hf --hf-batch-size 256 --json-out "$OUT/$s.json" ;;
     tp_async_ab) for m in async-scheduling no-async-scheduling async-scheduling no-async-scheduling; do
-      run_step "${s}_$m" 150 podium bench throughput $shape8b --dataset random --input-len 512 --output-len 256 \
+      run_step "${s}_$m" 150 $pre podium bench throughput $shape8b --dataset random --input-len 512 --output-len 256 \
         --num-prompts 256 --$m; done ;;
-    tp_fixed_8b_sync) run_step $s 150 podium bench throughput $shape8b --dataset random --input-len 512 \
+    tp_fixed_8b_sync) run_step $s 150 $pre podium bench throughput $shape8b --dataset random --input-len 512 \
       --output-len 256 --num-prompts 256 --no-async-scheduling --json-out "$OUT/$s.json" ;;
-    tp_sharegpt_8b) run_step $s 400 podium bench throughput --model llama-3.1-8b-shape --no-progress \
+    tp_sharegpt_8b) run_step $s 400 $pre podium bench throughput --model llama-3.1-8b-shape --no-progress \
       --dataset sharegpt-like --num-prompts 256 --compare hf --hf-batch-size 64 --json-out "$OUT/$s.json" ;;
-    step_profile_8b) run_step $s 150 python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --kernels ;;
-    latency_8b) run_step $s 70 podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
-    latency_8b_argmax) run_step $s 70 env $with_argmax podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
-    latency_1b_argmax) run_step $s 50 env $with_argmax podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
+    step_profile_8b) run_step $s 150 $pre python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --kernels ;;
+    latency_8b) run_step $s 70 $pre podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 ;;
+    latency_1b) run_step $s 50 $pre podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
-    tp_fixed_8b_argmax) run_step $s 150 env $with_argmax podium bench throughput $shape8b --dataset random --input-len 512 \
-      --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
-    latency_1b) run_step $s 50 podium bench latency --model llama-3.2-1b-shape --max-model-len 1024 \
-      --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
-    tp_cold_log) TAIL=40 run_step $s 200 env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
+    tp_cold_log) TAIL=40 run_step $s 200 $pre env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
       --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
-    decode_sweep) TAIL=12 run_step $s 240 python3 platforms/cuda/scripts/bench_kernels.py --only decode_sweep --out "$OUT/$s.json" ;;
+    decode_sweep) TAIL=12 run_step $s 240 $pre python3 platforms/cuda/scripts/bench_kernels.py --only decode_sweep --out "$OUT/$s.json" ;;
     profile_bs1_1b|profile_bs1_8b) model=llama-3.2-1b-shape; [ "$s" = profile_bs1_8b ] && model=llama-3.1-8b-shape
-      TAIL=30 run_step $s 90 env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model $model --num-prompts 1 \
+      TAIL=30 run_step $s 90 $pre env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model $model --num-prompts 1 \
         --input-len 512 --output-len 64 --kernels ;;
     *) echo "unknown step $s" ;;
   esac

@@ -12,7 +12,9 @@ from podium_cuda.testing import check_decode_graph_replay
 pytestmark = pytest.mark.cuda
 
 
-def test_decode_graph_replay_equals_eager(gpu):
+@pytest.mark.parametrize("rotary", [False, True], ids=["forward", "forward_rotary"])
+def test_decode_graph_replay_equals_eager(gpu, rotary):
+    """forward_rotary: rotary, the cache write and attention in one kernel at decode."""
     from podium_cuda import CudaPlatform
 
-    check_decode_graph_replay(CudaPlatform(), gpu)
+    check_decode_graph_replay(CudaPlatform(), gpu, rotary=rotary)

@@ -63,3 +63,18 @@ def test_fused_ops_env_override_names_known_ops_or_fails_clearly():
     assert fused_ops_from_env("", ("rms_norm",), known) == ()
     with pytest.raises(ValueError, match=r"PODIUM_CUDA_FUSED_OPS.*'rms_nrom'.*known"):
         fused_ops_from_env("rms_nrom", ("rms_norm",), known)
+
+
+def test_tuning_env_overrides_int_and_bool_fields_or_fails_clearly():
+    import pytest
+
+    from podium_cuda.tuning import KernelTuning, tuning_from_env
+
+    base = KernelTuning()
+    assert tuning_from_env(None, base) is base
+    changed = tuning_from_env("decode_rotary_in_attention=0, reduce_num_warps=8", base)
+    assert changed.decode_rotary_in_attention is False and changed.reduce_num_warps == 8
+    assert changed.decode == base.decode
+    for bad in ("decode=3", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps"):
+        with pytest.raises(ValueError, match="PODIUM_CUDA_TUNING"):
+            tuning_from_env(bad, base)

@@ -118,8 +118,10 @@ def test_rotary_write_kv_rejects_mismatched_shapes(kernel_device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs", [((1, 30), (1, 7), (1, 45)), ((5, 5), (1, 17), (9, 40))])  # (new tokens, length)
 def test_forward_rotary_equals_rotary_then_forward(dtype, seqs, kernel_device, check_dtype):
-    """The backend's fused path (one rotary + cache write pass, then attention) against the
-    platform's rotary op then ``forward``: same outputs, same cache, bit for bit."""
+    """The backend's fused path against the platform's rotary op then ``forward``: the same cache
+    bit for bit; the same output bit for bit where a step has prefill tokens (rotary + write pass,
+    then attention), within rounding for a pure-decode step (rotary, write and attention in one
+    kernel, which adds the new key to the softmax in another order)."""
     from podium_cuda.attention import TritonAttentionBackend
     from podium_cuda.fused_ops import rotary_embedding
     from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, RotaryInputs
@@ -146,4 +148,99 @@ def test_forward_rotary_equals_rotary_then_forward(dtype, seqs, kernel_device, c
     got = backend.forward_rotary(layer, q, k, v, fused_cache, meta, RotaryInputs(pos, table, rotary_embedding))
     q_rot, k_rot = rotary_embedding(pos, q, k, table)
     want = backend.forward(layer, q_rot, k_rot, v, plain_cache, meta)
-    assert torch.equal(got, want) and torch.equal(fused_cache, plain_cache)
+    assert torch.equal(fused_cache, plain_cache)
+    if meta.is_pure_decode and backend.tuning.decode_rotary_in_attention:
+        from podium_cuda.testing import relative_error
+
+        whole, worst = relative_error(got, want)
+        assert whole < NEW_TOKEN_TOLERANCE[dtype][0] and worst < NEW_TOKEN_TOLERANCE[dtype][1], (whole, worst)
+    else:
+        assert torch.equal(got, want)
+
+
+# dtype -> (whole-batch, worst-token) relative error between the one-kernel decode and the two-kernel path
+NEW_TOKEN_TOLERANCE = {torch.float32: (1e-5, 5e-5), torch.float16: (2e-3, 8e-3), torch.bfloat16: (1.2e-2, 3e-2)}
+
+NEW_TOKEN_CASES = [  # heads (H, Hkv), head_size, block_size, window, cap, num_splits, dtype
+    ((32, 8), 128, 16, None, None, 1, torch.bfloat16),
+    ((32, 8), 128, 16, None, None, 4, torch.bfloat16),
+    ((32, 8), 128, 16, None, None, 4, torch.float32),
+    ((16, 16), 64, 16, None, None, 2, torch.float16),  # group 1
+    ((8, 1), 64, 16, None, None, 8, torch.float32),  # MQA, group 8
+    ((12, 4), 96, 5, None, None, 2, torch.float32),  # group 3, padded head size, odd block size
+    ((16, 4), 128, 16, 20, None, 4, torch.float32),  # sliding window
+    ((16, 4), 64, 16, None, 2.0, 2, torch.float32),  # soft cap
+]
+
+
+@pytest.mark.parametrize("case", NEW_TOKEN_CASES, ids=[f"{c[0][0]}x{c[0][1]}-d{c[1]}-b{c[2]}-w{c[3]}-c{c[4]}-s{c[5]}-"
+                                                       f"{str(c[6])[6:]}" for c in NEW_TOKEN_CASES])
+def test_decode_with_new_tokens_equals_write_then_attend(case, kernel_device, check_dtype):
+    """``paged_attention(new_tokens=...)`` (rotary, cache write and attention in one kernel) against
+    ``rotary_write_kv`` then ``paged_attention``, and against the float64 reference: the same cache
+    bits (padding slot -1 untouched), outputs within rounding, every real row of a NaN-poisoned
+    output written. Lengths: a sequence's first token (nothing cached), block edges, long."""
+    from podium_cuda.kv_write import rotary_write_kv
+    from podium_cuda.paged_attention import NewTokens, paged_attention
+    from podium_cuda.testing import relative_error
+    from podium_plugin_api import AttentionMetadata, reference_paged_attention
+
+    (heads, kv_heads), head_size, block_size, window, cap, num_splits, dtype = case
+    check_dtype(dtype)
+    seed = random.randrange(1 << 30)
+    rng, gen, dev = random.Random(seed), torch.Generator().manual_seed(seed), kernel_device
+    lens = [1, block_size, block_size + 1, rng.randint(2, 60), rng.randint(200, 400), 1]  # the last: padding
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = AttentionMetadata.from_lengths([1] * len(lens), lens, tables, block_size, device=dev)
+    meta.slot_mapping[-1] = -1
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype).view(len(lens), -1, head_size)
+    q, k, v = (t.to(dev) for t in qkv.split([heads, kv_heads, kv_heads], dim=1))  # strided views, like the model's
+    angles = torch.rand(512, head_size // 2, generator=gen) * 6.3
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dev)
+    pos = torch.tensor(lens, device=dev) - 1
+    start = torch.randn(2, num_blocks, block_size, kv_heads, head_size, generator=gen).to(dtype).to(dev)
+    args = dict(scale=head_size**-0.5, max_query_len=1, sliding_window=window, soft_cap=cap, num_splits=num_splits)
+
+    plain = start.clone()
+    q_rot = rotary_write_kv(pos, q, k, v, table, plain[0], plain[1], meta.slot_mapping)
+    want = paged_attention(q_rot, plain[0], plain[1], meta.query_start_loc, meta.seq_lens, meta.block_tables, **args)
+    fused = start.clone()
+    got = torch.full_like(q_rot, float("nan"))
+    paged_attention(q, fused[0], fused[1], meta.query_start_loc, meta.seq_lens, meta.block_tables, out=got,
+                    new_tokens=NewTokens(pos, k, v, table, meta.slot_mapping), **args)
+    assert torch.equal(fused, plain), f"seed {seed}: the kernel's cache write differs from rotary_write_kv's"
+    assert torch.isfinite(got).all(), f"seed {seed}: rows left unwritten"
+    real = slice(0, len(lens) - 1)  # the padding row attends to its own unstored key: not compared
+    whole, worst = relative_error(got[real], want[real])
+    tol = NEW_TOKEN_TOLERANCE[dtype]
+    assert whole < tol[0] and worst < tol[1], f"seed {seed} lens {lens}: {whole:.2e} {worst:.2e}"
+    ref_meta = AttentionMetadata.from_lengths([1] * (len(lens) - 1), lens[:-1], tables[:-1], block_size, device="cpu")
+    cache = plain.cpu().double()
+    ref = reference_paged_attention(q_rot[real].cpu().double(), cache[0], cache[1], ref_meta, scale=args["scale"],
+                                    sliding_window=window, soft_cap=cap, compute_dtype=torch.float64)
+    whole, worst = relative_error(got[real], ref)
+    tol = {torch.float32: (2e-5, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (1.5e-2, 4e-2)}[dtype]
+    assert whole < tol[0] and worst < tol[1], f"seed {seed} lens {lens} vs reference: {whole:.2e} {worst:.2e}"
+
+
+def test_new_tokens_need_a_decode_step_and_matching_shapes(kernel_device):
+    from podium_cuda.paged_attention import NewTokens, paged_attention
+    from podium_plugin_api import AttentionMetadata
+
+    dev = kernel_device
+    meta = AttentionMetadata.from_lengths([1, 1], [5, 9], [[0], [1]], 16, device=dev)
+    cache = torch.zeros(2, 2, 16, 2, 64, device=dev)
+    q, k = torch.zeros(2, 4, 64, device=dev), torch.zeros(2, 2, 64, device=dev)
+    pos, table = torch.zeros(2, dtype=torch.int64, device=dev), torch.zeros(16, 64, device=dev)
+    call = dict(scale=0.125, max_query_len=1)
+    with pytest.raises(ValueError, match="new key"):
+        paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                        new_tokens=NewTokens(pos, k[:, :1], k[:, :1], table, meta.slot_mapping), **call)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                        new_tokens=NewTokens(pos, k, k, table[:, :32], meta.slot_mapping), **call)
+    with pytest.raises(ValueError, match="pure-decode"):
+        paged_attention(q, cache[0], cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables, scale=0.125,
+                        max_query_len=2, new_tokens=NewTokens(pos, k, k, table, meta.slot_mapping))

@@ -23,7 +23,7 @@ from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMet
 from .compile_log import install_from_env
 from .fused_ops import rotary_embedding
 from .kv_write import rotary_write_kv, write_kv
-from .paged_attention import paged_attention
+from .paged_attention import NewTokens, paged_attention
 from .tuning import CUDA_TUNING, KernelTuning, plan_splits
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,8 +56,10 @@ class TritonAttentionBackend(AttentionBackend):
         return layer.head_size <= self.tuning.max_head_size and query.dtype in KERNEL_DTYPES
 
     def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary):
-        """Rotary, the KV write and attention with two kernels: one pass rotates q and k, writing k
-        and v straight into the cache (``rotary_write_kv``), then the paged attention (plugin API 1.2).
+        """Rotary, the KV write and attention (plugin API 1.2). Pure-decode steps: one kernel
+        (``paged_attention`` with ``NewTokens``, unless ``tuning.decode_rotary_in_attention`` is off);
+        otherwise two: one pass rotates q and k, writing k and v straight into the cache
+        (``rotary_write_kv``), then the paged attention.
 
         Fused only when the model's rotary op is this platform's own (same code, same bits) and the
         cache holds the model's dtype; otherwise the default: the rotary op, then ``forward``."""
@@ -69,6 +71,11 @@ class TritonAttentionBackend(AttentionBackend):
         fusable = fusable and head_size % 2 == 0 and rotary.cos_sin_cache.shape[-1] == head_size
         if not fusable:
             return super().forward_rotary(layer, query, key, value, kv_cache, meta, rotary)
+        if meta.is_pure_decode and self.tuning.decode_rotary_in_attention:
+            # one kernel: rotary, the new tokens' cache write and attention
+            query = query if query.stride(2) == 1 else query.contiguous()
+            new = NewTokens(rotary.positions, key, value, rotary.cos_sin_cache, meta.slot_mapping)
+            return self._paged_attention(layer, query, key_cache, value_cache, meta, new)
         query = rotary_write_kv(rotary.positions, query, key, value, rotary.cos_sin_cache, key_cache, value_cache,
                                 meta.slot_mapping, self.tuning)
         return self.attend(layer, query, kv_cache, meta)
@@ -81,6 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
             return super().attend(layer, query, kv_cache, meta)
         key_cache, value_cache = self.split_cache(kv_cache)
         query = query if query.stride(2) == 1 else query.contiguous()
+        return self._paged_attention(layer, query, key_cache, value_cache, meta)
+
+    def _paged_attention(self, layer, query, key_cache, value_cache, meta, new_tokens=None) -> torch.Tensor:
         return paged_attention(
             query,
             key_cache,
@@ -93,5 +103,6 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window=layer.sliding_window,
             soft_cap=layer.soft_cap,
             num_splits=self.num_splits(meta, layer.num_kv_heads),
+            new_tokens=new_tokens,
             tuning=self.tuning,
         )

@@ -25,6 +25,8 @@ Kernels use only portable Triton (no vendor intrinsics) so ROCm's Triton compile
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -109,6 +111,49 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _rotate_row(x, partner, cos, sin, d, HALF: tl.constexpr):
+    """Rotate-halves rotary on whole rows (fp32): ``x * cos - partner * sin`` in the first half,
+    ``x * cos + partner * sin`` in the second (the expressions of fused_ops._rotate_heads)."""
+    a = x.to(tl.float32)
+    b = partner.to(tl.float32)
+    return tl.where(d < HALF, a * cos - b * sin, a * cos + b * sin)
+
+
+@triton.jit
+def _attend_new_token(
+    acc, m_i, l_i, q, d, d_ok, token, kv_head, cos, sin, partner, slot,
+    new_k_ptr, new_v_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+    k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap,
+    KV_BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+):
+    """A decode token's own key and value (not yet in the cache): rotate the key, store key and
+    value at ``slot`` (-1: not stored), and add them to the online softmax as one more column."""
+    k_src = new_k_ptr + token * stride_nkt + kv_head * stride_nkh
+    k_row = tl.load(k_src + d, mask=d_ok, other=0.0)
+    k_partner = tl.load(k_src + partner, mask=d_ok, other=0.0)
+    k = _rotate_row(k_row, k_partner, cos, sin, d, HALF).to(k_base.dtype.element_ty)  # [BLOCK_D]
+    v = tl.load(new_v_ptr + token * stride_nvt + kv_head * stride_nvh + d, mask=d_ok, other=0.0)
+    v = v.to(v_base.dtype.element_ty)
+    if slot >= 0:
+        block = slot // KV_BLOCK_SIZE
+        offset = slot % KV_BLOCK_SIZE
+        tl.store(k_base + block * stride_kb + offset * stride_ks + d, k, mask=d_ok)
+        tl.store(v_base + block * stride_vb + offset * stride_vs + d, v, mask=d_ok)
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)  # [BLOCK_M]
+    if USE_SOFT_CAP:
+        s = soft_cap * _tanh(s * (scale / soft_cap)) * LOG2E
+    else:
+        s = s * (scale * LOG2E)
+    m_new = tl.maximum(m_i, s)
+    p = tl.exp2(s - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + p
+    pv = p.to(q.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]  # p rounded as the tiles' dot rounds it
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
 # Runtime integers that change from step to step are not specialized on (Triton would otherwise
 # compile new variants for values equal to 1 or divisible by 16 in the middle of serving): that
 # includes stride_bt, the width of an eager step's block table (the longest sequence's blocks).
@@ -117,12 +162,15 @@ def paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # out [T, H, D]; partials [T, H, NS, D] / [T, H, NS]
     q_ptr, k_cache_ptr, v_cache_ptr,  # q [T, H, D]; caches [num_blocks, block_size, Hkv, D]
     qsl_ptr, seq_lens_ptr, block_tables_ptr,  # [S + 1], [S], [S, W] int32
+    new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,  # NEW_KV: key/value [T, Hkv, D], [T], [P, D], [T]
     num_seqs, num_heads, num_splits, scale, soft_cap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c,
     KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    NEW_KV: tl.constexpr, HALF: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -152,9 +200,22 @@ def paged_attention_kernel(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if NEW_KV:  # decode, rotary and the cache write fused in: q is unrotated, the new key not yet cached
+        half = d % HALF
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        pos = tl.load(pos_ptr + q_start).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_c + half, mask=d_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+        sin = tl.load(cos_sin_ptr + pos * stride_c + HALF + half, mask=d_ok, other=0.0).to(tl.float32)
+        q_partner = tl.load(
+            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + partner[None, :],
+            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        q = _rotate_row(q, q_partner, cos[None, :], sin[None, :], d[None, :], HALF).to(q.dtype)
 
     # Keys this tile can see: [kv_lo, kv_hi), kv_lo aligned down to BLOCK_N.
     kv_hi = tl.minimum(context + (j + 1) * BLOCK_Q, seq_len)
+    if NEW_KV:
+        kv_hi = tl.minimum(kv_hi, seq_len - 1)  # the cached keys (seq_len - 1); split 0 adds the new one
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(context + j * BLOCK_Q - window + 1, 0)
@@ -190,6 +251,15 @@ def paged_attention_kernel(
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
             KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE,
         )
+        if NEW_KV:
+            if split == 0:
+                slot = tl.load(slot_ptr + q_start).to(tl.int64)
+                acc, m_i, l_i = _attend_new_token(
+                    acc, m_i, l_i, q, d, d_ok, q_start.to(tl.int64), kv_head, cos, sin, partner, slot,
+                    new_k_ptr, new_v_ptr, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                    k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap,
+                    KV_BLOCK_SIZE, HALF, USE_SOFT_CAP,
+                )
     else:
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, a,
@@ -240,6 +310,15 @@ def merge_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+def _new_token_pointers(new: NewTokens) -> tuple[torch.Tensor, ...]:
+    """The kernel's argument order: key, value, positions, cos_sin_cache, slot_mapping."""
+    return new.key, new.value, new.positions, new.cos_sin_cache, new.slot_mapping
+
+
+def _new_token_strides(new: NewTokens) -> tuple[int, int, int, int, int]:
+    return new.key.stride(0), new.key.stride(1), new.value.stride(0), new.value.stride(1), new.cos_sin_cache.stride(0)
+
+
 def _launch_shape(tiling: AttentionTiling, group: int, block_d: int) -> tuple[int, int, int]:
     """(block_m, block_q, num_stages) for a GQA group: rows per program cover at least one token's
     group; heads over 128 halve the rows and cap the pipeline depth (registers, shared memory)."""
@@ -248,6 +327,37 @@ def _launch_shape(tiling: AttentionTiling, group: int, block_d: int) -> tuple[in
         block_m, num_stages = max(block_m // 2, 16), min(num_stages, 2)
     block_m = max(block_m, next_power_of_2(group))
     return block_m, block_m // group, num_stages
+
+
+class NewTokens(NamedTuple):
+    """A decode step's own keys and values, given to ``paged_attention`` instead of written first:
+    the kernel rotates the queries and keys (rotate-halves rotary at ``positions`` from
+    ``cos_sin_cache`` [max_pos, D]: cos then sin), stores key and value at ``slot_mapping`` (-1:
+    not stored) and attends to them (``forward_rotary``'s write + attention in one kernel)."""
+
+    positions: torch.Tensor  # [T] int
+    key: torch.Tensor  # [T, Hkv, D], unrotated (last dim contiguous)
+    value: torch.Tensor  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor  # [max_pos, D]
+    slot_mapping: torch.Tensor  # [T] int64
+
+
+def _check_new_tokens(new: NewTokens, query: torch.Tensor, key_cache: torch.Tensor) -> NewTokens:
+    num_tokens, _, head_size = query.shape
+    shape = (num_tokens, key_cache.shape[2], head_size)
+    if tuple(new.key.shape) != shape or tuple(new.value.shape) != shape:
+        raise ValueError(f"paged_attention: new key {tuple(new.key.shape)} / value {tuple(new.value.shape)} "
+                         f"must be {list(shape)}")
+    if new.positions.shape != (num_tokens,) or new.slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"paged_attention: positions {tuple(new.positions.shape)} and slot_mapping "
+                         f"{tuple(new.slot_mapping.shape)} must be [{num_tokens}]")
+    if head_size % 2 or new.cos_sin_cache.shape[-1] != head_size:
+        raise ValueError(f"paged_attention: cos_sin_cache {tuple(new.cos_sin_cache.shape)} needs an even "
+                         f"head_size {head_size}")
+    key = new.key if new.key.stride(2) == 1 else new.key.contiguous()
+    value = new.value if new.value.stride(2) == 1 else new.value.contiguous()
+    cache = new.cos_sin_cache if new.cos_sin_cache.stride(-1) == 1 else new.cos_sin_cache.contiguous()
+    return NewTokens(new.positions, key, value, cache, new.slot_mapping)
 
 
 def paged_attention(
@@ -264,6 +374,7 @@ def paged_attention(
     soft_cap: float | None = None,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    new_tokens: NewTokens | None = None,
     tuning: KernelTuning = CUDA_TUNING,
 ) -> torch.Tensor:
     """Attention of a flat ragged batch over a paged cache that already holds the new tokens.
@@ -272,6 +383,8 @@ def paged_attention(
     query_start_loc int32 [S + 1], seq_lens int32 [S], block_tables int32 [S, W].
     ``max_query_len == 1`` selects the decode launch (one program per sequence and KV head), where
     ``num_splits`` (a power of two) splits the keys. Returns ``out`` [T, H, D] in query's dtype.
+    With ``new_tokens`` (decode only) the cache does not hold the step's tokens yet and ``query``
+    is unrotated: see ``NewTokens``.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -286,6 +399,10 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     is_decode = max_query_len == 1
+    if new_tokens is not None:
+        if not is_decode:
+            raise ValueError("paged_attention: new_tokens needs a pure-decode step (max_query_len 1)")
+        new_tokens = _check_new_tokens(new_tokens, query, key_cache)
     tiling = tuning.decode if is_decode else tuning.prefill
     block_d = max(next_power_of_2(head_size), 16)  # tl.dot needs K >= 16
     block_m, block_q, num_stages = _launch_shape(tiling, group, block_d)
@@ -301,14 +418,16 @@ def paged_attention(
         out, part_acc, part_m, part_l,
         query, key_cache, value_cache,
         query_start_loc, seq_lens, block_tables,
+        *(_new_token_pointers(new_tokens) if new_tokens else (query, query, seq_lens, query, seq_lens)),
         num_seqs, num_heads, num_splits, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        *(_new_token_strides(new_tokens) if new_tokens else (0, 0, 0, 0, 0)),
         KV_BLOCK_SIZE=key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiling.block_n, SPLIT=num_splits > 1,
         IS_DECODE=is_decode, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        IEEE=query.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32, NEW_KV=new_tokens is not None, HALF=max(head_size // 2, 1),
         num_warps=tiling.num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

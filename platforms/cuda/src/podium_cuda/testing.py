@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, Platform, reference_paged_attention
+from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, Platform, RotaryInputs, reference_paged_attention
 from podium_plugin_api import ops as reference
 
 OpTable = dict[str, Callable]
@@ -139,11 +139,18 @@ def _refill(seed: int, meta: AttentionMetadata, q, k, v, num_blocks: int) -> lis
     return lens
 
 
-def check_decode_graph_replay(platform: Platform, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> None:
-    """A bf16 decode step (KV write + split attention) captured with ``platform.graph_runner()``
+def check_decode_graph_replay(
+    platform: Platform, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rotary: bool = False
+) -> None:
+    """A bf16 decode step (KV write + split attention; with ``rotary``, ``forward_rotary`` with the
+    platform's rotary op, positions refilled too) captured with ``platform.graph_runner()``
     replays bit-exactly like eager, and both stay within bf16 tolerance of the reference, for three
     refills of lengths, tables, slots and q/k/v."""
     backend, runner = platform.attention_backend(), platform.graph_runner()
+    rotate = platform.custom_ops().get("rotary_embedding", reference.rotary_embedding)
+    angles = torch.rand(MAX_LEN, HEAD_SIZE // 2, generator=torch.Generator().manual_seed(7)) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    positions = torch.zeros(NUM_SEQS, dtype=torch.int64, device=device)
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5)
     num_blocks = NUM_SEQS * (MAX_LEN // BLOCK_SIZE) + 5
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, device=device).to(dtype)
@@ -159,17 +166,27 @@ def check_decode_graph_replay(platform: Platform, device: str = "cuda", dtype: t
     k = torch.empty(NUM_SEQS, KV_HEADS, HEAD_SIZE, dtype=dtype, device=device)
     v = torch.empty_like(k)
     assert backend.num_splits(meta, KV_HEADS) > 1, "the captured step should take the split path"
+    inputs = RotaryInputs(positions, cos_sin, rotate)
+
+    def step(kv_cache):
+        if rotary:
+            return backend.forward_rotary(layer, q, k, v, kv_cache, meta, inputs)
+        return backend.forward(layer, q, k, v, kv_cache, meta)
+
+    positions.copy_(meta.seq_lens.long() - 1)
     _refill(0, meta, q, k, v, num_blocks)
-    replay = runner.capture(lambda: backend.forward(layer, q, k, v, cache, meta))
+    replay = runner.capture(lambda: step(cache))
     for seed in (1, 2, 3):
         lens = _refill(seed, meta, q, k, v, num_blocks)
+        positions.copy_(meta.seq_lens.long() - 1)
         eager_cache = cache.clone()
-        eager = backend.forward(layer, q, k, v, eager_cache, meta).clone()
+        eager = step(eager_cache).clone()
         replayed = replay()
         platform.synchronize()
         assert torch.equal(replayed, eager), f"graph replay != eager, seed {seed} lens {lens}"
         assert torch.equal(cache, eager_cache), f"graph replay's KV write != eager's, seed {seed} lens {lens}"
-        ref = reference_paged_attention(q.float(), cache[0].float(), cache[1].float(), meta, scale=layer.scale)
+        query = reference.rotary_embedding(positions, q, k, cos_sin)[0] if rotary else q
+        ref = reference_paged_attention(query.float(), cache[0].float(), cache[1].float(), meta, scale=layer.scale)
         err = float((replayed.float() - ref).norm() / ref.norm())
         assert err < 1.5e-2, f"replayed decode vs reference, seed {seed}: relative error {err:.2e}"
 

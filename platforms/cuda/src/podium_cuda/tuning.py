@@ -7,7 +7,8 @@ Nothing here imports triton. ``KernelTuning`` is plain data; the kernels' launch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields, replace
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,40 @@ class KernelTuning:
     max_head_size: int = 256  # larger heads fall back to the pure-torch reference
     # fused ops the platform installs: those that beat the torch reference on the device (H200, bf16,
     # Llama-3.1-8B shapes, 1..8192 tokens: each fused op was 2-18x faster in graph replay and eager)
-    # FUSED_OPS also has "argmax" (greedy sampling over V / 4096 programs a row instead of torch's one
-    # block a row); correct on the interpreter, not yet timed on a GPU, so not installed (NOTES.md)
-    fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+    # argmax (greedy sampling over V / 4096 programs a row): 3.3 against torch's 26 us at batch 1
+    # in a graph, 42 against 46 at 256; batch-1 8B decode 4.61 -> 4.58 ms a token (NOTES.md session 6)
+    fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax")
+    # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
+    # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
+    decode_rotary_in_attention: bool = True
 
 
-CUDA_TUNING = KernelTuning()
+TUNING_ENV = "PODIUM_CUDA_TUNING"  # "field=value,...": top-level int / bool fields of KernelTuning
+
+
+def tuning_from_env(value: str | None, base: KernelTuning) -> KernelTuning:
+    """``base`` with the ``PODIUM_CUDA_TUNING`` overrides (A/B runs on the device); bad ones raise."""
+    if not value:
+        return base
+    changes = {}
+    kinds = {f.name: type(getattr(base, f.name)) for f in fields(base)}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, _, text = item.partition("=")
+        kind = kinds.get(name.strip())
+        if kind not in (int, bool) or not text.strip():
+            settable = sorted(n for n, k in kinds.items() if k in (int, bool))
+            raise ValueError(f"{TUNING_ENV}: cannot set {item!r}; settable: {settable} as name=value")
+        text = text.strip().lower()
+        if kind is bool:
+            if text not in ("0", "1", "true", "false"):
+                raise ValueError(f"{TUNING_ENV}: {name} takes 0/1/true/false, got {text!r}")
+            changes[name.strip()] = text in ("1", "true")
+        else:
+            changes[name.strip()] = int(text)
+    return replace(base, **changes)
+
+
+CUDA_TUNING = tuning_from_env(os.environ.get(TUNING_ENV), KernelTuning())
 
 FUSED_OPS_ENV = "PODIUM_CUDA_FUSED_OPS"  # comma-separated op names, "none" for the torch references
 
