@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
 #        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep fused_tests argmax_bench
-#        graph_gaps_1
+#        graph_gaps_1 tp_8b (the fixed 8B run without --compare) rotary_tests (rotary / KV write / graph tests, CUDA and ROCm)
 # STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
 #   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
@@ -42,6 +42,12 @@ for s in $steps; do
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;
     tp_fixed_8b) run_step $s 200 $pre podium bench throughput $shape8b --dataset random --input-len 512 \
       --output-len 256 --num-prompts 256 --compare hf --hf-batch-size 256 --json-out "$OUT/$s.json" ;;
+    tp_8b) run_step $s 120 $pre podium bench throughput $shape8b --dataset random --input-len 512 \
+      --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
+    rotary_tests) run_step $s 300 $pre bash -c "python3 -m pytest platforms/cuda/tests/test_kv_write.py \
+      platforms/cuda/tests/test_fused_ops.py platforms/cuda/tests/test_graph_replay.py -q -p no:cacheprovider -rfE && \
+      PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests/test_rocm_attention_on_gpu.py \
+      --podium-platform rocm -q -p no:cacheprovider -rfE" ;;
     tp_async_ab) for m in async-scheduling no-async-scheduling async-scheduling no-async-scheduling; do
       run_step "${s}_$m" 150 $pre podium bench throughput $shape8b --dataset random --input-len 512 --output-len 256 \
         --num-prompts 256 --$m; done ;;

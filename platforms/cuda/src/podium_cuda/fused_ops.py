@@ -92,8 +92,10 @@ def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, dst_stride_h, num
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     dst = dst_ptr + h * dst_stride_h + c
-    tl.store(dst, (a * cos - b * sin).to(dst_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + HALF, (b * cos + a * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+    # explicit FMAs: the same bits in every kernel that rotates (paged_attention._rotate_row), where
+    # the compiler's own contraction of a * cos - b * sin may differ from kernel to kernel
+    tl.store(dst, tl.fma(a, cos, -(b * sin)).to(dst_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, tl.fma(b, cos, a * sin).to(dst_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -114,10 +114,10 @@ def _attend_tiles(
 @triton.jit
 def _rotate_row(x, partner, cos, sin, d, HALF: tl.constexpr):
     """Rotate-halves rotary on whole rows (fp32): ``x * cos - partner * sin`` in the first half,
-    ``x * cos + partner * sin`` in the second (the expressions of fused_ops._rotate_heads)."""
+    ``x * cos + partner * sin`` in the second, as the same FMAs as fused_ops._rotate_heads (same bits)."""
     a = x.to(tl.float32)
     b = partner.to(tl.float32)
-    return tl.where(d < HALF, a * cos - b * sin, a * cos + b * sin)
+    return tl.where(d < HALF, tl.fma(a, cos, -(b * sin)), tl.fma(a, cos, b * sin))
 
 
 @triton.jit
