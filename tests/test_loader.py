@@ -26,6 +26,7 @@ from model_fixtures import (
 )
 
 from podium.loader import EMBEDDED_DEFAULT, ModelSource, embedded_gguf_path, resolve_dtype, resolve_model
+from podium.loader.gguf_config import gguf_config_kwargs
 from podium.loader.gguf_reader import read_gguf
 from podium.loader.gguf_weights import dequantize
 from podium.models.registry import build_model
@@ -67,10 +68,12 @@ def smollm2_source() -> ModelSource:
 @pytest.fixture(scope="module")
 def smollm2(smollm2_source):
     """(our source, our weights, transformers' parsed GGUF) for the embedded SmolLM2 file."""
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     ours = dict(smollm2_source.weights())
-    names = ParameterNames(smollm2_source.hf_config)
+    model_type, kwargs = gguf_config_kwargs(read_gguf(embedded_gguf_path()))
+    names = ParameterNames(AutoConfig.for_model(model_type, **kwargs))  # transformers' model needs its own config
     theirs = load_gguf_checkpoint(str(embedded_gguf_path()), return_tensors=True, model_to_load=names)
     return smollm2_source, ours, theirs
 

@@ -32,7 +32,7 @@ class ModelSource:
     torch_dtype; float32 for GGUF), which ``dtype="auto"`` may use.
     """
 
-    hf_config: Any  # transformers PretrainedConfig
+    hf_config: Any  # a transformers PretrainedConfig; for a GGUF file a GGUFConfig with the same fields
     tokenizer: Any | None  # a transformers tokenizer; None for a shape model without one
     weight_stream: Callable[[], WeightStream] | None
     generation_defaults: dict[str, Any] = field(default_factory=dict)

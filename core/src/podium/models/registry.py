@@ -62,7 +62,8 @@ def build_model(
     with torch.device("meta"):
         model = cls(hf_config, ops)
     model.to(dtype=dtype)  # free on meta
-    model.to_empty(device=device)
+    # model.to_empty(device=device) without its torch.empty_like, whose meta-tensor path imports sympy (~0.4 s)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
