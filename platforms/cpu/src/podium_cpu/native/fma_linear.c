@@ -14,7 +14,10 @@
  * time, each row block keeping ROWS x 2 accumulators of 8 lanes (12 of the 16 ymm registers) over
  * all K: per k two weight loads, ROWS broadcasts, 2 * ROWS FMAs. A decode step's batch is one
  * chunk, so the weights stream from memory once per call. (Widening in the inner loop instead, and
- * 4-row blocks, measured slower.)
+ * 4-row blocks, measured slower; so did blocking K so the widened panel stays in L1.) Register
+ * blocks write their sums to the item's [rows][16] scratch and the rounding follows all of them:
+ * with the sums of one block kept in a 6 x 16 local instead, GCC 12 kept w1 in memory and reloaded
+ * it in each of the 6 FMAs that use it (load-bound: 1.16-1.5x slower at 2 threads, measured).
  *
  * Every output element is one FMA chain over k = 0..K-1 whatever M is and wherever its row falls
  * (full row block or remainder): a row's result does not depend on the other rows of the call
@@ -82,7 +85,7 @@ static inline __attribute__((always_inline)) void row_block(const float *restric
  * past N are dropped) */
 static void item(const float *xf, int64_t K, const bf16_t *panel, float *wf, int64_t p, int64_t N,
                  const float *bias, bf16_t *out, int64_t out_stride, int64_t m0, int64_t rows) {
-    float c[ROWS * PANEL];
+    float c[CHUNK * PANEL]; /* the item's sums, [rows][16] */
     const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t k = 0; k < K; k++) { /* widened once for the chunk's row blocks */
         _mm256_storeu_ps(wf + k * PANEL, widen8(panel + k * PANEL));
@@ -91,21 +94,22 @@ static void item(const float *xf, int64_t K, const bf16_t *panel, float *wf, int
     for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
         const int64_t rb = rows - r0 < ROWS ? rows - r0 : ROWS;
         const float *x = xf + (m0 + r0) * K;
+        float *cr = c + r0 * PANEL;
         switch (rb) {
-            case 6: row_block(x, K, wf, c, 6); break;
-            case 5: row_block(x, K, wf, c, 5); break;
-            case 4: row_block(x, K, wf, c, 4); break;
-            case 3: row_block(x, K, wf, c, 3); break;
-            case 2: row_block(x, K, wf, c, 2); break;
-            default: row_block(x, K, wf, c, 1); break;
+            case 6: row_block(x, K, wf, cr, 6); break;
+            case 5: row_block(x, K, wf, cr, 5); break;
+            case 4: row_block(x, K, wf, cr, 4); break;
+            case 3: row_block(x, K, wf, cr, 3); break;
+            case 2: row_block(x, K, wf, cr, 2); break;
+            default: row_block(x, K, wf, cr, 1); break;
         }
-        for (int64_t r = 0; r < rb; r++) {
-            float *row = c + r * PANEL;
-            if (bias)
-                for (int64_t j = 0; j < cols; j++) row[j] += bias[n0 + j];
-            bf16_t *o = out + (m0 + r0 + r) * out_stride + n0;
-            for (int64_t j = 0; j < cols; j++) o[j] = f32_to_bf16(row[j]);
-        }
+    }
+    for (int64_t r = 0; r < rows; r++) { /* bias, the one rounding, the store */
+        float *row = c + r * PANEL;
+        if (bias)
+            for (int64_t j = 0; j < cols; j++) row[j] += bias[n0 + j];
+        bf16_t *o = out + (m0 + r) * out_stride + n0;
+        for (int64_t j = 0; j < cols; j++) o[j] = f32_to_bf16(row[j]);
     }
 }
 
