@@ -13,6 +13,10 @@ the cache's block size), with causal / sliding-window masks, an optional soft-ca
 softmax in base 2. Prefill tiles split their keys into masked edges and an unmasked middle;
 decodes use one masked loop (faster on the H200, see platforms/cuda/NOTES.md). Pure-decode steps take one tile per sequence (no search) and may split each
 sequence's keys over ``num_splits`` programs (flash-decoding); a second kernel merges the splits.
+A pure-decode step may also hand over its own keys and values unrotated (``NewTokens``): every
+program rotates its query rows, reads the cached keys before the new one, and the program of split
+0 rotates the new key, stores key and value at the slot and adds them to its softmax (one kernel
+where the rotary + cache write pass ran before; nothing reads the slot being written).
 
 Everything that varies per step is read from device tensors (query_start_loc, seq_lens,
 block_tables), so a captured CUDA graph replays correctly after their contents change. Host
