@@ -121,7 +121,7 @@ def amx_tiles(weight: torch.Tensor, pack=None) -> torch.Tensor:
 
 def fma_panels(weight: torch.Tensor, pack=None) -> torch.Tensor:
     """weight [N, K] bf16 -> the FMA kernel's layout [N/16, K, 16], zero rows padding N to N % 16 == 0:
-    panels of 16 outputs, k-major. ``pack`` (``NativeKernels.fma_pack[torch.bfloat16]``) writes it in
+    panels of 16 outputs, k-major, a k's 16 columns in ``FMA_COLUMN_ORDER``. ``pack`` (``NativeKernels.fma_pack[torch.bfloat16]``) writes it in
     one parallel pass; without it torch pads and transposes (the definition the packer is tested against)."""
     n, k = weight.shape
     n_pad = n + -n % 16
@@ -131,7 +131,13 @@ def fma_panels(weight: torch.Tensor, pack=None) -> torch.Tensor:
         pack(source.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
         return panels
     padded = F.pad(weight.detach(), (0, 0, 0, n_pad - n))  # [Np, K]
-    return padded.view(n_pad // 16, 16, k).transpose(1, 2).contiguous()
+    panels = padded.view(n_pad // 16, 16, k).transpose(1, 2)  # [P, K, 16], columns in order
+    return panels[:, :, FMA_COLUMN_ORDER].contiguous()
+
+
+# the column each of a panel's 16 slots holds: what AVX2's in-lane 16-bit unpacks with zero widen
+# into columns 0-7 (unpacklo) and 8-15 (unpackhi) (fma_linear.c's SLOT)
+FMA_COLUMN_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 
 
 class NativeLinear(nn.Module):

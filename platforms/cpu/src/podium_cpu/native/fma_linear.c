@@ -4,20 +4,22 @@
  *
  * Weight layout (packed once at load, linear_packing.py): w padded with zero rows to N % 16 == 0,
  * cut into panels of 16 output columns, each panel stored k-major so one k's 16 weights are 32
- * contiguous bytes (two 8-lane halves widened by a 16-bit shift):
+ * contiguous bytes, in the order two in-lane 16-bit unpacks with zero widen into columns 0-7 and
+ * 8-15 (a bf16 is the top half of its float32): memory holds columns 0-3, 8-11, 4-7, 12-15 (SLOT):
  *
  *     packed [N/16][K][16]
  *
  * x is widened to float32 once per call (a [M, K] scratch, rows in place for the broadcasts).
- * Work items are (chunk of CHUNK rows, panel); an item widens its panel to float32 once (a
- * per-thread [K][16] scratch, 36-96 KB for SmolLM2, in L2), then walks its chunk ROWS rows at a
- * time, each row block keeping ROWS x 2 accumulators of 8 lanes (12 of the 16 ymm registers) over
- * all K: per k two weight loads, ROWS broadcasts, 2 * ROWS FMAs. A decode step's batch is one
- * chunk, so the weights stream from memory once per call. (Widening in the inner loop instead, and
- * 4-row blocks, measured slower; so did blocking K so the widened panel stays in L1.) Register
- * blocks write their sums to the item's [rows][16] scratch and the rounding follows all of them:
- * with the sums of one block kept in a 6 x 16 local instead, GCC 12 kept w1 in memory and reloaded
- * it in each of the 6 FMAs that use it (load-bound: 1.16-1.5x slower at 2 threads, measured).
+ * Work items are (chunk of CHUNK rows, panel); an item walks its chunk ROWS rows at a time, each
+ * row block keeping ROWS x 2 accumulators of 8 lanes (12 of the 16 ymm registers) over all K: per k
+ * one 32-byte weight load and two unpacks (the panel widened in registers), ROWS broadcasts,
+ * 2 * ROWS FMAs. A decode step's batch is one chunk, so the weights stream from memory once per
+ * call. Measured on AMD Zen 3 (BENCHMARKS.md, session 6), against widening each panel once per item
+ * into a float32 scratch: 0-12% faster at 32 rows, 3% at 1,536, 2x at 1 row (no panel pass for one
+ * row). The earlier in-loop widening (zero-extend + shift: two more instructions a half) had been
+ * slower; 4-row blocks and blocking K were slower too. Register blocks write their sums to the
+ * item's [rows][16] scratch and the rounding follows all of them: with the sums of one block in a
+ * 6 x 16 local, GCC 12 kept a weight vector in memory and reloaded it in each of its 6 FMAs.
  *
  * Every output element is one FMA chain over k = 0..K-1 whatever M is and wherever its row falls
  * (full row block or remainder): a row's result does not depend on the other rows of the call
@@ -33,6 +35,9 @@
 #define PANEL 16 /* output columns of a panel */
 #define ROWS 6   /* rows of a register block */
 #define CHUNK 48 /* rows of a work item (8 row blocks): its float32 rows stay in L2 */
+/* where column j of a panel sits among its k's 16 values: the order AVX2's in-lane 16-bit unpacks
+ * widen into columns 0-7 (unpacklo) and 8-15 (unpackhi) */
+#define SLOT(j) (((j) & 3) | (((j) & 4) << 1) | (((j) & 8) >> 1))
 
 /* w [N, K] (rows contiguous) -> packed [N/16][K][16], zero columns past N; threads split panels. */
 int podium_fma_pack_bf16(const bf16_t *w, int64_t N, int64_t K, bf16_t *packed, int num_threads) {
@@ -41,11 +46,11 @@ int podium_fma_pack_bf16(const bf16_t *w, int64_t N, int64_t K, bf16_t *packed, 
     for (int64_t p = 0; p < panels; p++) {
         bf16_t *dst = packed + p * K * PANEL;
         for (int64_t j = 0; j < PANEL; j++) {
-            const int64_t n = p * PANEL + j;
+            const int64_t n = p * PANEL + j, at = SLOT(j);
             if (n < N)
-                for (int64_t k = 0; k < K; k++) dst[k * PANEL + j] = w[n * K + k];
+                for (int64_t k = 0; k < K; k++) dst[k * PANEL + at] = w[n * K + k];
             else
-                for (int64_t k = 0; k < K; k++) dst[k * PANEL + j] = 0;
+                for (int64_t k = 0; k < K; k++) dst[k * PANEL + at] = 0;
         }
     }
     return 0;
@@ -56,19 +61,18 @@ int podium_fma_pack_bf16(const bf16_t *w, int64_t N, int64_t K, bf16_t *packed, 
 
 int podium_fma_ready(void) { return 1; }
 
-static inline __m256 widen8(const bf16_t *p) { /* 8 bf16 -> 8 float32 */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* c[r][0..16) = sum_k xf[r][k] * wf[k][0..16) for R rows (R a constant after inlining); wf is the
- * panel widened to float32 */
+/* c[r][0..16) = sum_k xf[r][k] * w[k][0..16) for R rows (R a constant after inlining); wp is the
+ * bf16 panel in SLOT order, widened in registers */
 static inline __attribute__((always_inline)) void row_block(const float *restrict xf, int64_t K,
-                                                             const float *restrict wf, float *restrict c,
+                                                             const bf16_t *restrict wp, float *restrict c,
                                                              const int R) {
     __m256 a[ROWS][2];
+    const __m256i zero = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        const __m256 w0 = _mm256_loadu_ps(wf + k * PANEL), w1 = _mm256_loadu_ps(wf + k * PANEL + 8);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + k * PANEL));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
         for (int r = 0; r < R; r++) {
             const __m256 xr = _mm256_broadcast_ss(xf + r * K + k);
             a[r][0] = _mm256_fmadd_ps(xr, w0, a[r][0]);
@@ -83,25 +87,21 @@ static inline __attribute__((always_inline)) void row_block(const float *restric
 
 /* rows [m0, m0 + rows) x panel p: sums, bias, the rounding, the store (the last panel's columns
  * past N are dropped) */
-static void item(const float *xf, int64_t K, const bf16_t *panel, float *wf, int64_t p, int64_t N,
+static void item(const float *xf, int64_t K, const bf16_t *panel, int64_t p, int64_t N,
                  const float *bias, bf16_t *out, int64_t out_stride, int64_t m0, int64_t rows) {
     float c[CHUNK * PANEL]; /* the item's sums, [rows][16] */
     const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-    for (int64_t k = 0; k < K; k++) { /* widened once for the chunk's row blocks */
-        _mm256_storeu_ps(wf + k * PANEL, widen8(panel + k * PANEL));
-        _mm256_storeu_ps(wf + k * PANEL + 8, widen8(panel + k * PANEL + 8));
-    }
     for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
         const int64_t rb = rows - r0 < ROWS ? rows - r0 : ROWS;
         const float *x = xf + (m0 + r0) * K;
         float *cr = c + r0 * PANEL;
         switch (rb) {
-            case 6: row_block(x, K, wf, cr, 6); break;
-            case 5: row_block(x, K, wf, cr, 5); break;
-            case 4: row_block(x, K, wf, cr, 4); break;
-            case 3: row_block(x, K, wf, cr, 3); break;
-            case 2: row_block(x, K, wf, cr, 2); break;
-            default: row_block(x, K, wf, cr, 1); break;
+            case 6: row_block(x, K, panel, cr, 6); break;
+            case 5: row_block(x, K, panel, cr, 5); break;
+            case 4: row_block(x, K, panel, cr, 4); break;
+            case 3: row_block(x, K, panel, cr, 3); break;
+            case 2: row_block(x, K, panel, cr, 2); break;
+            default: row_block(x, K, panel, cr, 1); break;
         }
     }
     for (int64_t r = 0; r < rows; r++) { /* bias, the one rounding, the store */
@@ -120,24 +120,19 @@ int podium_fma_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const b
     float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
     if (!xf) return -1;
     const int64_t panels = (N + PANEL - 1) / PANEL, chunks = (M + CHUNK - 1) / CHUNK, items = chunks * panels;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(|:failed)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        float *wf = (float *)malloc(sizeof(float) * (size_t)(K * PANEL)); /* this thread's widened panel */
-        if (!wf) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * x_stride + k]);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            if (!wf) continue;
             const int64_t ch = it / panels, p = it % panels, m0 = ch * CHUNK;
-            item(xf, K, packed + p * K * PANEL, wf, p, N, bias, out, out_stride, m0, M - m0 < CHUNK ? M - m0 : CHUNK);
+            item(xf, K, packed + p * K * PANEL, p, N, bias, out, out_stride, m0, M - m0 < CHUNK ? M - m0 : CHUNK);
         }
-        free(wf);
     }
     free(xf);
-    return failed ? -1 : 0;
+    return 0;
 }
 
 #else /* no AVX2 + FMA in this build: nothing to run (oneDNN or torch serve bf16 linears) */
