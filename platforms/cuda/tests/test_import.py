@@ -75,6 +75,6 @@ def test_tuning_env_overrides_int_and_bool_fields_or_fails_clearly():
     changed = tuning_from_env("decode_rotary_in_attention=0, reduce_num_warps=8", base)
     assert changed.decode_rotary_in_attention is False and changed.reduce_num_warps == 8
     assert changed.decode == base.decode
-    for bad in ("decode=3", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps"):
+    for bad in ("decode=3", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps", "reduce_num_warps=4.5"):
         with pytest.raises(ValueError, match="PODIUM_CUDA_TUNING"):
             tuning_from_env(bad, base)

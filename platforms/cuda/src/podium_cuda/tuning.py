@@ -96,6 +96,8 @@ def tuning_from_env(value: str | None, base: KernelTuning) -> KernelTuning:
             if text not in ("0", "1", "true", "false"):
                 raise ValueError(f"{TUNING_ENV}: {name} takes 0/1/true/false, got {text!r}")
             changes[name.strip()] = text in ("1", "true")
+        elif not text.lstrip("-").isdigit():
+            raise ValueError(f"{TUNING_ENV}: {name} takes an integer, got {text!r}")
         else:
             changes[name.strip()] = int(text)
     return replace(base, **changes)
