@@ -7,6 +7,8 @@
 #        graph_gaps_1 tp_8b (the fixed 8B run without --compare) rotary_tests (rotary / KV write / graph tests, CUDA and ROCm)
 # STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
 #   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
+# fp8 KV cache: fp8_tests, tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8); gemv_sweep
+# (benchmarks/gemv_fused_sweep.py); triton_cache_out tars ~/.triton into $OUT for the next call to carry.
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -25,6 +27,8 @@ run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
   tail -n "${TAIL:-14}" "$OUT/$name.log" | tee -a "$OUT/summary.txt"
 }
 shape8b="--model llama-3.1-8b-shape --max-model-len 1024 --no-progress"
+# a Triton cache from an earlier call (triton_cache_out, carried back as .triton_cache.tar.gz): no cold compiles
+[ -f .triton_cache.tar.gz ] && tar xzf .triton_cache.tar.gz -C "$HOME" && echo "Triton cache restored" | tee -a "$OUT/summary.txt"
 steps=${*:-engine_tests tp_fixed_8b latency_8b latency_1b kernel_tests rocm_tests}
 for s in $steps; do
   pre=""
@@ -44,6 +48,15 @@ for s in $steps; do
       --output-len 256 --num-prompts 256 --compare hf --hf-batch-size 256 --json-out "$OUT/$s.json" ;;
     tp_8b) run_step $s 120 $pre podium bench throughput $shape8b --dataset random --input-len 512 \
       --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
+    tp_8b_fp8) run_step $s 120 $pre podium bench throughput $shape8b --dataset random --input-len 512 \
+      --output-len 256 --num-prompts 256 --kv-cache-dtype fp8 --json-out "$OUT/$s.json" ;;
+    latency_8b_fp8) run_step $s 70 $pre podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 \
+      --kv-cache-dtype fp8 ;;
+    step_profile_8b_fp8) run_step $s 150 $pre python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --kernels \
+      --kv-cache-dtype fp8 ;;
+    fp8_tests) run_step $s 300 $pre python3 -m pytest platforms/cuda/tests/test_fp8_cache.py -q -p no:cacheprovider -rfE ;;
+    gemv_sweep) TAIL=60 run_step $s 240 $pre python3 benchmarks/gemv_fused_sweep.py --out "$OUT/$s.json" ;;
+    triton_cache_out) tar czf "$OUT/triton_cache.tar.gz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton_cache.tar.gz" ;;
     rotary_tests) run_step $s 300 $pre bash -c "python3 -m pytest platforms/cuda/tests/test_kv_write.py \
       platforms/cuda/tests/test_fused_ops.py platforms/cuda/tests/test_graph_replay.py -q -p no:cacheprovider -rfE && \
       PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests/test_rocm_attention_on_gpu.py \

@@ -29,11 +29,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--kernels", action="store_true", help="profile one mixed and one decode step")
     args = parser.parse_args()
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     print(f"startup {time.perf_counter() - t0:.1f} s: {engine.startup_seconds}")
     vocab = engine.source.hf_config.vocab_size

@@ -24,6 +24,8 @@ def test_throughput_flags():
     assert opts.max_num_batched_tokens == 512 and opts.enforce_eager and opts.seed == 3
     assert opts.enable_prefix_caching is False
     assert opts.engine_kwargs()["max_model_len"] is None
+    assert opts.engine_kwargs()["kv_cache_dtype"] == "auto"
+    assert engine_options(parse("throughput", "--kv-cache-dtype", "fp8")).engine_kwargs()["kv_cache_dtype"] == "fp8"
     assert throughput_backends(args) == ["podium", "hf"] and args.hf_batch_size == 16 and args.json_out == "out.json"
 
 

@@ -69,6 +69,22 @@ def test_cuda_greedy_equals_cpu(model_dir, prompts, cuda_llm):
         assert g == w, f"prompt {i}: first difference at output token {first}"
 
 
+def test_cuda_fp8_kv_cache_equals_cpu_fp8_and_is_batch_invariant(model_dir, prompts, cuda_llm):
+    """kv_cache_dtype="fp8": a quarter of a float32 cache's bytes a block (4x the blocks in the same
+    memory); greedy tokens equal the CPU platform's fp8 cache (the same casts, peaked logits) and
+    do not depend on what else is in the batch."""
+    fp8 = LLM(model_dir, device=GPU, dtype="float32", max_num_seqs=64, kv_cache_memory="2GiB", kv_cache_dtype="fp8")
+    assert fp8.engine.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert fp8.engine.num_kv_blocks == 4 * cuda_llm.engine.num_kv_blocks
+    cpu = LLM(model_dir, device="cpu", dtype="float32", kv_cache_dtype="fp8")
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    got = tokens(fp8.generate(batch, GREEDY, use_tqdm=False))
+    assert got == tokens(cpu.generate(batch, GREEDY, use_tqdm=False))
+    alone = [tokens(fp8.generate([b], GREEDY, use_tqdm=False))[0] for b in batch[:3]]
+    assert alone == got[:3]
+    assert all_free(fp8)
+
+
 def test_cuda_batch_chunk_and_preemption_invariance(model_dir, prompts, cuda_llm):
     alone = [tokens(cuda_llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False))[0] for p in prompts[:3]]
     rng = random.Random(1)

@@ -433,3 +433,49 @@ def test_lookup_reports_deprecated_hooks_naming_the_distribution(monkeypatch):
     pm.add_hookspecs(hookspecs)
     messages = register_plugin(pm, OldPlugin(), "old", ("podium-old-npu", "0.2.0"))
     assert messages == ["podium plugin podium-old-npu 0.2.0: podium_old_hook is deprecated; use podium_new_hook"]
+
+
+class _Fp8Backend(AttentionBackend):
+    name = "fp8-listing"
+
+    def kv_cache_dtypes(self, model_dtype):
+        return (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class _UnsaturatedFp8Backend(_Fp8Backend):
+    """Planted bug: a plain cast on store, so e5m2 overflows to infinity instead of saturating."""
+
+    def write_kv(self, kv_cache, key, value, slot_mapping):
+        block_size = kv_cache.shape[2]
+        kv_cache[0][slot_mapping // block_size, slot_mapping % block_size] = key.to(kv_cache.dtype)
+        kv_cache[1][slot_mapping // block_size, slot_mapping % block_size] = value.to(kv_cache.dtype)
+
+
+class _Fp8ReadsRawBytesBackend(_Fp8Backend):
+    """Planted bug: attention reads an fp8 cache's bytes as integers."""
+
+    def attend(self, layer, query, kv_cache, meta):
+        raw = kv_cache.view(torch.uint8).to(query.dtype)
+        return reference_paged_attention(query, raw[0], raw[1], meta, scale=layer.scale)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_kit_fp8_cache_check_passes_the_reference_and_the_cpu_backend(cache_dtype):
+    from podium_cpu import CpuPlatform
+    from podium_plugin_api.testing.kv_cache_checks import check_cache_dtype, extra_cache_dtypes
+
+    assert extra_cache_dtypes(AttentionBackend(), torch.float32) == []
+    check_cache_dtype(Platform(), _Fp8Backend(), torch.bfloat16, cache_dtype)
+    cpu = CpuPlatform()
+    assert cache_dtype in extra_cache_dtypes(cpu.attention_backend(), torch.bfloat16)
+    check_cache_dtype(cpu, cpu.attention_backend(), torch.bfloat16, cache_dtype)
+
+
+@pytest.mark.parametrize("backend,message", [(_UnsaturatedFp8Backend(), "write_kv then read_kv.*keys"),
+                                             (_Fp8ReadsRawBytesBackend(), "attend over a float8_e4m3fn cache")])
+def test_kit_fp8_cache_check_names_planted_bugs(backend, message):
+    from podium_plugin_api.testing.kv_cache_checks import check_cache_dtype
+
+    dtype = torch.float8_e5m2 if isinstance(backend, _UnsaturatedFp8Backend) else torch.float8_e4m3fn
+    with pytest.raises(ConformanceError, match=message):
+        check_cache_dtype(Platform(), backend, torch.bfloat16, dtype)

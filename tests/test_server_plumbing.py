@@ -377,3 +377,6 @@ def test_serve_flags_reach_the_engine_config(flag, expected):
     engine = cli.settings_from_args(args).engine
     assert engine.async_scheduling is expected
     assert engine.enforce_eager is True and engine.max_num_seqs == 8
+    assert engine.kv_cache_dtype == "auto"
+    fp8 = parser.parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"])
+    assert cli.settings_from_args(fp8).engine.kv_cache_dtype == "fp8_e5m2"

@@ -8,6 +8,9 @@ from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# what the paged KV cache stores: "auto" = the model's dtype; "fp8" = "fp8_e4m3" = the platform's
+# e4m3 flavour (Capabilities.fp8), "fp8_e5m2" the 5-bit-exponent one; unit scale (vLLM's names)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -32,6 +35,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a folder with a tokenizer, if not the model's own
     device: str | None = None  # platform name; None: $PODIUM_DEVICE or the best available
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     max_model_len: int | None = None  # None: the model's own context length
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -50,6 +54,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -32,7 +32,8 @@ from podium_plugin_api.ops import build_op_table
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .discovery import build_plugin_manager, select_platform
-from .kv_cache import kv_cache_bytes, kv_cache_spec, num_kv_blocks, profile_activation_bytes
+from .kv_cache import (dtype_name, kv_cache_bytes, kv_cache_spec, num_kv_blocks, profile_activation_bytes,
+                       resolve_kv_cache_dtype)
 from .loader import resolve_model
 from .model_runner import LaunchedStep, ModelRunner, StepResult, grad_off
 from .models.context import ForwardContext
@@ -86,6 +87,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or config.model
         self.max_model_len = self._max_model_len(config, source.max_model_len)
         self.dtype = self._resolve_dtype(config.dtype, platform)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, platform,
+                                                     platform.attention_backend())
         self.device = platform.torch_device()
         platform.seed(config.seed)
         overrides: dict = {}
@@ -138,7 +141,7 @@ class LLMEngine:
 
     def _build_cache_and_runner(self, source) -> None:
         config, platform = self.config, self.platform
-        spec = kv_cache_spec(source.hf_config, config.block_size, self.dtype)
+        spec = kv_cache_spec(source.hf_config, config.block_size, self.kv_cache_dtype)
         activation = 0
         if platform.capabilities().kv_cache_from_free_memory and config.num_kv_blocks is None:
             activation = profile_activation_bytes(platform, lambda: self._profile_forward(spec))
@@ -146,6 +149,8 @@ class LLMEngine:
         blocks = num_kv_blocks(config, spec, nbytes, self.max_model_len)
         self.num_kv_blocks, self.kv_capacity_tokens = blocks, blocks * config.block_size
         self.kv_caches = platform.allocate_kv_cache(spec, blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB", blocks, config.block_size,
+                    self.kv_capacity_tokens, dtype_name(spec.dtype), blocks * spec.bytes_per_block / 2**30)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len)
         vocab = source.hf_config.vocab_size

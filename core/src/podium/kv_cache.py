@@ -11,11 +11,45 @@ from collections.abc import Callable
 
 import torch
 
-from podium_plugin_api import KVCacheSpec, Platform
+from podium_plugin_api import AttentionBackend, KVCacheSpec, Platform, fp8_dtypes
 
 from .config import EngineConfig, parse_size
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+_NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, platform: Platform,
+                           backend: AttentionBackend) -> torch.dtype:
+    """The dtype the KV cache stores for ``kv_cache_dtype=name`` (config.KV_CACHE_DTYPES).
+
+    "auto" is the model's dtype; "fp8"/"fp8_e4m3" and "fp8_e5m2" are the platform's fp8 flavour
+    of each format (``Capabilities.fp8``). The attention backend must list the result among its
+    ``kv_cache_dtypes``; otherwise a ValueError names what it does support."""
+    if name == "auto":
+        return model_dtype
+    if name in _NAMED:
+        dtype = _NAMED[name]
+    else:
+        flavour = platform.capabilities().fp8
+        formats = fp8_dtypes(flavour)
+        fmt = "e5m2" if name == "fp8_e5m2" else "e4m3"
+        if fmt not in formats:
+            raise ValueError(f"kv_cache_dtype={name!r}: platform {platform.name!r} has no fp8 formats")
+        dtype = formats[fmt]
+    listed = backend.kv_cache_dtypes(model_dtype) if hasattr(backend, "kv_cache_dtypes") else (model_dtype,)
+    if dtype not in listed:
+        names = ", ".join(["auto"] + [dtype_name(d) for d in listed if d != model_dtype])
+        raise ValueError(
+            f"kv_cache_dtype={name!r} ({dtype_name(dtype)}) is not supported by platform {platform.name!r}'s "
+            f"attention backend {backend.name!r} for a {dtype_name(model_dtype)} model; it supports: {names}")
+    return dtype
 
 
 def kv_cache_spec(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:

@@ -15,6 +15,7 @@ from typing import Any
 
 _EXPORTS = {
     "AttentionBackend": ".attention",
+    "to_cache_dtype": ".attention",
     "PROJECT_NAME": ".hookspecs",
     "PluginApiDeprecationWarning": ".hookspecs",
     "hookimpl": ".hookspecs",
@@ -23,6 +24,7 @@ _EXPORTS = {
     "AttentionMetadata": ".metadata",
     "KVCacheSpec": ".metadata",
     "RotaryInputs": ".metadata",
+    "fp8_dtypes": ".metadata",
     "Availability": ".platform",
     "Capabilities": ".platform",
     "GraphRunner": ".platform",

@@ -19,10 +19,30 @@ from .metadata import AttentionLayerSpec, AttentionMetadata, KVCacheSpec, Rotary
 from .reference import reference_paged_attention
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it: a cast (round to nearest even); into an 8-bit float
+    format, saturated to its largest finite value first (e5m2 would otherwise overflow to infinity,
+    which poisons attention). The definition every backend's fp8 store is tested against (API 1.4)."""
+    if dtype.is_floating_point and torch.finfo(dtype).bits == 8 and x.dtype != dtype:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 class AttentionBackend:
     """Base class; override any method. Methods are called by the core's model runner."""
 
     name: str = "torch-reference"
+
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The dtypes this backend's cache may hold for a model running in ``model_dtype`` (API 1.4).
+
+        The engine allocates the cache in the one the user asks for (``kv_cache_dtype``; "auto" is
+        ``model_dtype``) and refuses any other with an error listing these. A backend that lists a
+        dtype other than the model's stores keys and values as ``to_cache_dtype`` casts them (round to
+        nearest, fp8 saturating; unit scale) and upcasts what it reads. The default: the model's dtype.
+        """
+        return (model_dtype,)
 
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's KV-cache tensor holding ``num_blocks`` blocks."""
@@ -41,8 +61,8 @@ class AttentionBackend:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-        value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+        key_cache[blocks, offsets] = to_cache_dtype(key[keep], key_cache.dtype)
+        value_cache[blocks, offsets] = to_cache_dtype(value[keep], value_cache.dtype)
 
     def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key/value stored at ``slot_mapping``: two [T, num_kv_heads, head_size] tensors."""

@@ -22,6 +22,20 @@ from dataclasses import dataclass, field
 import torch
 
 
+def fp8_dtypes(flavour: str | None) -> dict[str, torch.dtype]:
+    """The fp8 dtypes of a ``Capabilities.fp8`` flavour, by format: ``{"e4m3": ..., "e5m2": ...}``.
+
+    "e4m3fn" (OCP, NVIDIA and CDNA4) gives float8_e4m3fn / float8_e5m2; "e4m3fnuz" (CDNA3) gives
+    the fnuz pair; None (no fp8) gives {}. Raises ValueError on an unknown flavour."""
+    if flavour is None:
+        return {}
+    if flavour == "e4m3fn":
+        return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    if flavour == "e4m3fnuz":
+        return {"e4m3": torch.float8_e4m3fnuz, "e5m2": torch.float8_e5m2fnuz}
+    raise ValueError(f"unknown fp8 flavour {flavour!r}; expected 'e4m3fn', 'e4m3fnuz' or None")
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """Shape of the model's KV cache: what a platform needs to allocate it."""

@@ -12,7 +12,7 @@ import argparse
 import os
 import signal
 
-from podium.config import DEFAULT_MODEL, DTYPES, EngineConfig, parse_size
+from podium.config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, EngineConfig, parse_size
 
 from .settings import ENGINE_MODES, LOG_LEVELS, ServerSettings
 
@@ -26,6 +26,8 @@ def register(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default=None, help="platform name (default: the best available)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="what the KV cache stores: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, ...")
     parser.add_argument("--api-key", default=os.environ.get("PODIUM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API (default: $PODIUM_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use")
@@ -55,7 +57,7 @@ def register(subparsers) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     engine = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, served_model_name=args.served_model_name,
+        model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -37,6 +37,7 @@ class EngineOptions:
     kv_cache_memory: str | None = None
     seed: int = 0
     async_scheduling: bool | None = None
+    kv_cache_dtype: str = "auto"
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
@@ -44,6 +45,7 @@ class EngineOptions:
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
             "enforce_eager": self.enforce_eager, "enable_prefix_caching": self.enable_prefix_caching,
             "kv_cache_memory": self.kv_cache_memory, "seed": self.seed, "async_scheduling": self.async_scheduling,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
 

@@ -85,6 +85,8 @@ def format_throughput(payload: dict) -> str:
         ("Mean input / output tokens", f"{stats['mean_input_len']:.0f} / {stats['mean_output_len']:.0f}"),
         ("dtype / device", f"{payload['config']['resolved_dtype']} / {payload['config']['resolved_device']}"),
     ]
+    if payload["config"].get("kv_cache_dtype", "auto") != "auto":
+        rows.append(("Podium KV cache dtype", payload["config"]["kv_cache_dtype"]))
     names = {"podium": "Podium", "hf": "transformers"}
     for name, r in payload["results"].items():
         rows += [

@@ -13,7 +13,7 @@ import asyncio
 import math
 import sys
 
-from podium.config import DEFAULT_MODEL, DTYPES
+from podium.config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES
 
 
 def register(subparsers) -> None:
@@ -63,6 +63,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                             f"{DEFAULT_MODEL} (default)")
     group.add_argument("--device", default=None, help="platform name (default: the best available)")
     group.add_argument("--dtype", choices=DTYPES, default="auto")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="what the KV cache stores: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, ...")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -141,7 +143,7 @@ def engine_options(args: argparse.Namespace):
 
     return EngineOptions(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
                          args.max_num_batched_tokens, args.enforce_eager, args.enable_prefix_caching,
-                         args.kv_cache_memory, args.seed, args.async_scheduling)
+                         args.kv_cache_memory, args.seed, args.async_scheduling, args.kv_cache_dtype)
 
 
 def throughput_backends(args: argparse.Namespace) -> list[str]:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec, RotaryInputs
+from podium_plugin_api.attention import to_cache_dtype
 from podium_plugin_api.reference import attend_one, attention_mask
 
 from .attention_kernel import call_kernel, check_plan, checked_slots, kernel_inputs_fit, rotary_fits, token_rows
@@ -49,6 +50,11 @@ class CpuAttentionBackend(AttentionBackend):
             self.name = "cpu-paged-native"
 
     # -- cache ---------------------------------------------------------------------------------
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The model's dtype, or fp8 (plugin API 1.4): fp8 caches take the torch paths (cast on
+        store, upcast on load), not the native kernel; they halve a bf16 cache's memory."""
+        return (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2)
+
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
 
@@ -90,8 +96,8 @@ class CpuAttentionBackend(AttentionBackend):
         if slots.numel() and int(slots.max()) >= num_slots:
             raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the cache has {num_slots} slots")
         blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = key.to(key_cache.dtype).reshape(key.shape[0], *key_cache.shape[2:])
-        value_cache[blocks, offsets] = value.to(value_cache.dtype)
+        key_cache[blocks, offsets] = to_cache_dtype(key, key_cache.dtype).reshape(key.shape[0], *key_cache.shape[2:])
+        value_cache[blocks, offsets] = to_cache_dtype(value, value_cache.dtype)
 
     def _native_write(self, key_cache, value_cache, key, value, slot_mapping, plan: StepPlan | None) -> bool:
         """Write through the C kernel when the inputs fit it; False: the caller writes in torch."""
@@ -222,6 +228,8 @@ class CpuAttentionBackend(AttentionBackend):
         q = query[seq.lo:seq.hi]  # [Q, H, D]
         if seq.fresh and new_key is not None:
             k, v = new_key[seq.lo:seq.hi], new_value[seq.lo:seq.hi]  # [Q, Hkv, D]
+            if value_cache.dtype != v.dtype:  # what the cache holds (an fp8 cache's rounding)
+                k, v = to_cache_dtype(k, value_cache.dtype), to_cache_dtype(v, value_cache.dtype)
         else:
             key_rows, value_rows = self.token_major(key_cache, value_cache)
             hkv, d = value_cache.shape[1], value_cache.shape[3]

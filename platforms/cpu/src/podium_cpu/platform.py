@@ -52,6 +52,7 @@ class CpuPlatform(Platform):
                 dtypes=(torch.float32, torch.bfloat16, torch.float16),
                 default_dtype=torch.bfloat16 if native_bf16 else torch.float32,
                 graph_capture=False,
+                fp8="e4m3fn",  # fp8 KV caches (torch's CPU casts): see CpuAttentionBackend.kv_cache_dtypes
                 distributed_backend="gloo",
                 extra={"native_bf16": native_bf16, "threads": usable_cores(), "attention": _attention_setting()},
             )

@@ -20,6 +20,12 @@ import torch
 
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
+try:
+    from podium_plugin_api import fp8_dtypes
+except ImportError:  # plugin API < 1.4 (podium-cuda runs on any 1.x): no fp8 caches
+    def fp8_dtypes(flavour):
+        return {}
+
 from .compile_log import install_from_env
 from .fused_ops import rotary_embedding
 from .kv_write import rotary_write_kv, write_kv
@@ -34,9 +40,17 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, tuning: KernelTuning = CUDA_TUNING) -> None:
+    def __init__(self, tuning: KernelTuning = CUDA_TUNING, fp8_flavour: str | None = None) -> None:
         self.tuning = tuning
+        self.fp8_flavour = fp8_flavour  # fp8 caches the kernels may hold (Capabilities.fp8); None: none
         install_from_env()  # PODIUM_TRITON_COMPILE_LOG=1: log every kernel variant built (any platform using these kernels)
+
+    def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The model's dtype, and the fp8 formats of ``fp8_flavour`` (plugin API 1.4): the kernels
+        cast on store (round to nearest, saturating) and upcast on load, unit scale."""
+        if model_dtype not in KERNEL_DTYPES:
+            return (model_dtype,)
+        return (model_dtype, *fp8_dtypes(self.fp8_flavour).values())
 
     def write_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -62,12 +76,14 @@ class TritonAttentionBackend(AttentionBackend):
         (``rotary_write_kv``), then the paged attention.
 
         Fused only when the model's rotary op is this platform's own (same code, same bits) and the
-        cache holds the model's dtype; otherwise the default: the rotary op, then ``forward``."""
+        cache holds a dtype the kernels store (``kv_cache_dtypes``); otherwise the default: the
+        rotary op, then ``forward``."""
         key_cache, value_cache = self.split_cache(kv_cache)
         head_size = query.shape[-1]
         own_rotary = getattr(rotary.rotate, "func", rotary.rotate) is rotary_embedding
         fusable = own_rotary and self.supports(layer, query)
-        fusable = fusable and key.dtype == value.dtype == query.dtype == key_cache.dtype
+        fusable = fusable and key.dtype == value.dtype == query.dtype
+        fusable = fusable and key_cache.dtype in self.kv_cache_dtypes(query.dtype)
         fusable = fusable and head_size % 2 == 0 and rotary.cos_sin_cache.shape[-1] == head_size
         if not fusable:
             return super().forward_rotary(layer, query, key, value, kv_cache, meta, rotary)

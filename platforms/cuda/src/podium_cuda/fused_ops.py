@@ -79,6 +79,21 @@ def fused_add_rms_norm(
 
 
 @triton.jit
+def _store_cast(x, dtype: tl.constexpr):
+    """``x`` cast to ``dtype`` for a store. fp8: saturated to the format's largest finite value
+    first (what the torch definition, ``podium_plugin_api.to_cache_dtype``, stores); others: a cast."""
+    if dtype == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    elif dtype == tl.float8e4b8:
+        x = tl.clamp(x.to(tl.float32), -240.0, 240.0)
+    elif dtype == tl.float8e5:
+        x = tl.clamp(x.to(tl.float32), -57344.0, 57344.0)
+    elif dtype == tl.float8e5b16:
+        x = tl.clamp(x.to(tl.float32), -57344.0, 57344.0)
+    return x.to(dtype)
+
+
+@triton.jit
 def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, dst_stride_h, num_heads, cos, sin,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotate-halves rotary for the [num_heads, 2 * HALF] rows of one token; ``dst_ptr`` points at
@@ -94,8 +109,9 @@ def _rotate_heads(src_ptr, dst_ptr, token, stride_t, stride_h, dst_stride_h, num
     dst = dst_ptr + h * dst_stride_h + c
     # explicit FMAs: the same bits in every kernel that rotates (paged_attention._rotate_row), where
     # the compiler's own contraction of a * cos - b * sin may differ from kernel to kernel
-    tl.store(dst, tl.fma(a, cos, -(b * sin)).to(dst_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + HALF, tl.fma(b, cos, a * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+    # rounded to the source's dtype first, so an fp8 cache holds what the rotary op's output, cast, would be
+    tl.store(dst, _store_cast(tl.fma(a, cos, -(b * sin)).to(x1.dtype), dst_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, _store_cast(tl.fma(b, cos, a * sin).to(x1.dtype), dst_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import _cos_sin, _rotate_heads
+from .fused_ops import _cos_sin, _rotate_heads, _store_cast
 from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
 
 
@@ -22,7 +22,7 @@ def _copy_heads(src_ptr, dst_ptr, stride_h, dst_stride_h,
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_HEADS) & (d < HEAD_SIZE)  # [BLOCK_H, BLOCK_D]
     x = tl.load(src_ptr + h * stride_h + d, mask=mask)
-    tl.store(dst_ptr + h * dst_stride_h + d, x.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + h * dst_stride_h + d, _store_cast(x, dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

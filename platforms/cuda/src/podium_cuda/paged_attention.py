@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_ops import _store_cast
 from .tuning import CUDA_TUNING, AttentionTiling, KernelTuning, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -136,9 +137,10 @@ def _attend_new_token(
     k_src = new_k_ptr + token * stride_nkt + kv_head * stride_nkh
     k_row = tl.load(k_src + d, mask=d_ok, other=0.0)
     k_partner = tl.load(k_src + partner, mask=d_ok, other=0.0)
-    k = _rotate_row(k_row, k_partner, cos, sin, d, HALF).to(k_base.dtype.element_ty)  # [BLOCK_D]
+    # rounded to the key's dtype, then to the cache's (an fp8 cache: what write_kv would store)
+    k = _store_cast(_rotate_row(k_row, k_partner, cos, sin, d, HALF).to(k_row.dtype), k_base.dtype.element_ty)
     v = tl.load(new_v_ptr + token * stride_nvt + kv_head * stride_nvh + d, mask=d_ok, other=0.0)
-    v = v.to(v_base.dtype.element_ty)
+    v = _store_cast(v, v_base.dtype.element_ty)
     if slot >= 0:
         block = slot // KV_BLOCK_SIZE
         offset = slot % KV_BLOCK_SIZE

@@ -121,8 +121,14 @@ class CudaPlatform(Platform):
         if self._backend is None:
             from .attention import TritonAttentionBackend  # triton is imported here, not before
 
-            self._backend = TritonAttentionBackend()
+            self._backend = TritonAttentionBackend(fp8_flavour=self._fp8_cache_flavour())
         return self._backend
+
+    def _fp8_cache_flavour(self) -> str | None:
+        """fp8 KV caches where Triton converts fp8 e4m3 in hardware: compute capability 8.9 (Ada) and up."""
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+            return None
+        return self.capabilities().fp8
 
     def graph_runner(self) -> GraphRunner:
         return CudaGraphRunner()

@@ -121,6 +121,11 @@ def check_argmax(ops: OpTable, dtype: torch.dtype, rows: int, vocab: int, device
 NUM_SEQS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, MAX_LEN = 8, 32, 8, 128, 16, 2048
 
 
+def cache_bits(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bytes as integers, so fp8 caches compare with ``torch.equal`` (bit for bit)."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache
+
+
 def _refill(seed: int, meta: AttentionMetadata, q, k, v, num_blocks: int) -> list[int]:
     """New lengths, block tables, slots and q/k/v copied into the same (captured) tensors."""
     rng = random.Random(seed)
@@ -140,12 +145,13 @@ def _refill(seed: int, meta: AttentionMetadata, q, k, v, num_blocks: int) -> lis
 
 
 def check_decode_graph_replay(
-    platform: Platform, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rotary: bool = False
+    platform: Platform, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rotary: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
     """A bf16 decode step (KV write + split attention; with ``rotary``, ``forward_rotary`` with the
     platform's rotary op, positions refilled too) captured with ``platform.graph_runner()``
     replays bit-exactly like eager, and both stay within bf16 tolerance of the reference, for three
-    refills of lengths, tables, slots and q/k/v."""
+    refills of lengths, tables, slots and q/k/v. ``cache_dtype``: the cache's, if not ``dtype`` (fp8)."""
     backend, runner = platform.attention_backend(), platform.graph_runner()
     rotate = platform.custom_ops().get("rotary_embedding", reference.rotary_embedding)
     angles = torch.rand(MAX_LEN, HEAD_SIZE // 2, generator=torch.Generator().manual_seed(7)) * 6.3
@@ -153,7 +159,7 @@ def check_decode_graph_replay(
     positions = torch.zeros(NUM_SEQS, dtype=torch.int64, device=device)
     layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5)
     num_blocks = NUM_SEQS * (MAX_LEN // BLOCK_SIZE) + 5
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, device=device).to(dtype)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, device=device).to(cache_dtype or dtype)
     meta = AttentionMetadata(
         query_start_loc=torch.arange(NUM_SEQS + 1, dtype=torch.int32, device=device),
         seq_lens=torch.ones(NUM_SEQS, dtype=torch.int32, device=device),
@@ -184,7 +190,8 @@ def check_decode_graph_replay(
         replayed = replay()
         platform.synchronize()
         assert torch.equal(replayed, eager), f"graph replay != eager, seed {seed} lens {lens}"
-        assert torch.equal(cache, eager_cache), f"graph replay's KV write != eager's, seed {seed} lens {lens}"
+        assert torch.equal(cache_bits(cache), cache_bits(eager_cache)), \
+            f"graph replay's KV write != eager's, seed {seed} lens {lens}"
         query = reference.rotary_embedding(positions, q, k, cos_sin)[0] if rotary else q
         ref = reference_paged_attention(query.float(), cache[0].float(), cache[1].float(), meta, scale=layer.scale)
         err = float((replayed.float() - ref).norm() / ref.norm())

@@ -13,3 +13,4 @@ class RocmAttentionBackend(TritonAttentionBackend):
     """TritonAttentionBackend under another name, so reports show which platform's tuning runs."""
 
     name = "triton-rocm"
+    # no fp8_flavour (fp8 KV caches): the fp8 paths have run on NVIDIA only, never on an AMD GPU

@@ -138,3 +138,50 @@ def check_write_read(
     what = f"KV write by slot mapping then read_kv ({dtype_name(spec.dtype)}, block_size {spec.block_size}, -1 = skip)"
     check_close(got_k, expect_k, what=f"{what}: keys", dtype=spec.dtype, locate=locate, exact=True)
     check_close(got_v, expect_v, what=f"{what}: values", dtype=spec.dtype, locate=locate, exact=True)
+
+
+def extra_cache_dtypes(backend: AttentionBackend, model_dtype: torch.dtype) -> list[torch.dtype]:
+    """The cache dtypes other than the model's that the backend lists (API 1.4; none before it)."""
+    listed = backend.kv_cache_dtypes(model_dtype) if hasattr(backend, "kv_cache_dtypes") else (model_dtype,)
+    return [d for d in listed if d != model_dtype]
+
+
+def check_cache_dtype(platform: Platform, backend: AttentionBackend, model_dtype: torch.dtype,
+                      cache_dtype: torch.dtype, seed: int = 0, num_blocks: int = 6) -> None:
+    """A cache of ``cache_dtype`` (listed in ``kv_cache_dtypes``) for a ``model_dtype`` model:
+    ``write_kv`` stores exactly ``to_cache_dtype`` of the model-dtype keys/values (beyond-range
+    values saturating), and ``attend`` over it equals the reference over the same stored values."""
+    from ..attention import to_cache_dtype
+    from ..metadata import AttentionLayerSpec, AttentionMetadata
+    from ..reference import reference_paged_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    device = platform.torch_device()
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_size=64, block_size=16, dtype=cache_dtype)
+    cache = guarded(f"allocate_kv_cache({spec})", platform.allocate_kv_cache, spec, num_blocks)[0]
+    n = num_blocks * spec.block_size
+    shape = (n, spec.num_kv_heads, spec.head_size)
+    key, value = ((torch.randn(shape, generator=gen) * 3).to(model_dtype) for _ in range(2))
+    key[5] = key[5] * 1e4  # beyond an fp8 format's range: saturates
+    order = torch.randperm(n, generator=gen)
+    what = f"{dtype_name(cache_dtype)} cache for a {dtype_name(model_dtype)} model"
+    guarded(f"write_kv into a {what}", backend.write_kv, cache, key[order].to(device), value[order].to(device),
+            order.to(device))
+    got_k, got_v = guarded(f"read_kv of a {what}", backend.read_kv, cache, torch.arange(n).to(device))
+    locate = _slot_locator(spec.block_size, list(range(n)))
+    check_close(got_k, to_cache_dtype(key, cache_dtype), what=f"write_kv then read_kv, {what}: keys",
+                dtype=cache_dtype, locate=locate, exact=True)
+    check_close(got_v, to_cache_dtype(value, cache_dtype), what=f"write_kv then read_kv, {what}: values",
+                dtype=cache_dtype, locate=locate, exact=True)
+    # slot s holds token s: as a default-layout cache, blocks in order
+    ref_k = to_cache_dtype(key, cache_dtype).view(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    ref_v = to_cache_dtype(value, cache_dtype).view(ref_k.shape)
+    lens, tables = [1, 37, 90], [[0], [1, 2, 3], [4, 5, 0, 1, 2, 3]]  # decodes and a 5-token chunk
+    query_lens = [1, 1, 5]
+    layer = AttentionLayerSpec(4, 2, 64, 0.125)
+    query = torch.randn(sum(query_lens), 4, 64, generator=gen).to(model_dtype)
+    meta = AttentionMetadata.from_lengths(query_lens, lens, tables, spec.block_size, device=device)
+    got = guarded(f"attend over a {what}", backend.attend, layer, query.to(device), cache, meta)
+    want = reference_paged_attention(query, ref_k, ref_v, AttentionMetadata.from_lengths(
+        query_lens, lens, tables, spec.block_size, device="cpu"), scale=layer.scale)
+    check_close(got, want, what=f"attend over a {what}", dtype=model_dtype)

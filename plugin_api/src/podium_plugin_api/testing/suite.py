@@ -21,7 +21,14 @@ from podium_plugin_api.platform import Capabilities
 from podium_plugin_api.testing.attention_checks import check_attention, check_attention_rotary, check_graph_capture
 from podium_plugin_api.testing.batches import ATTENTION_CASES
 from podium_plugin_api.testing.generation import check_generation, generation_dtype
-from podium_plugin_api.testing.kv_cache_checks import check_allocation, check_layout, check_write_read, kit_spec
+from podium_plugin_api.testing.kv_cache_checks import (
+    check_allocation,
+    check_cache_dtype,
+    check_layout,
+    check_write_read,
+    extra_cache_dtypes,
+    kit_spec,
+)
 from podium_plugin_api.testing.lookup import FoundPlatform
 from podium_plugin_api.testing.op_checks import check_op
 from podium_plugin_api.testing.platform_checks import (
@@ -140,6 +147,15 @@ def test_kv_cache_layout(platform, backend, dtype):
 
 def test_kv_write_read_by_slot_mapping(platform, backend, dtype):
     run_check(check_write_read, platform, backend, kit_spec(dtype, num_layers=1))
+
+
+def test_extra_kv_cache_dtypes_store_the_cast_and_attend(platform, backend, dtype):
+    """Each cache dtype ``kv_cache_dtypes`` lists besides the model's (fp8, API 1.4)."""
+    extra = extra_cache_dtypes(backend, dtype)
+    if not extra:
+        pytest.skip(f"kv_cache_dtypes lists only {dtype_name(dtype)} itself")
+    for cache_dtype in extra:
+        run_check(check_cache_dtype, platform, backend, dtype, cache_dtype)
 
 
 def test_attention_matches_reference(platform, backend, caps, case, dtype):
