@@ -8,6 +8,7 @@ Every store is checked bit for bit against the torch definition (the reference b
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -112,6 +113,9 @@ ATTEND_CASES = [  # kind, num_seqs, max_len, heads (H, Hkv), head_size, block_si
 @pytest.mark.parametrize("case", ATTEND_CASES, ids=[f"{c[0]}-{c[3][0]}x{c[3][1]}-d{c[4]}-b{c[5]}-w{c[6]}-"
                                                      f"{_name(c[7])}-{_name(c[8])}" for c in ATTEND_CASES])
 def test_attention_over_fp8_cache_matches_reference(case, kernel_device, check_dtype, make_lengths):
+    from podium_cuda.attention import TritonAttentionBackend
+    from podium_cuda.tuning import CUDA_TUNING
+
     kind, num_seqs, max_len, heads, head_size, block_size, window, dtype, cache_dtype = case
     check_dtype(dtype)
     seed = random.randrange(1 << 30)
@@ -124,14 +128,17 @@ def test_attention_over_fp8_cache_matches_reference(case, kernel_device, check_d
     cache = _fp8_cache((2, num_blocks, block_size, heads[1], head_size), cache_dtype, gen, dev)
     query = torch.randn(sum(query_lens), heads[0], head_size, generator=gen).to(dtype).to(dev)
     layer = AttentionLayerSpec(heads[0], heads[1], head_size, head_size**-0.5, sliding_window=window)
-    out = _backend().attend(layer, query, cache, meta)
     ref_meta = AttentionMetadata.from_lengths(query_lens, seq_lens, tables, block_size, device="cpu")
     wide = cache.cpu().double()
     ref = reference_paged_attention(query.cpu().double(), wide[0], wide[1], ref_meta, scale=layer.scale,
                                     sliding_window=window, compute_dtype=torch.float64)
-    whole, worst = relative_error(out, ref)
-    assert out.dtype == dtype
-    assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], f"seed {seed}: {whole:.2e} {worst:.2e}"
+    for fp16_dot in (True, False):  # bf16 queries: the dots in fp16 (the default) or in bf16
+        backend = TritonAttentionBackend(replace(CUDA_TUNING, fp8_dot_in_fp16=fp16_dot), fp8_flavour="e4m3fn")
+        out = backend.attend(layer, query, cache, meta)
+        whole, worst = relative_error(out, ref)
+        assert out.dtype == dtype
+        assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], \
+            f"seed {seed}, fp8_dot_in_fp16={fp16_dot}: {whole:.2e} {worst:.2e}"
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -176,7 +176,7 @@ def paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    NEW_KV: tl.constexpr, HALF: tl.constexpr,
+    NEW_KV: tl.constexpr, HALF: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -217,6 +217,8 @@ def paged_attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :], other=0.0,
         )
         q = _rotate_row(q, q_partner, cos[None, :], sin[None, :], d[None, :], HALF).to(q.dtype)
+    if FP16_DOT:  # bf16 q over an fp8 cache: the dots (and p's rounding) in fp16, see KernelTuning
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this tile can see: [kv_lo, kv_hi), kv_lo aligned down to BLOCK_N.
     kv_hi = tl.minimum(context + (j + 1) * BLOCK_Q, seq_len)
@@ -434,6 +436,7 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiling.block_n, SPLIT=num_splits > 1,
         IS_DECODE=is_decode, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         IEEE=query.dtype == torch.float32, NEW_KV=new_tokens is not None, HALF=max(head_size // 2, 1),
+        FP16_DOT=tuning.fp8_dot_in_fp16 and query.dtype == torch.bfloat16 and key_cache.element_size() == 1,
         num_warps=tiling.num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
