@@ -32,8 +32,14 @@ from podium_plugin_api.ops import build_op_table
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .discovery import build_plugin_manager, select_platform
-from .kv_cache import (dtype_name, kv_cache_bytes, kv_cache_spec, num_kv_blocks, profile_activation_bytes,
-                       resolve_kv_cache_dtype)
+from .kv_cache import (
+    dtype_name,
+    kv_cache_bytes,
+    kv_cache_spec,
+    num_kv_blocks,
+    profile_activation_bytes,
+    resolve_kv_cache_dtype,
+)
 from .loader import resolve_model
 from .model_runner import LaunchedStep, ModelRunner, StepResult, grad_off
 from .models.context import ForwardContext

@@ -1,5 +1,6 @@
 """fp8 KV caches (``kv_cache_dtype="fp8"``): the Triton kernels store what torch's cast stores and
-attend over it like the float64 reference over the same (upcast) cache.
+attend over it like the float64 reference over the same (upcast) cache. (The one-kernel decode
+with an fp8 cache: test_kv_write's new-token cases.)
 
 Every store is checked bit for bit against the torch definition (the reference backend's write:
 ``key.to(cache dtype)``, round to nearest, saturating), values beyond the format's range included.
@@ -139,45 +140,6 @@ def test_attention_over_fp8_cache_matches_reference(case, kernel_device, check_d
         assert out.dtype == dtype
         assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], \
             f"seed {seed}, fp8_dot_in_fp16={fp16_dot}: {whole:.2e} {worst:.2e}"
-
-
-@pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("cache_dtype", FP8, ids=_name)
-def test_one_kernel_decode_stores_and_attends_like_write_then_attend(num_splits, cache_dtype, kernel_device,
-                                                                     check_dtype):
-    """``paged_attention(new_tokens=...)`` into an fp8 cache: the bits ``rotary_write_kv`` stores, and
-    the output of the two-kernel path (it adds the new key as the cache holds it)."""
-    from podium_cuda.kv_write import rotary_write_kv
-    from podium_cuda.paged_attention import NewTokens, paged_attention
-
-    dtype = torch.bfloat16 if kernel_device != "cpu" else torch.float16  # the interpreter has no bf16
-    check_dtype(dtype)
-    seed = random.randrange(1 << 30)
-    rng, gen, dev = random.Random(seed), torch.Generator().manual_seed(seed), kernel_device
-    heads, kv_heads, head_size, block_size = 32, 8, 128, 16
-    lens = [1, block_size, block_size + 1, rng.randint(2, 60), rng.randint(200, 400)]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 4
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    meta = AttentionMetadata.from_lengths([1] * len(lens), lens, tables, block_size, device=dev)
-    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype).view(len(lens), -1, head_size)
-    q, k, v = (t.to(dev) for t in qkv.split([heads, kv_heads, kv_heads], dim=1))
-    angles = torch.rand(512, head_size // 2, generator=gen) * 6.3
-    table = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dev)
-    pos = torch.tensor(lens, device=dev) - 1
-    start = _fp8_cache((2, num_blocks, block_size, kv_heads, head_size), cache_dtype, gen, dev)
-    args = dict(scale=head_size**-0.5, max_query_len=1, num_splits=num_splits)
-    plain = start.clone()
-    q_rot = rotary_write_kv(pos, q, k, v, table, plain[0], plain[1], meta.slot_mapping)
-    want = paged_attention(q_rot, plain[0], plain[1], meta.query_start_loc, meta.seq_lens, meta.block_tables, **args)
-    fused = start.clone()
-    got = torch.full_like(q_rot, float("nan"))
-    paged_attention(q, fused[0], fused[1], meta.query_start_loc, meta.seq_lens, meta.block_tables, out=got,
-                    new_tokens=NewTokens(pos, k, v, table, meta.slot_mapping), **args)
-    # the same cast in both kernels: equal bits even under the interpreter's own fp8 rounding
-    assert torch.equal(cache_bits(fused), cache_bits(plain)), f"seed {seed}: the kernel's fp8 store differs"
-    whole, worst = relative_error(got, want)
-    assert whole < 1.2e-2 and worst < 3e-2, f"seed {seed} lens {lens}: {whole:.2e} {worst:.2e}"
 
 
 @pytest.mark.parametrize("rotary", [False, True], ids=["forward", "forward_rotary"])

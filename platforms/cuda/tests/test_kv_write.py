@@ -170,22 +170,25 @@ NEW_TOKEN_CASES = [  # heads (H, Hkv), head_size, block_size, window, cap, num_s
     ((12, 4), 96, 5, None, None, 2, torch.float32),  # group 3, padded head size, odd block size
     ((16, 4), 128, 16, 20, None, 4, torch.float32),  # sliding window
     ((16, 4), 64, 16, None, 2.0, 2, torch.float32),  # soft cap
+    ((32, 8), 128, 16, None, None, 4, torch.bfloat16, torch.float8_e4m3fn),  # fp8 caches
+    ((32, 8), 128, 16, None, None, 1, torch.float16, torch.float8_e5m2),
 ]
 
 
 @pytest.mark.parametrize("case", NEW_TOKEN_CASES, ids=[f"{c[0][0]}x{c[0][1]}-d{c[1]}-b{c[2]}-w{c[3]}-c{c[4]}-s{c[5]}-"
-                                                       f"{str(c[6])[6:]}" for c in NEW_TOKEN_CASES])
+                                                       + "-".join(str(t)[6:] for t in c[6:]) for c in NEW_TOKEN_CASES])
 def test_decode_with_new_tokens_equals_write_then_attend(case, kernel_device, check_dtype):
     """``paged_attention(new_tokens=...)`` (rotary, cache write and attention in one kernel) against
     ``rotary_write_kv`` then ``paged_attention``, and against the float64 reference: the same cache
     bits (padding slot -1 untouched), outputs within rounding, every real row of a NaN-poisoned
-    output written. Lengths: a sequence's first token (nothing cached), block edges, long."""
+    output written. Lengths: a sequence's first token (nothing cached), block edges, long. An fp8
+    cache (8th field): the same bits, and the reference reads the fp8 values."""
     from podium_cuda.kv_write import rotary_write_kv
     from podium_cuda.paged_attention import NewTokens, paged_attention
-    from podium_cuda.testing import relative_error
+    from podium_cuda.testing import cache_bits, relative_error
     from podium_plugin_api import AttentionMetadata, reference_paged_attention
 
-    (heads, kv_heads), head_size, block_size, window, cap, num_splits, dtype = case
+    (heads, kv_heads), head_size, block_size, window, cap, num_splits, dtype, *cache_dtype = case
     check_dtype(dtype)
     seed = random.randrange(1 << 30)
     rng, gen, dev = random.Random(seed), torch.Generator().manual_seed(seed), kernel_device
@@ -200,7 +203,7 @@ def test_decode_with_new_tokens_equals_write_then_attend(case, kernel_device, ch
     angles = torch.rand(512, head_size // 2, generator=gen) * 6.3
     table = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dev)
     pos = torch.tensor(lens, device=dev) - 1
-    start = torch.randn(2, num_blocks, block_size, kv_heads, head_size, generator=gen).to(dtype).to(dev)
+    start = torch.randn(2, num_blocks, block_size, kv_heads, head_size, generator=gen).to(*cache_dtype or [dtype]).to(dev)
     args = dict(scale=head_size**-0.5, max_query_len=1, sliding_window=window, soft_cap=cap, num_splits=num_splits)
 
     plain = start.clone()
@@ -210,7 +213,8 @@ def test_decode_with_new_tokens_equals_write_then_attend(case, kernel_device, ch
     got = torch.full_like(q_rot, float("nan"))
     paged_attention(q, fused[0], fused[1], meta.query_start_loc, meta.seq_lens, meta.block_tables, out=got,
                     new_tokens=NewTokens(pos, k, v, table, meta.slot_mapping), **args)
-    assert torch.equal(fused, plain), f"seed {seed}: the kernel's cache write differs from rotary_write_kv's"
+    assert torch.equal(cache_bits(fused), cache_bits(plain)), \
+        f"seed {seed}: the kernel's cache write differs from rotary_write_kv's"
     assert torch.isfinite(got).all(), f"seed {seed}: rows left unwritten"
     real = slice(0, len(lens) - 1)  # the padding row attends to its own unstored key: not compared
     whole, worst = relative_error(got[real], want[real])
