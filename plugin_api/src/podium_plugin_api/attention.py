@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .metadata import AttentionLayerSpec, AttentionMetadata, KVCacheSpec, RotaryInputs
-from .reference import reference_paged_attention
+from .reference import indexable, reference_paged_attention
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -61,15 +61,16 @@ class AttentionBackend:
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = to_cache_dtype(key[keep], key_cache.dtype)
-        value_cache[blocks, offsets] = to_cache_dtype(value[keep], value_cache.dtype)
+        indexable(key_cache)[blocks, offsets] = indexable(to_cache_dtype(key[keep], key_cache.dtype))
+        indexable(value_cache)[blocks, offsets] = indexable(to_cache_dtype(value[keep], value_cache.dtype))
 
     def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key/value stored at ``slot_mapping``: two [T, num_kv_heads, head_size] tensors."""
         key_cache, value_cache = self.split_cache(kv_cache)
         block_size = key_cache.shape[1]
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        return key_cache[blocks, offsets], value_cache[blocks, offsets]
+        return (indexable(key_cache)[blocks, offsets].view(key_cache.dtype),
+                indexable(value_cache)[blocks, offsets].view(value_cache.dtype))
 
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Called once per step before the layers run; may add backend data to ``meta.extras``."""

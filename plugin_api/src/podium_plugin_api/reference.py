@@ -11,12 +11,22 @@ import torch
 from .metadata import AttentionMetadata
 
 
+def indexable(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` as integers of its width where it is an 8-bit float: torch before 2.10 or so has no
+    CPU indexing kernels for fp8 (``index_cpu``), and bytes index the same. View results back with
+    ``.view(cache.dtype)``."""
+    if cache.is_floating_point() and cache.element_size() == 1:
+        return cache.view(torch.uint8)
+    return cache
+
+
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached tokens of one sequence: [length, num_kv_heads, head_size]."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
     blocks = block_table[:num_blocks].long()
-    return cache[blocks].reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+    rows = indexable(cache)[blocks].view(cache.dtype)
+    return rows.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
 
 
 def attention_mask(query_len: int, seq_len: int, sliding_window: int | None, device) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, KVCacheSpec, RotaryInputs
 from podium_plugin_api.attention import to_cache_dtype
-from podium_plugin_api.reference import attend_one, attention_mask
+from podium_plugin_api.reference import attend_one, attention_mask, indexable
 
 from .attention_kernel import call_kernel, check_plan, checked_slots, kernel_inputs_fit, rotary_fits, token_rows
 from .attention_plan import LongSeq, StepPlan, plan_for
@@ -96,8 +96,9 @@ class CpuAttentionBackend(AttentionBackend):
         if slots.numel() and int(slots.max()) >= num_slots:
             raise ValueError(f"slot_mapping holds slot {int(slots.max())}; the cache has {num_slots} slots")
         blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = to_cache_dtype(key, key_cache.dtype).reshape(key.shape[0], *key_cache.shape[2:])
-        value_cache[blocks, offsets] = to_cache_dtype(value, value_cache.dtype)
+        new_keys = to_cache_dtype(key, key_cache.dtype).reshape(key.shape[0], *key_cache.shape[2:])
+        indexable(key_cache)[blocks, offsets] = indexable(new_keys)
+        indexable(value_cache)[blocks, offsets] = indexable(to_cache_dtype(value, value_cache.dtype))
 
     def _native_write(self, key_cache, value_cache, key, value, slot_mapping, plan: StepPlan | None) -> bool:
         """Write through the C kernel when the inputs fit it; False: the caller writes in torch."""
@@ -123,8 +124,8 @@ class CpuAttentionBackend(AttentionBackend):
         key_cache, value_cache = self.token_major(*self.split_cache(kv_cache))
         block_size = key_cache.shape[1]
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        values = value_cache[blocks, offsets]  # [T, Hkv, D]
-        return key_cache[blocks, offsets].reshape(values.shape), values
+        values = indexable(value_cache)[blocks, offsets].view(value_cache.dtype)  # [T, Hkv, D]
+        return indexable(key_cache)[blocks, offsets].view(key_cache.dtype).reshape(values.shape), values
 
     # -- attention -----------------------------------------------------------------------------
     def forward(self, layer, query, key, value, kv_cache, meta):
@@ -205,8 +206,8 @@ class CpuAttentionBackend(AttentionBackend):
         rows, index, lengths, width = _decode_gather(plan, meta, block_size)
         n, group = rows.numel(), layer.num_heads // hkv
         key_rows, value_rows = self.token_major(key_cache, value_cache)
-        keys = key_rows.index_select(0, index).reshape(n, width * block_size, hkv, d)  # [n, L, Hkv, D]
-        values = value_rows.index_select(0, index).reshape(n, width * block_size, hkv, d)
+        keys = _select_blocks(key_rows, index).reshape(n, width * block_size, hkv, d)  # [n, L, Hkv, D]
+        values = _select_blocks(value_rows, index).reshape(n, width * block_size, hkv, d)
         k_pos = torch.arange(width * block_size)[None, :]  # [1, L]
         visible = k_pos < lengths[:, None]  # [n, L]
         if layer.sliding_window is not None:
@@ -233,8 +234,8 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             key_rows, value_rows = self.token_major(key_cache, value_cache)
             hkv, d = value_cache.shape[1], value_cache.shape[3]
-            k = key_rows.index_select(0, seq.blocks).reshape(-1, hkv, d)[: seq.seq_len]  # [L, Hkv, D]
-            v = value_rows.index_select(0, seq.blocks).reshape(-1, hkv, d)[: seq.seq_len]
+            k = _select_blocks(key_rows, seq.blocks).reshape(-1, hkv, d)[: seq.seq_len]  # [L, Hkv, D]
+            v = _select_blocks(value_rows, seq.blocks).reshape(-1, hkv, d)[: seq.seq_len]
         if layer.soft_cap is not None:
             mask = attention_mask(q.shape[0], seq.seq_len, layer.sliding_window, q.device)
             return attend_one(q.float(), k.float(), v.float(), mask, layer.scale, layer.soft_cap).to(q.dtype)
@@ -248,6 +249,11 @@ class CpuAttentionBackend(AttentionBackend):
             mask = attention_mask(q.shape[0], seq.seq_len, layer.sliding_window, q.device)
             o = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
+
+
+def _select_blocks(cache_rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``cache_rows.index_select(0, blocks)``; fp8 caches as bytes (older torch has no fp8 index kernels)."""
+    return indexable(cache_rows).index_select(0, blocks).view(cache_rows.dtype)
 
 
 def _as_long(plan: StepPlan, meta: AttentionMetadata, block_size: int) -> list[LongSeq]:
