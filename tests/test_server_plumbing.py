@@ -378,5 +378,10 @@ def test_serve_flags_reach_the_engine_config(flag, expected):
     assert engine.async_scheduling is expected
     assert engine.enforce_eager is True and engine.max_num_seqs == 8
     assert engine.kv_cache_dtype == "auto"
-    fp8 = parser.parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"])
-    assert cli.settings_from_args(fp8).engine.kv_cache_dtype == "fp8_e5m2"
+    fp8 = cli.settings_from_args(parser.parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"]))
+    assert fp8.engine.kv_cache_dtype == "fp8_e5m2"
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(platform_name="cpu", model_name="m", max_model_len=64, kv_capacity_tokens=4096)
+    assert "KV cache 4096 tokens (fp8_e5m2)," in cli.startup_banner(info, fp8)
+    assert "KV cache 4096 tokens," in cli.startup_banner(info, cli.settings_from_args(args))

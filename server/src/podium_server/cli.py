@@ -95,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
 def startup_banner(info, settings: ServerSettings) -> str:
     auth = "on" if settings.api_key else "off"
+    kv_dtype = "" if settings.engine.kv_cache_dtype == "auto" else f" ({settings.engine.kv_cache_dtype})"
     return (f"podium serve: platform {info.platform_name}, model {info.model_name} "
-            f"(max_model_len {info.max_model_len}), KV cache {info.kv_capacity_tokens} tokens, "
+            f"(max_model_len {info.max_model_len}), KV cache {info.kv_capacity_tokens} tokens{kv_dtype}, "
             f"engine in a {settings.engine_mode}\n"
             f"podium serve: listening on {settings.url}  (OpenAI base_url {settings.url}/v1, API key {auth})")
 
