@@ -43,7 +43,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, platform: Platfo
         if fmt not in formats:
             raise ValueError(f"kv_cache_dtype={name!r}: platform {platform.name!r} has no fp8 formats")
         dtype = formats[fmt]
-    listed = backend.kv_cache_dtypes(model_dtype) if hasattr(backend, "kv_cache_dtypes") else (model_dtype,)
+    listed = backend.kv_cache_dtypes(model_dtype)
     if dtype not in listed:
         names = ", ".join(["auto"] + [dtype_name(d) for d in listed if d != model_dtype])
         raise ValueError(

@@ -141,9 +141,8 @@ def check_write_read(
 
 
 def extra_cache_dtypes(backend: AttentionBackend, model_dtype: torch.dtype) -> list[torch.dtype]:
-    """The cache dtypes other than the model's that the backend lists (API 1.4; none before it)."""
-    listed = backend.kv_cache_dtypes(model_dtype) if hasattr(backend, "kv_cache_dtypes") else (model_dtype,)
-    return [d for d in listed if d != model_dtype]
+    """The cache dtypes other than the model's that the backend lists (API 1.4)."""
+    return [d for d in backend.kv_cache_dtypes(model_dtype) if d != model_dtype]
 
 
 def check_cache_dtype(platform: Platform, backend: AttentionBackend, model_dtype: torch.dtype,
