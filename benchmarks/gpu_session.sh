@@ -8,7 +8,9 @@
 # STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
 #   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
 # fp8 KV cache: fp8_tests, tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8); gemv_sweep
-# (benchmarks/gemv_fused_sweep.py); triton_cache_out tars ~/.triton into $OUT for the next call to carry.
+# (benchmarks/gemv_fused_sweep.py); triton_cache_out tars ~/.triton into $OUT (its own file, 16 MiB at most comes
+# back) for the next call to carry as .triton_cache.tar.xz. gemv_tests: the batch-1 GEMV and the kit's op checks on cuda;
+# cuda_quick_tests: GEMV, KV write / one-kernel decode, fused ops, graph replay (not the long attention sweep).
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -28,7 +30,7 @@ run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
 }
 shape8b="--model llama-3.1-8b-shape --max-model-len 1024 --no-progress"
 # a Triton cache from an earlier call (triton_cache_out, carried back as .triton_cache.tar.gz): no cold compiles
-[ -f .triton_cache.tar.gz ] && tar xzf .triton_cache.tar.gz -C "$HOME" && echo "Triton cache restored" | tee -a "$OUT/summary.txt"
+[ -f .triton_cache.tar.xz ] && tar xJf .triton_cache.tar.xz -C "$HOME" && echo "Triton cache restored" | tee -a "$OUT/summary.txt"
 steps=${*:-engine_tests tp_fixed_8b latency_8b latency_1b kernel_tests rocm_tests}
 for s in $steps; do
   pre=""
@@ -54,9 +56,13 @@ for s in $steps; do
       --kv-cache-dtype fp8 ;;
     step_profile_8b_fp8) run_step $s 150 $pre python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --kernels \
       --kv-cache-dtype fp8 ;;
+    cuda_quick_tests) run_step $s 200 $pre python3 -m pytest platforms/cuda/tests/test_gemv.py platforms/cuda/tests/test_kv_write.py \
+      platforms/cuda/tests/test_fused_ops.py platforms/cuda/tests/test_graph_replay.py -q -p no:cacheprovider -rfE ;;
+    gemv_tests) run_step $s 300 $pre bash -c "python3 -m pytest platforms/cuda/tests/test_gemv.py -q -p no:cacheprovider -rfE \
+      && cd \$(mktemp -d) && python3 -m pytest -p no:cacheprovider -q --podium-platform cuda -k 'custom_op or generation' -rfE" ;;
     fp8_tests) run_step $s 300 $pre python3 -m pytest platforms/cuda/tests/test_fp8_cache.py -q -p no:cacheprovider -rfE ;;
     gemv_sweep) TAIL=60 run_step $s 240 $pre python3 benchmarks/gemv_fused_sweep.py --out "$OUT/$s.json" ;;
-    triton_cache_out) tar czf "$OUT/triton_cache.tar.gz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton_cache.tar.gz" ;;
+    triton_cache_out) tar cJf "$OUT/triton_cache.tar.xz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton_cache.tar.xz" ;;
     rotary_tests) run_step $s 300 $pre bash -c "python3 -m pytest platforms/cuda/tests/test_kv_write.py \
       platforms/cuda/tests/test_fused_ops.py platforms/cuda/tests/test_graph_replay.py -q -p no:cacheprovider -rfE && \
       PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests/test_rocm_attention_on_gpu.py \
@@ -82,6 +88,6 @@ for s in $steps; do
   esac
 done
 # the device tool brings back at most 8 files: keep summary.txt, bundle the rest
-cd "$OUT" && others=$(ls | grep -v -x -e summary.txt -e logs.tar.gz) && [ -n "$others" ] && \
+cd "$OUT" && others=$(ls | grep -v -x -e summary.txt -e logs.tar.gz -e triton_cache.tar.xz) && [ -n "$others" ] && \
   tar czf logs.tar.gz $others && rm -rf $others
 exit 0

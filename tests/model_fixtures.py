@@ -208,3 +208,16 @@ def export_gguf(hf_model, arch: str, path, extra: list | tuple = ()) -> None:
             f"{arch}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
             f"{arch}.attention.key_length": head_dim, f"{arch}.vocab_size": config.vocab_size}
     write_gguf(path, arch, meta, tensors + list(extra))
+
+
+def teacher_forced_gaps(hf_model, prompts: list[list[int]], outs) -> torch.Tensor:
+    """|Podium's logprob - ``hf_model``'s logprob| of each token Podium generated (``outs``: the
+    CompletionOutputs, with ``logprobs``), the reference teacher-forced on Podium's tokens."""
+    gaps = []
+    with torch.inference_mode():
+        for ids, out in zip(prompts, outs):
+            mine = list(out.token_ids)
+            logits = hf_model(torch.tensor([ids + mine])).logits[0, len(ids) - 1:-1]
+            theirs = torch.log_softmax(logits.float(), -1)[torch.arange(len(mine)), torch.tensor(mine)]
+            gaps.append((theirs - torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, mine)])).abs())
+    return torch.cat(gaps)

@@ -73,6 +73,8 @@ def test_cuda_fp8_kv_cache_equals_cpu_fp8_and_is_batch_invariant(model_dir, prom
     """kv_cache_dtype="fp8": a quarter of a float32 cache's bytes a block (4x the blocks in the same
     memory); greedy tokens equal the CPU platform's fp8 cache (the same casts, peaked logits) and
     do not depend on what else is in the batch."""
+    if GPU != "cuda":
+        pytest.skip("the ROCm backend lists no fp8 cache (its kernels never ran on an AMD GPU)")
     fp8 = LLM(model_dir, device=GPU, dtype="float32", max_num_seqs=64, kv_cache_memory="2GiB", kv_cache_dtype="fp8")
     assert fp8.engine.kv_caches[0].dtype == torch.float8_e4m3fn
     assert fp8.engine.num_kv_blocks == 4 * cuda_llm.engine.num_kv_blocks
@@ -127,3 +129,29 @@ def test_cuda_async_scheduling_equals_sync(model_dir, prompts, cuda_llm):
     got = tokens(cuda_llm.generate(batch, params, use_tqdm=False))
     assert got == want
     assert all_free(cuda_llm)
+
+
+def test_cuda_bf16_batch_one_decode_takes_the_gemv_and_follows_transformers(model_dir, prompts):
+    """bfloat16: a request decoding alone runs its linears as the Triton GEMV (norm / SiLU-mul fused
+    in); the same requests decoding together run cuBLAS. Both stay as close to float32 transformers,
+    teacher-forced on each run's own tokens, as bf16 allows: the GEMV path may not be further off."""
+    if GPU != "cuda":
+        pytest.skip("the batch-1 GEMV is the CUDA platform's (ROCm keeps hipBLAS: gemv_batch1=False)")
+    from model_fixtures import teacher_forced_gaps
+    from transformers import AutoModelForCausalLM
+
+    from podium_cuda.gemv import GEMV_OPS, BatchOneLinear
+
+    llm = LLM(model_dir, device=GPU, dtype="bfloat16", kv_cache_memory="2GiB")
+    assert llm.engine.ops["rms_norm_linear"] is GEMV_OPS["rms_norm_linear"]
+    assert type(llm.engine.model.lm_head) is BatchOneLinear
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    batch = [{"prompt_token_ids": p} for p in prompts[:4]]
+    alone = [llm.generate([b], params, use_tqdm=False)[0].outputs[0] for b in batch]
+    together = [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+    gemv_gap = float(teacher_forced_gaps(hf, prompts, alone).mean())
+    cublas_gap = float(teacher_forced_gaps(hf, prompts, together).mean())
+    assert gemv_gap < 2 * cublas_gap + 0.02, (gemv_gap, cublas_gap)
+    assert all_free(llm)

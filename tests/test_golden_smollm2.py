@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import GOLDEN_CHATS, GOLDEN_PROMPTS, smollm2_gguf
+from model_fixtures import teacher_forced_gaps
 
 from podium import LLM, SamplingParams
 
@@ -78,15 +79,7 @@ def test_fp8_kv_cache_follows_transformers_with_fp8_rounded_keys_and_values(hf_m
     outs = [o.outputs[0] for o in fp8.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
     def distance() -> torch.Tensor:
-        """|Podium's logprob - transformers' logprob| of each of Podium's tokens, teacher-forced."""
-        gaps = []
-        with torch.inference_mode():
-            for ids, out in zip(prompts, outs):
-                mine = list(out.token_ids)
-                logits = model(torch.tensor([ids + mine])).logits[0, len(ids) - 1:-1]
-                theirs = torch.log_softmax(logits, -1)[torch.arange(len(mine)), torch.tensor(mine)]
-                gaps.append((theirs - torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, mine)])).abs())
-        return torch.cat(gaps)
+        return teacher_forced_gaps(model, prompts, outs)
 
     plain = distance()
 

@@ -17,7 +17,7 @@ from podium_plugin_api import (
     hookspec,
     hookspecs,
 )
-from podium_plugin_api.ops import REFERENCE_OPS
+from podium_plugin_api.ops import REFERENCE_OPS, build_op_table
 from podium_plugin_api.reference import reference_paged_attention
 from podium_plugin_api.testing import ConformanceError, KitSetupError, find_platform
 from podium_plugin_api.testing.attention_checks import check_attention, check_attention_rotary, check_graph_capture
@@ -336,6 +336,55 @@ def test_a_wrong_op_override_is_caught_with_its_error():
         match=r"custom op silu_and_mul from platform.custom_ops\(\) \(float32; arguments \[7, 192\]\).*max abs error",
     ):
         check_op("silu_and_mul", gelu_and_mul, torch.float32, CPU, "platform.custom_ops()")
+
+
+def test_a_one_row_fast_path_that_drops_the_bias_or_the_residual_is_caught():
+    """The *_linear ops run at 1, 2 and 7 rows: a bug only in a batch-1 kernel cannot hide."""
+    good = REFERENCE_OPS["rms_norm_linear"]
+
+    def no_bias_at_one_row(x, residual, weight, eps, linear):
+        if x.shape[0] == 1:
+            return good(x, residual, weight, eps, lambda h: h @ linear.weight.T)
+        return good(x, residual, weight, eps, linear)
+
+    def residual_not_returned(x, residual, weight, eps, linear):
+        out, _ = good(x, residual, weight, eps, linear)
+        return out, x
+
+    with pytest.raises(ConformanceError, match=r"rms_norm_linear .*arguments \[1, 96\], None, \[96\], 1e-06, "
+                                               r"Linear\(96, 40, bias=True\)\).*max abs error"):
+        check_op("rms_norm_linear", no_bias_at_one_row, torch.float32, CPU, "test")
+    with pytest.raises(ConformanceError, match=r"rms_norm_linear .*arguments \[1, 96\], \[1, 96\].*output 1"):
+        check_op("rms_norm_linear", residual_not_returned, torch.float32, CPU, "test")
+
+    def gelu_down(x, linear):
+        half = x.shape[-1] // 2
+        return linear(torch.nn.functional.gelu(x[..., :half]) * x[..., half:])
+
+    with pytest.raises(ConformanceError, match=r"silu_and_mul_linear .*arguments \[1, 192\]"):
+        check_op("silu_and_mul_linear", gelu_down, torch.float32, CPU, "test")
+
+
+def test_the_composite_ops_use_the_tables_own_primitives():
+    """A platform that fuses only rms_norm gets it inside rms_norm_linear too (build_op_table)."""
+    calls = []
+
+    def counted_rms_norm(x, weight, eps):
+        calls.append(x.shape)
+        return REFERENCE_OPS["rms_norm"](x, weight, eps)
+
+    table = build_op_table({"rms_norm": counted_rms_norm})
+    linear = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    out, residual = table["rms_norm_linear"](x, None, torch.ones(8), 1e-6, linear)
+    assert calls == [(3, 8)] and residual is x
+    torch.testing.assert_close(out, linear(REFERENCE_OPS["rms_norm"](x, torch.ones(8), 1e-6)))
+    overriding = build_op_table({"rms_norm": counted_rms_norm, "rms_norm_linear": good_rms_norm_linear})
+    assert overriding["rms_norm_linear"] is good_rms_norm_linear
+
+
+def good_rms_norm_linear(x, residual, weight, eps, linear):
+    return REFERENCE_OPS["rms_norm_linear"](x, residual, weight, eps, linear)
 
 
 def test_top_k_off_by_one_is_caught_naming_the_row():

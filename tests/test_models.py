@@ -161,3 +161,32 @@ def test_build_model_dtype_and_random_init_are_deterministic():
     assert torch.allclose(cache[1, :16], torch.cos(inverse_frequencies(config)))
     init_random_weights(second, seed=4)
     assert not torch.equal(params["model.embed_tokens.weight"], dict(second.named_parameters())["model.embed_tokens.weight"])
+
+
+def test_norms_and_silu_reach_the_projections_through_the_fusable_ops():
+    """Each layer's two norms and its SiLU-mul go through rms_norm_linear / silu_and_mul_linear (API
+    1.5), whose results the model uses: a platform's fused batch-1 GEMV replaces exactly these."""
+    config = tiny_config("llama")
+    calls = {"rms_norm_linear": 0, "silu_and_mul_linear": 0}
+    reference = build_op_table()
+
+    def counted(name, scale):
+        def op(*args):
+            calls[name] += 1
+            out = reference[name](*args)
+            return (out[0] * scale, out[1]) if isinstance(out, tuple) else out * scale
+        return op
+
+    logits = {}
+    for scale in (1.0, 0.5):
+        table = build_op_table({name: counted(name, scale) for name in calls})
+        model = build_model(config, table, torch.float32, "cpu")
+        init_random_weights(model, seed=1)
+        logits[scale] = FlatBatchRunner(model, config, BLOCK_SIZE).step({0: [3, 1, 4], 1: [5]})
+    layers = config.num_hidden_layers
+    assert calls == {"rms_norm_linear": 2 * 2 * layers, "silu_and_mul_linear": 2 * layers}  # two forwards
+    plain = build_model(config, build_op_table(), torch.float32, "cpu")
+    init_random_weights(plain, seed=1)
+    untouched = FlatBatchRunner(plain, config, BLOCK_SIZE).step({0: [3, 1, 4], 1: [5]})
+    assert torch.equal(logits[1.0][0], untouched[0]) and torch.equal(logits[1.0][1], untouched[1])
+    assert not torch.allclose(logits[0.5][1], untouched[1])  # the ops' outputs are what the layers use

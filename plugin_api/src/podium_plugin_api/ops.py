@@ -3,6 +3,14 @@
 The core's layers call these through an op table (name -> callable) built from the defaults below
 and the selected platform's ``podium_custom_ops``; the test kit checks each override against the
 reference here. Shapes: T tokens, H heads, D head size, B batch rows, V vocabulary.
+
+Two ops (API 1.5) join an elementwise op to the projection after it, for platforms whose kernels
+fuse the pair (a one-row GEMV with the norm in its prologue, say): ``rms_norm_linear`` and
+``silu_and_mul_linear``. They take the model's projection *module* (``linear``: an ``nn.Linear``,
+or whatever the platform's ``prepare_model`` made of it) and must equal calling it on the
+elementwise op's result. Where a platform does not override them, ``build_op_table`` composes them
+from the table's own ``rms_norm`` / ``fused_add_rms_norm`` / ``silu_and_mul``, so a platform that
+overrides only those loses nothing.
 """
 
 from __future__ import annotations
@@ -52,6 +60,40 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def _norm_linear(rms_norm: Callable, fused_add_rms_norm: Callable) -> Callable:
+    def rms_norm_linear(x, residual, weight, eps, linear):
+        """x [T, K], residual [T, K] or None -> (linear(rms_norm(x + residual)) [T, N], x + residual).
+
+        A pre-norm block's norm and first projection (residual None: (linear(rms_norm(x)), x)).
+        Added in plugin API 1.5.
+        """
+        if residual is None:
+            return linear(rms_norm(x, weight, eps)), x
+        normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+        return linear(normed), summed
+
+    return rms_norm_linear
+
+
+def _silu_linear(silu_and_mul: Callable) -> Callable:
+    def silu_and_mul_linear(x, linear):
+        """x [T, 2I] = [gate | up] -> linear(silu_and_mul(x)) [T, N]: a gated MLP's activation and down
+        projection. Added in plugin API 1.5."""
+        return linear(silu_and_mul(x))
+
+    return silu_and_mul_linear
+
+
+rms_norm_linear = _norm_linear(rms_norm, fused_add_rms_norm)
+silu_and_mul_linear = _silu_linear(silu_and_mul)
+
+# the composite ops, built from a table's own primitives where a platform does not override them
+COMPOSED_OPS: dict[str, Callable[[dict[str, Callable]], Callable]] = {
+    "rms_norm_linear": lambda table: _norm_linear(table["rms_norm"], table["fused_add_rms_norm"]),
+    "silu_and_mul_linear": lambda table: _silu_linear(table["silu_and_mul"]),
+}
+
+
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits [B, V] outside each row's top-k (k <= 0: off) and top-p nucleus (p >= 1: off).
 
@@ -87,15 +129,23 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "silu_and_mul": silu_and_mul,
     "top_k_top_p": top_k_top_p,
     "argmax": argmax,
+    "rms_norm_linear": rms_norm_linear,
+    "silu_and_mul_linear": silu_and_mul_linear,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}
 
 
 def build_op_table(overrides: dict[str, Callable[..., Any]] | None = None) -> dict[str, Callable[..., Any]]:
-    """The reference ops with ``overrides`` applied; unknown names are an error naming them."""
+    """The reference ops with ``overrides`` applied; unknown names are an error naming them.
+
+    A composite op (``COMPOSED_OPS``) that is not overridden calls the table's primitives, so it
+    uses the platform's fused norm even where the platform has no fused norm + linear.
+    """
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(REFERENCE_OPS))
     if unknown:
         raise ValueError(f"unknown custom op(s) {unknown}; known ops are {sorted(REFERENCE_OPS)}")
-    return {**REFERENCE_OPS, **overrides}
+    table = {**REFERENCE_OPS, **overrides}
+    table.update({name: compose(table) for name, compose in COMPOSED_OPS.items() if name not in overrides})
+    return table

@@ -29,11 +29,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = float(eps)
         self.rms_norm, self.fused_add_rms_norm = ops["rms_norm"], ops["fused_add_rms_norm"]
+        self.rms_norm_linear = ops["rms_norm_linear"]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self.rms_norm(x, self.weight, self.eps)
         return self.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def then(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual)), x + residual) through one op, which a platform may fuse."""
+        return self.rms_norm_linear(x, residual, self.weight, self.eps, linear)
 
 
 class GatedMLP(nn.Module):
@@ -43,12 +48,16 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.silu_and_mul = ops["silu_and_mul"]
+        self.silu_and_mul_linear = ops["silu_and_mul_linear"]
         size = intermediate_size
         self.merged_shards = {"gate_proj": ("gate_up_proj", 0, size), "up_proj": ("gate_up_proj", size, size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
+        return self.down(self.gate_up_proj(x))  # [T, hidden] -> [T, 2I] -> [T, hidden]
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> down(silu(gate) * up) [T, hidden]: one op, which a platform may fuse."""
+        return self.silu_and_mul_linear(gate_up, self.down_proj)
 
 
 def layer_sliding_window(config, layer_index: int) -> int | None:
@@ -102,8 +111,12 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rotary: RotaryInputs, ctx: ForwardContext) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x).reshape(tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
+        return self.attend(self.qkv_proj(x), rotary, ctx)
+
+    def attend(self, qkv: torch.Tensor, rotary: RotaryInputs, ctx: ForwardContext) -> torch.Tensor:
+        """The projected q|k|v [T, (H + 2 Hkv) D] -> o_proj(attention) [T, hidden]."""
+        tokens = qkv.shape[0]
+        qkv = qkv.reshape(tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
         q, k, v = qkv.split_with_sizes(self.head_splits, dim=1)  # [T, H, D], [T, Hkv, D], [T, Hkv, D] (views)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)  # norm over D, per head

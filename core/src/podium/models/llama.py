@@ -42,13 +42,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryInputs, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # each norm runs with the projection after it, and SiLU-mul with down: one op each, which a
+        # platform may fuse (a batch-1 GEMV with the norm in its prologue)
+        qkv, residual = self.input_layernorm.then(self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn.attend(qkv, rotary, ctx)
+        gate_up, residual = self.post_attention_layernorm.then(self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class DecoderStack(nn.Module):

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .fused_ops import _store_cast
+from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options
 from .tuning import CUDA_TUNING, AttentionTiling, KernelTuning, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -176,8 +177,11 @@ def paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    NEW_KV: tl.constexpr, HALF: tl.constexpr, FP16_DOT: tl.constexpr,
+    NEW_KV: tl.constexpr, HALF: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # a programmatic dependent launch (pdl.py): resident early, reads only after the wait
+        gdc_launch_dependents()
+        gdc_wait()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -302,9 +306,12 @@ def paged_attention_kernel(
 def merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
     num_heads, stride_ot, stride_oh,
-    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for a decode token t (grid (S, H))."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.load(qsl_ptr + tl.program_id(0)).to(tl.int64)
     head = tl.program_id(1)
     part = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NS]
@@ -416,6 +423,7 @@ def paged_attention(
     block_m, block_q, num_stages = _launch_shape(tiling, group, block_d)
     num_splits = num_splits if is_decode else 1
     grid = (num_seqs if is_decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    pdl = tuning.attention_pdl and dependent_launch(query.device)
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device)
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -437,13 +445,13 @@ def paged_attention(
         IS_DECODE=is_decode, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         IEEE=query.dtype == torch.float32, NEW_KV=new_tokens is not None, HALF=max(head_size // 2, 1),
         FP16_DOT=tuning.fp8_dot_in_fp16 and query.dtype == torch.bfloat16 and key_cache.element_size() == 1,
-        num_warps=tiling.num_warps, num_stages=num_stages,
+        PDL=pdl, num_warps=tiling.num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc,
             num_heads, out.stride(0), out.stride(1),
-            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            num_warps=tuning.reduce_num_warps,
+            HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits, PDL=pdl,
+            num_warps=tuning.reduce_num_warps, **launch_options(pdl),
         )
     return out

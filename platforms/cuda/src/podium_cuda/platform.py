@@ -10,7 +10,7 @@ import torch
 from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
 from podium_plugin_api.ops import REFERENCE_OPS
 
-from .tuning import CUDA_TUNING, FUSED_OPS_ENV, fused_ops_from_env
+from .tuning import CUDA_TUNING, FUSED_OPS_ENV, KernelTuning, fused_ops_from_env
 
 # No cuBLAS workspace by default. Without one cuBLAS picks GEMM kernels that do not split K into a
 # second reduction kernel: on the H200 batch-1 decode of the Llama-3.1-8B shape went from 4.66 to
@@ -133,10 +133,31 @@ class CudaPlatform(Platform):
     def graph_runner(self) -> GraphRunner:
         return CudaGraphRunner()
 
+    def tuning(self) -> KernelTuning:
+        """The launch parameters this platform gives the kernels (ROCm overrides it)."""
+        return CUDA_TUNING
+
     def custom_ops(self) -> dict:
         """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""
-        from .fused_ops import FUSED_OPS  # triton is imported here, not before
+        kernels = op_kernels()
+        names = fused_ops_from_env(os.environ.get(FUSED_OPS_ENV), CUDA_TUNING.fused_ops, kernels)
+        # only ops this plugin API knows (argmax came in 1.3, the *_linear ops in 1.5; podium-cuda
+        # runs on any 1.x)
+        return {name: kernels[name] for name in names if name in REFERENCE_OPS}
 
-        names = fused_ops_from_env(os.environ.get(FUSED_OPS_ENV), CUDA_TUNING.fused_ops, FUSED_OPS)
-        # only ops this plugin API knows (argmax came in 1.3; podium-cuda runs on any 1.x)
-        return {name: FUSED_OPS[name] for name in names if name in REFERENCE_OPS}
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """One-row bf16/fp16 linears (o_proj, lm_head at batch-1 decode) take the Triton GEMV
+        (``KernelTuning.gemv_batch1``): the model's nn.Linear modules become BatchOneLinear in place."""
+        if self.tuning().gemv_batch1:
+            from .gemv import use_batch_one_linears  # triton is imported here, not before
+
+            use_batch_one_linears(model)
+        return model
+
+
+def op_kernels() -> dict:
+    """Every Triton op podium-cuda has, by op name (which are installed is the tuning's choice)."""
+    from .fused_ops import FUSED_OPS  # triton is imported here, not before
+    from .gemv import GEMV_OPS
+
+    return {**FUSED_OPS, **GEMV_OPS}

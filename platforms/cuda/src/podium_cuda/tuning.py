@@ -70,15 +70,28 @@ class KernelTuning:
     # Llama-3.1-8B shapes, 1..8192 tokens: each fused op was 2-18x faster in graph replay and eager)
     # argmax (greedy sampling over V / 4096 programs a row): 3.3 against torch's 26 us at batch 1
     # in a graph, 42 against 46 at 256; batch-1 8B decode 4.61 -> 4.58 ms a token (NOTES.md session 6)
-    fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax")
+    # rms_norm_linear / silu_and_mul_linear (API 1.5): the batch-1 GEMV below, else the fused norm / SiLU
+    # then the linear
+    fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
+                                  "rms_norm_linear", "silu_and_mul_linear")
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
     # an fp8 cache under bf16 queries: the attention dots run in fp16, q clamped to its range (bf16
     # -> fp16 is exact there, e4m3/e5m2 -> fp16 always: one convert a pair, where -> bf16 adds one an
     # element). The sm90 PTX of the decode kernel: 161 converts instead of 265 (bf16 cache: 51).
-    # Not yet timed on a GPU (NOTES.md, session 7)
+    # H200 A/B (session 8, 256 x 512/256, 8B shape): 9,996 and 10,023 out tok/s against 9,617 and
+    # 9,608 with bf16 dots
     fp8_dot_in_fp16: bool = True
+    # one-row bf16/fp16 linears (batch-1 decode) as a Triton GEMV (gemv.py), with the norm or SiLU-mul
+    # before them in its prologue: faster than separate kernel + cuBLAS at every 1B/8B shape, median
+    # 0.88x (benchmarks/gemv_fused_sweep.py); False: cuBLAS
+    gemv_batch1: bool = True
+    # programmatic dependent launches (pdl.py, NVIDIA sm90+ only) of the GEMV, whose first weight
+    # tile loads while the kernel before it finishes (H200 batch-1 decode: 1B 0.94 -> 0.90-0.91 ms,
+    # 8B 4.32 -> 4.18 ms, NOTES.md session 8), and of the attention kernel and its split merge
+    gemv_pdl: bool = True
+    attention_pdl: bool = True
 
 
 TUNING_ENV = "PODIUM_CUDA_TUNING"  # "field=value,...": top-level int / bool fields of KernelTuning

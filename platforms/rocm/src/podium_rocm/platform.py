@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from podium_cuda.platform import CudaPlatform
+from podium_cuda.platform import CudaPlatform, op_kernels
 from podium_cuda.tuning import KernelTuning
 from podium_plugin_api import AttentionBackend, Availability, Capabilities
 
@@ -72,7 +72,5 @@ class RocmPlatform(CudaPlatform):
 
     def custom_ops(self) -> dict:
         """podium-cuda's fused Triton ops named in the tuning's ``fused_ops``, launched with its warps."""
-        from podium_cuda.fused_ops import FUSED_OPS  # triton is imported here, not before
-
-        tuning = self.tuning()
-        return {name: partial(FUSED_OPS[name], tuning=tuning) for name in tuning.fused_ops}
+        tuning, kernels = self.tuning(), op_kernels()
+        return {name: partial(kernels[name], tuning=tuning) for name in tuning.fused_ops}

@@ -54,6 +54,12 @@ ROCM_TUNING = KernelTuning(
     # Each fused op replaces several torch elementwise kernels (each a full pass over HBM) with
     # one pass; that gain does not depend on the vendor. Not timed on AMD.
     fused_ops=("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"),
+    # the batch-1 GEMV (podium_cuda.gemv) was tuned on the H200's 132 SMs; not timed on AMD, so hipBLAS
+    gemv_batch1=False,
+    # programmatic dependent launch is an NVIDIA sm90 feature (pdl.py); off here, also when the ROCm
+    # path is forced onto an NVIDIA GPU for testing
+    gemv_pdl=False,
+    attention_pdl=False,
 )
 
 # AMD-only Triton launch options for the attention launches (CDNA3). NOT APPLIED YET: podium_cuda's

@@ -3,20 +3,51 @@
 Inputs are random, in the dtype under test, on the platform's device; the reference runs on
 the same numbers in float64 on the CPU. ``top_k_top_p`` is compared by the set of tokens it
 keeps and their values, since which tokens survive is what sampling depends on; ``argmax`` by
-exact equality (ties and NaNs included).
+exact equality (ties and NaNs included). The norm/SiLU + linear ops (API 1.5) run at 1, 2 and 7
+rows, with and without a bias and a residual: a platform may take a different kernel for a
+batch-1 decode row than for a prefill chunk, and both must be right.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..ops import REFERENCE_OPS
 from .report import ConformanceError, check_close, dtype_name, guarded
 
 T, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, MAX_POS = 7, 96, 4, 2, 32, 64
+OUT_FEATURES = 40  # the projection of the *_linear ops: not a multiple of a kernel's usual tile
+LINEAR_ROWS = (1, 2, T)
+
+
+def _linear(in_features: int, bias: bool, dtype: torch.dtype, gen: torch.Generator) -> nn.Linear:
+    """An nn.Linear with seeded weights (scaled so outputs stay near 1) in ``dtype``, on the CPU."""
+    layer = nn.Linear(in_features, OUT_FEATURES, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(OUT_FEATURES, in_features, generator=gen) / in_features**0.5)
+        if bias:
+            layer.bias.copy_(torch.randn(OUT_FEATURES, generator=gen))
+    return layer.requires_grad_(False).to(dtype)
+
+
+def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[Any, ...]]:
+    """Every argument tuple the kit checks op ``name`` with: one (``op_inputs``) for most ops."""
+    if name == "rms_norm_linear":
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        return [(randn(rows, HIDDEN), randn(rows, HIDDEN) if with_residual else None, randn(HIDDEN), 1e-6,
+                 _linear(HIDDEN, bias, dtype, gen))
+                for rows in LINEAR_ROWS for with_residual, bias in ((True, False), (False, True))]
+    if name == "silu_and_mul_linear":
+        return [(torch.randn(rows, 2 * HIDDEN, generator=gen).to(dtype), _linear(HIDDEN, bias, dtype, gen))
+                for rows in LINEAR_ROWS for bias in (False, True)]
+    return [op_inputs(name, dtype, gen)]
 
 
 def op_inputs(name: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
@@ -56,7 +87,9 @@ def op_inputs(name: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any,
 def _to(args: tuple[Any, ...], device: torch.device | str, float64: bool = False) -> tuple[Any, ...]:
     out = []
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, nn.Module):
+            a = copy.deepcopy(a).to(device=device, dtype=torch.float64 if float64 else None)
+        elif isinstance(a, torch.Tensor):
             a = a.to(device)
             if float64 and a.is_floating_point():
                 a = a.double()
@@ -86,9 +119,21 @@ def check_op(
     """Raise ConformanceError unless override ``fn`` of op ``name`` matches the reference."""
     if name not in REFERENCE_OPS:
         raise ConformanceError(f"{source} overrides unknown op {name!r}; known ops are {sorted(REFERENCE_OPS)}")
-    args = op_inputs(name, dtype, torch.Generator().manual_seed(seed))
-    shapes = ", ".join(str(list(a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args)
-    what = f"custom op {name} from {source} ({dtype_name(dtype)}; arguments {shapes})"
+    for args in op_cases(name, dtype, torch.Generator().manual_seed(seed)):
+        _check_case(name, fn, args, dtype, device, source)
+
+
+def _describe(a: Any) -> str:
+    if isinstance(a, torch.Tensor):
+        return str(list(a.shape))
+    if isinstance(a, nn.Linear):
+        return f"Linear({a.in_features}, {a.out_features}, bias={a.bias is not None})"
+    return repr(a)
+
+
+def _check_case(name: str, fn: Callable[..., Any], args: tuple[Any, ...], dtype: torch.dtype,
+                device: torch.device, source: str) -> None:
+    what = f"custom op {name} from {source} ({dtype_name(dtype)}; arguments {', '.join(map(_describe, args))})"
     got = guarded(what, fn, *_to(args, device))
     want = REFERENCE_OPS[name](*_to(args, "cpu", float64=True))
     if name == "top_k_top_p":

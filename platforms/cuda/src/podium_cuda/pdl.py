@@ -1,0 +1,32 @@
+"""Programmatic dependent launch (PDL, NVIDIA sm90+): a kernel may start before the one ahead of it ends.
+
+A kernel launched with ``launch_pdl=True`` is scheduled once every program of the kernel before it
+has called ``gdc_launch_dependents`` (or exited); it must call ``gdc_wait`` before it reads what
+that kernel writes, or writes anything. What it does before the wait (loading weights no kernel
+writes, or just being resident) overlaps the previous kernel's tail and the launch latency, which
+at batch-1 decode is a large part of each small kernel's time. Captured CUDA graphs keep the
+dependency as a programmatic edge. Never on ROCm, under Triton's interpreter or before sm90.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+try:  # NVIDIA's grid dependency control; a Triton build without it never takes the PDL path
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+
+@cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched as programmatic dependent launches."""
+    return (gdc_wait is not None and device.type == "cuda" and not getattr(torch.version, "hip", None)
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def launch_options(enabled: bool) -> dict:
+    """The extra launch keyword for a PDL launch (none otherwise)."""
+    return {"launch_pdl": True} if enabled else {}
