@@ -36,19 +36,33 @@ def wrap(obj, attr: str, key: str, acc: dict) -> None:
 
 
 def instrument(engine, acc: dict) -> None:
+    """The layers' norms run with the projection after them (``RMSNorm.then``: the rms_norm_linear op)
+    and SiLU-mul with down (``GatedMLP.down``): those are timed whole, the linears inside them too,
+    and ``derive`` subtracts."""
     model = engine.model
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for name, module in (("norm", layer.input_layernorm), ("norm", layer.post_attention_layernorm),
-                             ("linear qkv", attn.qkv_proj), ("linear o", attn.o_proj),
+        for name, module in (("linear qkv", attn.qkv_proj), ("linear o", attn.o_proj),
                              ("linear gate_up", mlp.gate_up_proj), ("linear down", mlp.down_proj)):
             wrap(module, "forward", name, acc)
-        wrap(mlp, "silu_and_mul", "silu_and_mul", acc)
-    wrap(model.model.norm, "forward", "norm", acc)
+        wrap(layer.input_layernorm, "then", "norm + qkv", acc)
+        wrap(layer.post_attention_layernorm, "then", "norm + gate_up", acc)
+        wrap(mlp, "down", "silu_and_mul + down", acc)
+    wrap(model.model.norm, "forward", "final norm", acc)
     wrap(model, "forward", "model forward", acc)
     wrap(model, "compute_logits", "compute_logits", acc)
     wrap(engine.runner.backend, "forward_rotary", "attention (+rotary)", acc)
     wrap(engine.runner.sampler, "sample", "sampler", acc)
+
+
+def derive(acc: dict) -> None:
+    """The norms and SiLU-mul alone where the platform runs them apart: the fused ops' time less the
+    linears inside them. Where a platform fuses the pair (CPU FmaLinear, CUDA's batch-1 GEMV) the
+    linear modules are not called and only the fused entries ("norm + qkv" ...) are shown."""
+    if acc.get("linear qkv") and acc.get("linear down"):
+        acc["norms"] = acc.pop("norm + qkv") + acc.pop("norm + gate_up") + acc["final norm"] \
+            - acc["linear qkv"] - acc["linear gate_up"]
+        acc["silu_and_mul"] = acc.pop("silu_and_mul + down") - acc["linear down"]
 
 
 def main() -> None:
@@ -80,6 +94,7 @@ def main() -> None:
         wall, cpu = time.perf_counter(), time.process_time()
         engine.step()
         acc["step (wall)"], acc["step (process CPU)"] = time.perf_counter() - wall, time.process_time() - cpu
+        derive(acc)
         for key, seconds in acc.items():
             per_step[key].append(seconds * 1e3)
     print(f"{args.num_seqs} decodes, ~{args.prompt_len} tokens of context, {engine.dtype}, "

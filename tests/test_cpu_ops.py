@@ -302,3 +302,50 @@ def test_native_packing_keeps_parameters_and_ties(native_linear):
     want = PackedLinear if layer_class is FmaLinear and can_pack(torch.bfloat16) else layer_class
     assert isinstance(model["head"], want) and model["head"].weight is embedding.weight
     assert sorted(dict(model.named_parameters())) == ["embed.weight", "f32.bias", "f32.weight"]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 50])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_norm_and_silu_linears_equal_the_op_then_the_linear_bit_for_bit(kernels, rows, bias):
+    """rms_norm_linear / silu_and_mul_linear into an FmaLinear: one native call whose input pass runs
+    the same row code as the ops alone (native/prologue.h), so the result is theirs exactly."""
+    if not kernels.fma_fused_linear:
+        pytest.skip("this build has no AVX2 + FMA kernel")
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter, out_features = 96, 160, 72  # 72: a partial last panel of 16 columns
+
+    def layer(k: int) -> FmaLinear:
+        plain = nn.Linear(k, out_features, bias=bias).requires_grad_(False)
+        plain.weight.copy_(torch.randn(out_features, k, generator=gen) / k**0.5)
+        if bias:
+            plain.bias.copy_(torch.randn(out_features, generator=gen))
+        plain = plain.bfloat16()
+        return FmaLinear(plain, kernels.fma_linear[torch.bfloat16], kernels.fma_pack[torch.bfloat16])
+
+    qkv, down = layer(hidden), layer(inter)
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16()
+    gate_up = torch.randn(rows, 2 * inter, generator=gen).mul(3).bfloat16()
+    out, summed = fused_ops.rms_norm_linear(kernels, x, residual, weight, 1e-6, qkv)
+    normed, want_sum = fused_ops.fused_add_rms_norm(kernels, x, residual, weight, 1e-6)
+    assert torch.equal(out, qkv(normed)) and torch.equal(summed, want_sum)
+    out, same = fused_ops.rms_norm_linear(kernels, x, None, weight, 1e-6, qkv)
+    assert torch.equal(out, qkv(fused_ops.rms_norm(kernels, x, weight, 1e-6))) and same is x
+    assert torch.equal(fused_ops.silu_and_mul_linear(kernels, gate_up, down),
+                       down(fused_ops.silu_and_mul(kernels, gate_up)))
+    # strided rows (a view into a wider buffer) take the fused path too
+    wide = torch.randn(rows, 2 * inter + 8, generator=gen).bfloat16()[:, : 2 * inter]
+    assert torch.equal(fused_ops.silu_and_mul_linear(kernels, wide, down), down(fused_ops.silu_and_mul(kernels, wide)))
+    # and against the float64 reference, so "equal to the separate ops" is not equal to a shared bug
+    want = reference.rms_norm_linear(x.double(), residual.double(), weight.double(), 1e-6,
+                                     lambda h: F.linear(h, qkv.weight.double(), None if qkv.bias is None else qkv.bias.double()))[0]
+    got = fused_ops.rms_norm_linear(kernels, x, residual, weight, 1e-6, qkv)[0]
+    assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_fused_linears_leave_other_linears_to_the_op_then_the_module(kernels):
+    plain = nn.Linear(64, 16).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    out, _ = fused_ops.rms_norm_linear(kernels, x, None, torch.ones(64).bfloat16(), 1e-6, plain)
+    assert torch.equal(out, plain(fused_ops.rms_norm(kernels, x, torch.ones(64).bfloat16(), 1e-6)))

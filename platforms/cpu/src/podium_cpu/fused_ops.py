@@ -7,6 +7,11 @@
 - silu_and_mul: native for bfloat16, rounding where torch's silu and mul round (silu in float32
   of the bf16 gate, rounded to bf16, times up, rounded); its e^x is not libm's, but a full sweep
   of bf16 gates gave torch's results bit for bit. float32 stays the reference.
+- rms_norm_linear, silu_and_mul_linear (API 1.5): where the linear is an ``FmaLinear`` (bf16 on
+  AVX2 without oneDNN bf16), one native call: the norm or SiLU-mul runs row by row in the input pass
+  the FMA kernel makes anyway (native/prologue.h, the same row code as the ops alone), so the
+  result is "op, then linear" bit for bit, in one call instead of two. Other linears: the op above,
+  then the linear.
 - top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
   row are sorted instead of the whole vocabulary.
 Anything outside what a native op handles (other dtypes, odd strides) goes to the reference.
@@ -21,6 +26,7 @@ import torch
 
 from podium_plugin_api import ops as reference
 
+from .linear_packing import FmaLinear
 from .native_kernels import NativeKernels
 
 PREFILTER_MAX_FRACTION = 8  # the pre-filter pays when max(top_k) is at most vocab / 8
@@ -34,6 +40,8 @@ def cpu_ops(kernels: NativeKernels | None) -> dict[str, Callable]:
             fused_add_rms_norm=partial(fused_add_rms_norm, kernels),
             rotary_embedding=partial(rotary_embedding, kernels),
             silu_and_mul=partial(silu_and_mul, kernels),
+            rms_norm_linear=partial(rms_norm_linear, kernels),
+            silu_and_mul_linear=partial(silu_and_mul_linear, kernels),
         )
     return ops
 
@@ -110,6 +118,50 @@ def silu_and_mul(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inter), dtype=x.dtype)  # [T, I]
     kernels.silu_and_mul[x.dtype](x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
     return out
+
+
+def _fused_linear(kernels: NativeKernels, x: torch.Tensor, linear) -> Callable | None:
+    """The native fused entry for input ``x`` into ``linear``, or None (another path)."""
+    fused = kernels.fma_fused_linear.get(torch.bfloat16)
+    if fused is None or type(linear) is not FmaLinear or not _bf16_rows(x) or x.shape[0] == 0:
+        return None
+    return fused
+
+
+def _run_fused(fused, linear, x, residual=None, norm_weight=None, eps=0.0, summed=None, silu=False) -> torch.Tensor:
+    m = x.shape[0]
+    out = torch.empty((m, linear.out_features), dtype=torch.bfloat16)  # [T, N]
+    bias = None if linear.bias_f32 is None else linear.bias_f32.data_ptr()
+    rc = fused(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+               0 if residual is None else residual.stride(0), None if norm_weight is None else norm_weight.data_ptr(),
+               float(eps), None if summed is None else summed.data_ptr(), int(silu), m, linear.packed.data_ptr(),
+               linear.out_features, linear.in_features, bias, out.data_ptr(), linear.out_features,
+               torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("the fma linear kernel could not allocate its scratch rows")
+    return out
+
+
+def rms_norm_linear(kernels: NativeKernels, x, residual, weight, eps, linear):
+    """(linear(rms_norm(x + residual)), x + residual); one native call into an FmaLinear."""
+    fused = _fused_linear(kernels, x, linear)
+    if fused is None or not _norm_native(x, weight, residual) or x.shape[1] != linear.in_features:
+        if residual is None:
+            return linear(rms_norm(kernels, x, weight, eps)), x
+        normed, summed = fused_add_rms_norm(kernels, x, residual, weight, eps)
+        return linear(normed), summed
+    if residual is None:
+        return _run_fused(fused, linear, x, norm_weight=weight, eps=eps), x
+    summed = torch.empty(x.shape, dtype=x.dtype)  # [T, K]
+    return _run_fused(fused, linear, x, residual, weight, eps, summed), summed
+
+
+def silu_and_mul_linear(kernels: NativeKernels, x, linear):
+    """linear(silu(gate) * up) for x [T, 2I]; one native call into an FmaLinear."""
+    fused = _fused_linear(kernels, x, linear)
+    if fused is None or x.shape[1] != 2 * linear.in_features:
+        return linear(silu_and_mul(kernels, x))
+    return _run_fused(fused, linear, x, silu=True)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ LIBRARIES = {
     "paged_attention": (NATIVE_DIR / "paged_attention.c", ()),
     "fused_ops": (NATIVE_DIR / "fused_ops.c", ("-ffp-contract=off",)),
     "amx_linear": (NATIVE_DIR / "amx_linear.c", ()),
-    "fma_linear": (NATIVE_DIR / "fma_linear.c", ()),
+    "fma_linear": (NATIVE_DIR / "fma_linear.c", ("-ffp-contract=off",)),  # its prologues are fused_ops' rows
 }
 COMPILERS = ("cc", "gcc", "clang")
 COMPILE_TIMEOUT_S = 120
@@ -79,6 +79,8 @@ class NativeKernels:
     amx_pack: dict  # the weight layout amx_linear reads (plain C, present wherever the library loads)
     fma_linear: dict  # empty where this build has no AVX2 + FMA
     fma_pack: dict  # the weight layout fma_linear reads (plain C)
+    # fma_linear with the RMSNorm (+ residual add) or SiLU-mul before it in its input pass (prologue.h)
+    fma_fused_linear: dict = field(default_factory=dict)
 
 
 def cache_dir() -> Path:
@@ -151,6 +153,8 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_amx_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
     "podium_fma_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
     "podium_fma_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
+    "podium_fma_fused_linear": ([_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR,
+                                 _I64, _INT], ("bf16",)),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -222,6 +226,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         amx_pack=entries["podium_amx_pack"],
         fma_linear=entries["podium_fma_linear"] if fma_ready else {},
         fma_pack=entries["podium_fma_pack"],
+        fma_fused_linear=entries["podium_fma_fused_linear"] if fma_ready else {},
     ), ""
 
 

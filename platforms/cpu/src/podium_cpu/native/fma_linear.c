@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "prologue.h"
 
 #define PANEL 16 /* output columns of a panel */
 #define ROWS 6   /* rows of a register block */
@@ -113,26 +114,59 @@ static void item(const float *xf, int64_t K, const bf16_t *panel, int64_t p, int
     }
 }
 
-/* x [M, K] (row stride x_stride), packed weights for [N, K], bias [N] float32 or NULL, out [M, N]
- * (row stride out_stride). Returns 0, or -1 when scratch memory could not be allocated. */
-int podium_fma_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
-                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
+/* The linear's input row m, widened to float32 into xf: x itself, or the op before the linear
+ * (prologue.h) computed into the bf16 row h first, exactly as the op alone would store it. */
+static void input_row(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride, const bf16_t *norm_w,
+                      float eps, bf16_t *sum_out, int silu, int64_t m, int64_t K, bf16_t *h, float *xf) {
+    const bf16_t *row = x + m * x_stride;
+    if (norm_w) {
+        norm_row(row, res ? res + m * res_stride : NULL, norm_w, h, res ? sum_out + m * K : NULL, K, eps);
+        row = h;
+    } else if (silu) {
+        silu_mul_row(row, h, K);
+        row = h;
+    }
+    for (int64_t k = 0; k < K; k++) xf[k] = bf16_to_f32(row[k]);
+}
+
+/* out [M, N] (row stride out_stride) = h . w^T + bias, h [M, K] the linear's input: x [M, K] (row
+ * stride x_stride) itself; with norm_w, rms_norm(x + res) (res NULL: rms_norm(x); else x + res goes
+ * to sum_out [M, K] contiguous, as fused_add_rms_norm returns it); with silu, silu(gate) * up of x
+ * [M, 2K] = [gate | up]. packed: the weights for [N, K]; bias [N] float32 or NULL. The prologue runs
+ * in the rows pass the linear makes anyway (split over the threads), not as a call of its own.
+ * Returns 0, or -1 when scratch memory could not be allocated. */
+int podium_fma_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
+                                 const bf16_t *norm_w, float eps, bf16_t *sum_out, int silu, int64_t M,
+                                 const bf16_t *packed, int64_t N, int64_t K, const float *bias, bf16_t *out,
+                                 int64_t out_stride, int num_threads) {
     float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
-    if (!xf) return -1;
+    bf16_t *h = (norm_w || silu) ? (bf16_t *)malloc(sizeof(bf16_t) * (size_t)(M * K)) : NULL;
+    if (!xf || ((norm_w || silu) && !h)) {
+        free(xf), free(h);
+        return -1;
+    }
     const int64_t panels = (N + PANEL - 1) / PANEL, chunks = (M + CHUNK - 1) / CHUNK, items = chunks * panels;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * x_stride + k]);
+            input_row(x, x_stride, res, res_stride, norm_w, eps, sum_out, silu, m, K, h ? h + m * K : NULL, xf + m * K);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t ch = it / panels, p = it % panels, m0 = ch * CHUNK;
             item(xf, K, packed + p * K * PANEL, p, N, bias, out, out_stride, m0, M - m0 < CHUNK ? M - m0 : CHUNK);
         }
     }
-    free(xf);
+    free(xf), free(h);
     return 0;
+}
+
+/* x [M, K] (row stride x_stride), packed weights for [N, K], bias [N] float32 or NULL, out [M, N]
+ * (row stride out_stride). Returns 0, or -1 when scratch memory could not be allocated. */
+int podium_fma_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
+                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
+    return podium_fma_fused_linear_bf16(x, x_stride, NULL, 0, NULL, 0.f, NULL, 0, M, packed, N, K, bias, out,
+                                        out_stride, num_threads);
 }
 
 #else /* no AVX2 + FMA in this build: nothing to run (oneDNN or torch serve bf16 linears) */
@@ -142,6 +176,15 @@ int podium_fma_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const b
                            int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
     (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride;
     (void)num_threads;
+    return -1;
+}
+
+int podium_fma_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
+                                 const bf16_t *norm_w, float eps, bf16_t *sum_out, int silu, int64_t M,
+                                 const bf16_t *packed, int64_t N, int64_t K, const float *bias, bf16_t *out,
+                                 int64_t out_stride, int num_threads) {
+    (void)x, (void)x_stride, (void)res, (void)res_stride, (void)norm_w, (void)eps, (void)sum_out, (void)silu;
+    (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride, (void)num_threads;
     return -1;
 }
 #endif
