@@ -160,13 +160,15 @@ def test_gemv_replays_in_a_cuda_graph(gpu):
     assert not torch.equal(eager[0], again[0])  # the replay read the new input
 
 
-def _no_gemv():
+def _tuning(**changes):
     from dataclasses import replace
 
-    return replace(CUDA_TUNING, gemv_batch1=False)
+    return replace(CUDA_TUNING, **changes)
+
+
+def _no_gemv():
+    return _tuning(gemv_batch1=False)
 
 
 def _no_pdl():
-    from dataclasses import replace
-
-    return replace(CUDA_TUNING, gemv_pdl=False)
+    return _tuning(gemv_pdl=False)
