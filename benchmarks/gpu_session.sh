@@ -7,7 +7,9 @@
 #        graph_gaps_1 tp_8b (the fixed 8B run without --compare) rotary_tests (rotary / KV write / graph tests, CUDA and ROCm)
 # STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
 #   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
-# fp8 KV cache: fp8_tests, tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8); gemv_sweep
+# attention_tests: paged attention, fp8 caches, KV write / one-kernel decode, graph replay.
+# mixed_kernels: mixed-step attention, one launch or decodes apart (bench_kernels' mixed section).
+# fp8 KV cache: fp8_tests, fp8_kernels (bench_kernels' fp8 section), tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8); gemv_sweep
 # (benchmarks/gemv_fused_sweep.py); triton_cache_out tars ~/.triton into $OUT (its own file, 16 MiB at most comes
 # back) for the next call to carry as .triton_cache.tar.xz. gemv_tests: the batch-1 GEMV and the kit's op checks on cuda;
 # cuda_quick_tests: GEMV, KV write / one-kernel decode, fused ops, graph replay (not the long attention sweep).
@@ -60,6 +62,9 @@ for s in $steps; do
       platforms/cuda/tests/test_fused_ops.py platforms/cuda/tests/test_graph_replay.py -q -p no:cacheprovider -rfE ;;
     gemv_tests) run_step $s 300 $pre bash -c "python3 -m pytest platforms/cuda/tests/test_gemv.py -q -p no:cacheprovider -rfE \
       && cd \$(mktemp -d) && python3 -m pytest -p no:cacheprovider -q --podium-platform cuda -k 'custom_op or generation' -rfE" ;;
+    attention_tests) run_step $s 300 $pre python3 -m pytest platforms/cuda/tests/test_paged_attention.py \
+      platforms/cuda/tests/test_fp8_cache.py platforms/cuda/tests/test_kv_write.py platforms/cuda/tests/test_graph_replay.py \
+      -q -p no:cacheprovider -rfE ;;
     fp8_tests) run_step $s 300 $pre python3 -m pytest platforms/cuda/tests/test_fp8_cache.py -q -p no:cacheprovider -rfE ;;
     gemv_sweep) TAIL=60 run_step $s 240 $pre python3 benchmarks/gemv_fused_sweep.py --out "$OUT/$s.json" ;;
     triton_cache_out) tar cJf "$OUT/triton_cache.tar.xz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton_cache.tar.xz" ;;
@@ -80,6 +85,8 @@ for s in $steps; do
       --no-progress --batch-size 1 --input-len 512 --output-len 128 ;;
     tp_cold_log) TAIL=40 run_step $s 200 $pre env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
       --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
+    fp8_kernels) TAIL=60 run_step $s 300 $pre python3 platforms/cuda/scripts/bench_kernels.py --only fp8 --out "$OUT/$s.json" ;;
+    mixed_kernels) TAIL=12 run_step $s 200 $pre python3 platforms/cuda/scripts/bench_kernels.py --only mixed --out "$OUT/$s.json" ;;
     decode_sweep) TAIL=12 run_step $s 240 $pre python3 platforms/cuda/scripts/bench_kernels.py --only decode_sweep --out "$OUT/$s.json" ;;
     profile_bs1_1b|profile_bs1_8b) model=llama-3.2-1b-shape; [ "$s" = profile_bs1_8b ] && model=llama-3.1-8b-shape
       TAIL=30 run_step $s 90 $pre env PROFILE_ROWS=24 python3 benchmarks/step_profile.py --model $model --num-prompts 1 \

@@ -17,6 +17,7 @@ import math
 import statistics
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 import triton.testing
@@ -84,13 +85,13 @@ def ceilings() -> dict:
 class PagedSets:
     """``sets`` distinct batches (block tables over disjoint random blocks) sharing one cache."""
 
-    def __init__(self, num_seqs: int, ctx: int, q_len: int, rotate: bool = True):
+    def __init__(self, num_seqs: int, ctx: int, q_len: int, rotate: bool = True, cache_dtype: torch.dtype = DTYPE):
         self.num_seqs, self.ctx, self.q_len = num_seqs, ctx, q_len
         per_seq = -(-ctx // BLOCK)
-        self.kv_bytes = 2 * num_seqs * ctx * KV_HEADS * HEAD * 2
+        self.kv_bytes = 2 * num_seqs * ctx * KV_HEADS * HEAD * cache_dtype.itemsize
         sets = max(1, min(128, math.ceil(ROTATE_BYTES / self.kv_bytes))) if rotate else 1
         num_blocks = sets * num_seqs * per_seq
-        self.cache = torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DTYPE, device=DEV).normal_()
+        self.cache = torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DTYPE, device=DEV).normal_().to(cache_dtype)
         perm = torch.randperm(num_blocks, device=DEV).to(torch.int32)
         self.tables = [perm[s * num_seqs * per_seq:(s + 1) * num_seqs * per_seq].view(num_seqs, per_seq) for s in range(sets)]
         self.qsl = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=DEV) * q_len
@@ -155,6 +156,104 @@ def bench_decode_sweep(results: dict, quick: bool) -> None:
               f"({current['TBps']:.2f} TB/s); best {best[1]} {best[0] * 1e3:.1f} us "
               f"({sets.kv_bytes / best[0] / 1e9:.2f} TB/s)", flush=True)
         del sets
+        torch.cuda.empty_cache()
+
+
+FP8_DECODE_CASES = ((256, 640), (256, 520), (256, 760), (64, 2048), (1, 512))
+FP8_PREFILL_SHAPES = ((2, 4096, 512), (16, 0, 512))
+FP8_TILINGS = [AttentionTiling(16, n, w, st) for n in (32, 64, 128) for w in (2, 4) for st in (2, 3, 4)]
+
+
+def bench_fp8(results: dict, quick: bool) -> None:
+    """fp8 (e4m3) caches against bf16 at the 8B runs' shapes: value tiles converted by Triton's cast
+    or in registers (``fp8_values_in_registers``) at the default decode tiling, then (batch 256,
+    in registers) over FP8_TILINGS and split in two."""
+    rows = results.setdefault("fp8", [])
+
+    def record(kind, shape, label, calls, sets, flops=None):
+        try:
+            ms = graph_ms(calls)
+        except Exception as error:  # noqa: BLE001 (a tiling may not fit)
+            rows.append({"kind": kind, "shape": shape, "variant": label, "error": repr(error)[:200]})
+            return
+        row = {"kind": kind, "shape": shape, "variant": label, "us": ms * 1e3, "TBps": sets.kv_bytes / ms / 1e9}
+        if flops:
+            row["TFLOPs"] = flops / ms / 1e9
+        rows.append(row)
+        print(f"fp8 {kind} {shape} {label:30s} {ms * 1e3:8.1f} us {row['TBps']:5.2f} TB/s", flush=True)
+
+    def name(cache_dtype, registers):
+        return "bf16" if cache_dtype == DTYPE else f"fp8 {'registers' if registers else 'triton-cast'}"
+
+    for batch, ctx in FP8_DECODE_CASES:
+        shape = f"b{batch}/ctx{ctx}"
+        for cache_dtype in (DTYPE, torch.float8_e4m3fn):
+            sets = PagedSets(batch, ctx, 1, cache_dtype=cache_dtype)
+            variants = [(False, CUDA_TUNING.decode, None)]
+            if cache_dtype != DTYPE:
+                variants.append((True, CUDA_TUNING.decode, None))
+                if batch >= 256 and not quick:
+                    variants += [(True, t, None) for t in FP8_TILINGS if t != CUDA_TUNING.decode]
+                    variants.append((True, CUDA_TUNING.decode, 2))
+            for registers, tiling, forced_splits in variants:
+                tuning = replace(CUDA_TUNING, decode=tiling, fp8_values_in_registers=registers, fp8_decode=None)
+                splits = forced_splits or plan_splits(batch, KV_HEADS, ctx, tuning.split)
+                label = f"{name(cache_dtype, registers)} {tag(tiling)} splits {splits}"
+                record("decode", shape, label, sets.calls(tuning, splits), sets)
+            del sets
+            torch.cuda.empty_cache()
+    for num_seqs, cached, q_len in FP8_PREFILL_SHAPES:
+        shape = f"{num_seqs}x{q_len}+{cached}"
+        for cache_dtype in (DTYPE, torch.float8_e4m3fn):
+            sets = PagedSets(num_seqs, cached + q_len, q_len, rotate=False, cache_dtype=cache_dtype)
+            for registers in (False,) if cache_dtype == DTYPE else (False, True):
+                tuning = replace(CUDA_TUNING, fp8_values_in_registers=registers)
+                record("prefill", shape, name(cache_dtype, registers), sets.calls(tuning, 1), sets,
+                       causal_flops(num_seqs, cached, q_len))
+            del sets
+            torch.cuda.empty_cache()
+    for batch, ctx in FP8_DECODE_CASES:  # the best few of each decode shape, last (the tool returns the tail)
+        shape = f"b{batch}/ctx{ctx}"
+        best = sorted((r for r in rows if r["shape"] == shape and "us" in r), key=lambda r: r["us"])[:4]
+        print(f"fp8 best {shape}: " + "; ".join(f"{r['variant']} {r['us']:.1f} us" for r in best), flush=True)
+
+
+MIXED_DECODES = (16, 64, 128, 240)  # decodes at the front of a mixed step, ~600 context each
+MIXED_PROMPTS = (16, 512)  # then this many new prompts of this length
+
+
+def bench_mixed(results: dict, quick: bool) -> None:
+    """A 512/256 run's mixed step: decodes first, then 16 new 512-token prompts; one prefill launch
+    for every row (``mixed_decode_min=0``) against the decode launch for the decodes."""
+    from podium_cuda.attention import TritonAttentionBackend
+    from podium_plugin_api import AttentionLayerSpec, AttentionMetadata
+
+    rows = results.setdefault("mixed", [])
+    layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD, HEAD**-0.5)
+    gen = torch.Generator().manual_seed(0)
+    for num_decodes in MIXED_DECODES[-1:] if quick else MIXED_DECODES:
+        prompts, prompt_len = MIXED_PROMPTS
+        query_lens = [1] * num_decodes + [prompt_len] * prompts
+        seq_lens = [int(x) for x in torch.randint(520, 760, (num_decodes,), generator=gen)] + [prompt_len] * prompts
+        widths = [-(-n // BLOCK) for n in seq_lens]
+        perm = torch.randperm(sum(widths) + 1, generator=gen).tolist()
+        tables, at = [], 0
+        for w in widths:
+            tables.append(perm[at:at + w])
+            at += w
+        meta = AttentionMetadata.from_lengths(query_lens, seq_lens, tables, BLOCK, device=DEV)
+        query = torch.randn(sum(query_lens), HEADS, HEAD, device=DEV, dtype=DTYPE)
+        for cache_dtype in (DTYPE, torch.float8_e4m3fn):
+            cache = torch.randn(2, sum(widths) + 1, BLOCK, KV_HEADS, HEAD, device=DEV, dtype=DTYPE).to(cache_dtype)
+            row = {"decodes": num_decodes, "cache": str(cache_dtype).replace("torch.", "")}
+            for label, min_decodes in (("one_launch_us", 0), ("split_us", 1)):
+                backend = TritonAttentionBackend(replace(CUDA_TUNING, mixed_decode_min=min_decodes))
+                step = backend.prepare_metadata(replace(meta, extras={}))
+                row[label] = graph_ms([functools.partial(backend.attend, layer, query, cache, step)] * 4) * 1e3
+            rows.append(row)
+            print(f"mixed {num_decodes:>3} decodes + {prompts} x {prompt_len} prefill, {row['cache']:14s} one launch "
+                  f"{row['one_launch_us']:7.1f} us, split {row['split_us']:7.1f} us", flush=True)
+            del cache
         torch.cuda.empty_cache()
 
 
@@ -261,6 +360,9 @@ def summarize(results: dict) -> None:
     for r in results.get("ops", []):
         print(f"op {r['op']:<18} T={r['tokens']:<5} graph {r['fused_graph_us']:6.1f} vs {r['torch_graph_us']:6.1f} us"
               f" | eager {r['fused_eager_us']:6.1f} vs {r['torch_eager_us']:6.1f} us")
+    for r in results.get("mixed", []):
+        print(f"mixed {r['decodes']:>3} decodes + {MIXED_PROMPTS[0]} x {MIXED_PROMPTS[1]}, {r['cache']:14s} one launch {r['one_launch_us']:7.1f} us, "
+              f"split {r['split_us']:7.1f} us")
     for r in results.get("host", []):
         print("host", json.dumps({k: round(v, 1) for k, v in r.items()}))
     for r in results.get("kv_write", []):
@@ -296,12 +398,13 @@ def main() -> None:
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--quick", action="store_true", help="default tilings only")
     parser.add_argument("--only", nargs="*", default=["ceilings", "decode", "prefill", "host", "ops", "kv_write"],
-                        help="sections; also decode_sweep (tilings at the 8B runs' decode shapes)")
+                        help="sections; also decode_sweep (tilings at the 8B runs' decode shapes), fp8 (fp8 caches' "
+                             "convert modes and tilings against bf16), mixed (mixed-step attention, split or not)")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "errors": []}
     sections = {"ceilings": lambda r, q: r.update(ceilings=ceilings()), "decode": bench_decode,
-                "decode_sweep": bench_decode_sweep, "prefill": bench_prefill, "host": bench_host, "ops": bench_ops, "kv_write": bench_kv_write}
+                "decode_sweep": bench_decode_sweep, "fp8": bench_fp8, "mixed": bench_mixed, "prefill": bench_prefill, "host": bench_host, "ops": bench_ops, "kv_write": bench_kv_write}
     for name in args.only:
         start = time.time()
         try:

@@ -89,7 +89,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--fp8-triton-cast", action="store_true",
+                        help="fp8 value tiles by Triton's cast (fp8_values_in_registers off); by default they convert "
+                             "in registers as on an sm89+ GPU (the CPU tensors here would otherwise select the cast)")
     args = parser.parse_args()
+    registers = pa.CUDA_TUNING.fp8_values_in_registers and not args.fp8_triton_cast
+    pa._fp8_convert = lambda tuning, key_cache: registers and key_cache.element_size() == 1
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for new_tokens in (False, True):
             compiled = compile_launch(*decode_launch(cache_dtype, new_tokens), args.arch)

@@ -65,7 +65,7 @@ def test_fused_ops_env_override_names_known_ops_or_fails_clearly():
         fused_ops_from_env("rms_nrom", ("rms_norm",), known)
 
 
-def test_tuning_env_overrides_int_and_bool_fields_or_fails_clearly():
+def test_tuning_env_overrides_int_bool_and_tiling_fields_or_fails_clearly():
     import pytest
 
     from podium_cuda.tuning import KernelTuning, tuning_from_env
@@ -75,6 +75,9 @@ def test_tuning_env_overrides_int_and_bool_fields_or_fails_clearly():
     changed = tuning_from_env("decode_rotary_in_attention=0, reduce_num_warps=8", base)
     assert changed.decode_rotary_in_attention is False and changed.reduce_num_warps == 8
     assert changed.decode == base.decode
-    for bad in ("decode=3", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps", "reduce_num_warps=4.5"):
+    tilings = tuning_from_env("decode=16/128/8/3, fp8_decode=none", base)
+    assert (tilings.decode.block_n, tilings.decode.num_warps, tilings.decode.num_stages) == (128, 8, 3)
+    assert tilings.fp8_decode is None and tuning_from_env("fp8_decode=32/64/4/2", base).fp8_decode.block_m == 32
+    for bad in ("decode=3", "decode=none", "decode=16/24/4/2", "fp8_decode=16/32", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps", "reduce_num_warps=4.5"):
         with pytest.raises(ValueError, match="PODIUM_CUDA_TUNING"):
             tuning_from_env(bad, base)

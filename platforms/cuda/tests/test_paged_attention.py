@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -112,3 +113,36 @@ def test_backend_plans_splits_for_long_decode_only(kernel_device, make_batch):
     prefill = make_batch([64], [4096], num_heads=8, num_kv_heads=8, head_size=64, block_size=16,
                          dtype=torch.float32, device="cpu", seed=0)
     assert backend.num_splits(prefill.meta, 8) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mixed_step_with_leading_decodes_takes_both_launches(dtype, kernel_device, check_dtype, make_batch, rel_error):
+    """A mixed step starting with decodes: the decode launch for them, the prefill launch for the
+    rest (a decode behind a prefill stays there), and every row matches the reference."""
+    from dataclasses import replace
+
+    from podium_cuda.attention import MIXED_SPLIT, TritonAttentionBackend
+    from podium_cuda.tuning import CUDA_TUNING
+
+    check_dtype(dtype)
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    decodes = rng.randint(3, 6)
+    query_lens = [1] * decodes + [rng.randint(2, 70), 1, rng.randint(20, 90)]
+    seq_lens = [rng.randint(1, 400) for _ in range(decodes)] + [q + rng.randint(0, 150) for q in query_lens[decodes:]]
+    batch = make_batch(query_lens, seq_lens, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
+                       dtype=dtype, device=kernel_device, seed=seed)
+    layer = _layer((16, 4), 128, None, None)
+    ref = _reference(batch, layer)
+    for min_decodes, split in ((decodes, True), (decodes + 1, False), (0, False)):
+        backend = TritonAttentionBackend(replace(CUDA_TUNING, mixed_decode_min=min_decodes))
+        meta = backend.prepare_metadata(replace(batch.meta, extras={}))
+        prefix = meta.extras.get(MIXED_SPLIT)
+        assert (prefix is not None) == split
+        if split:
+            assert prefix.num_decodes == decodes and prefix.decodes.is_pure_decode
+            assert prefix.rest.query_start_loc.tolist() == [0, *itertools.accumulate(query_lens[decodes:])]
+        out = backend.attend(layer, batch.query, batch.kv_cache, meta)
+        whole, worst = rel_error(out, ref)
+        assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], \
+            f"seed {seed} min {min_decodes} lens {list(zip(query_lens, seq_lens))}: {whole:.2e} {worst:.2e}"

@@ -10,11 +10,16 @@ used are ``max_query_len`` (1 selects the decode launch; it must stay 1 for a ca
 graph) and ``max_seq_len``, which only sets the decode split count: for a graph that will replay
 longer contexts, capture with ``max_seq_len`` set to the longest length replays may see (e.g.
 max_model_len) so long contexts get their splits; a smaller value stays correct, only slower.
-The fallbacks (head sizes over ``KernelTuning.max_head_size``, dtypes other than fp16/bf16/fp32)
+Mixed steps whose batch starts with ``KernelTuning.mixed_decode_min`` or more decodes (running
+sequences come first) launch the decode kernel for those rows and the prefill kernel for the
+rest (``decode_prefix``), instead of one prefill launch in which each decode holds a 16-128-row
+tile for its one token. The fallbacks (head sizes over ``KernelTuning.max_head_size``, dtypes other than fp16/bf16/fp32)
 use the pure-torch reference, which syncs with the host and cannot be captured.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +38,41 @@ from .paged_attention import NewTokens, paged_attention
 from .tuning import CUDA_TUNING, KernelTuning, plan_splits
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIXED_SPLIT = "triton_mixed_split"  # meta.extras key of a mixed step's DecodePrefix
+
+
+class DecodePrefix(NamedTuple):
+    """A mixed step whose first sequences decode: those rows take the decode launch (one program
+    per sequence and KV head), the rest the prefill launch, each over its own metadata."""
+
+    num_decodes: int  # sequences (= tokens) at the front of the batch with one new token each
+    decodes: AttentionMetadata
+    rest: AttentionMetadata
+
+
+def decode_prefix(meta: AttentionMetadata, min_decodes: int) -> DecodePrefix | None:
+    """The split of a mixed step with at least ``min_decodes`` one-token sequences at its front (the
+    scheduler puts running sequences first; ``query_lens_host`` tells which decode), else None."""
+    lens = meta.query_lens_host
+    if min_decodes < 1 or meta.is_pure_decode or len(lens) != meta.num_seqs:
+        return None
+    count = next((i for i, q in enumerate(lens) if q != 1), len(lens))
+    if count < min_decodes:
+        return None
+    seq_lens_host = meta.seq_lens_host if len(meta.seq_lens_host) == len(lens) else meta.seq_lens.tolist()
+    decodes = AttentionMetadata(
+        query_start_loc=meta.query_start_loc[:count + 1], seq_lens=meta.seq_lens[:count],
+        block_tables=meta.block_tables[:count], slot_mapping=meta.slot_mapping[:count],
+        max_query_len=1, max_seq_len=max(seq_lens_host[:count]),
+        query_lens_host=lens[:count], seq_lens_host=seq_lens_host[:count])
+    # the rest's tensors are copies: a view starting ``count`` rows in may lose the 16-byte alignment
+    # Triton specializes pointers on, which would build new kernel variants in the middle of serving
+    rest = AttentionMetadata(
+        query_start_loc=meta.query_start_loc[count:] - count, seq_lens=meta.seq_lens[count:].clone(),
+        block_tables=meta.block_tables[count:].clone(), slot_mapping=meta.slot_mapping[count:].clone(),
+        max_query_len=max(lens[count:]), max_seq_len=max(seq_lens_host[count:]),
+        query_lens_host=lens[count:], seq_lens_host=seq_lens_host[count:])
+    return DecodePrefix(count, decodes, rest)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -58,6 +98,13 @@ class TritonAttentionBackend(AttentionBackend):
         """key/value [T, Hkv, D] into the cache at ``slot_mapping`` [T] (-1: skip)."""
         key_cache, value_cache = self.split_cache(kv_cache)
         write_kv(key, value, key_cache, value_cache, slot_mapping, self.tuning)
+
+    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Mixed steps that start with enough decodes: their split (``DecodePrefix``), once a step."""
+        prefix = decode_prefix(meta, self.tuning.mixed_decode_min)
+        if prefix is not None:
+            meta.extras[MIXED_SPLIT] = prefix
+        return meta
 
     def num_splits(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
         """KV splits for this step: >1 only for pure-decode steps with few sequences and long contexts."""
@@ -107,6 +154,16 @@ class TritonAttentionBackend(AttentionBackend):
         return self._paged_attention(layer, query, key_cache, value_cache, meta)
 
     def _paged_attention(self, layer, query, key_cache, value_cache, meta, new_tokens=None) -> torch.Tensor:
+        prefix = meta.extras.get(MIXED_SPLIT) if new_tokens is None else None
+        if prefix is None:
+            return self._launch(layer, query, key_cache, value_cache, meta, new_tokens)
+        out = torch.empty_like(query)
+        count = prefix.num_decodes
+        self._launch(layer, query[:count], key_cache, value_cache, prefix.decodes, out=out[:count])
+        self._launch(layer, query[count:], key_cache, value_cache, prefix.rest, out=out[count:])
+        return out
+
+    def _launch(self, layer, query, key_cache, value_cache, meta, new_tokens=None, out=None) -> torch.Tensor:
         return paged_attention(
             query,
             key_cache,
@@ -120,5 +177,6 @@ class TritonAttentionBackend(AttentionBackend):
             soft_cap=layer.soft_cap,
             num_splits=self.num_splits(meta, layer.num_kv_heads),
             new_tokens=new_tokens,
+            out=out,
             tuning=self.tuning,
         )

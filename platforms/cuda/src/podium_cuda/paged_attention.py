@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .fused_ops import _store_cast
-from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options
+from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least
 from .tuning import CUDA_TUNING, AttentionTiling, KernelTuning, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -64,14 +64,34 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
+# fp8 -> fp16 of four packed cache bytes (sm89+ PTX), e4m3 and e5m2: the same values Triton's own cast gives
+_FP8X4_TO_F16 = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.%s $0, lo; cvt.rn.f16x2.%s $1, hi; }"
+E4M3_TO_F16 = tl.constexpr(_FP8X4_TO_F16 % ("e4m3x2", "e4m3x2"))
+E5M2_TO_F16 = tl.constexpr(_FP8X4_TO_F16 % ("e5m2x2", "e5m2x2"))
+
+
+@triton.jit
+def _fp8_tile_to_f16(x, E5M2: tl.constexpr):
+    """An fp8 cache tile as fp16, converted in the registers the tile was loaded into.
+
+    Declared impure so Triton keeps it there: its own cast moves after the shared-memory load that
+    feeds the MMA, where a [keys, head] value tile (keys not contiguous) takes one 8-bit load per
+    element; converted first, the fp16 tile goes through shared memory as bf16 tiles do (ldmatrix).
+    """
+    return tl.inline_asm_elementwise(E5M2_TO_F16 if E5M2 else E4M3_TO_F16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.float16, is_pure=False, pack=4)
+
+
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, d, d_ok, t_begin, t_end,
     kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
     KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, FP8_V_REGS: tl.constexpr,
 ):
     """Online softmax over key tiles [t_begin, t_end); MASKED applies bounds, causal and window masks.
+
+    FP8_V_REGS (fp8 caches): value tiles through ``_fp8_tile_to_f16`` (else Triton's cast, as keys always).
 
     acc [BLOCK_M, BLOCK_D] fp32, m_i / l_i [BLOCK_M] (base-2 running max and sum); q [BLOCK_M, BLOCK_D].
     """
@@ -108,6 +128,8 @@ def _attend_tiles(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8_V_REGS:
+            v = _fp8_tile_to_f16(v, v_base.dtype.element_ty == tl.float8e5)
         if IEEE:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
@@ -177,7 +199,7 @@ def paged_attention_kernel(
     KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    NEW_KV: tl.constexpr, HALF: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
+    NEW_KV: tl.constexpr, HALF: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr, FP8_V_REGS: tl.constexpr,
 ):
     if PDL:  # a programmatic dependent launch (pdl.py): resident early, reads only after the wait
         gdc_launch_dependents()
@@ -261,7 +283,7 @@ def paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, last_tile,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE,
+            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
         if NEW_KV:
             if split == 0:
@@ -276,17 +298,17 @@ def paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, a,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE,
+            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, d, d_ok, a, b,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, False, USE_SOFT_CAP, USE_WINDOW, IEEE,
+            KV_BLOCK_SIZE, BLOCK_N, False, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, d, d_ok, b, last_tile,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE,
+            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
 
     if not SPLIT:
@@ -332,6 +354,14 @@ def _new_token_pointers(new: NewTokens) -> tuple[torch.Tensor, ...]:
 
 def _new_token_strides(new: NewTokens) -> tuple[int, int, int, int, int]:
     return new.key.stride(0), new.key.stride(1), new.value.stride(0), new.value.stride(1), new.cos_sin_cache.stride(0)
+
+
+def _fp8_convert(tuning: KernelTuning, key_cache: torch.Tensor) -> bool:
+    """``tuning.fp8_values_in_registers`` for an e4m3 / e5m2 cache on an NVIDIA GPU of compute
+    capability 8.9+ (the PTX converts), else False (Triton's casts: other caches, HIP, the interpreter)."""
+    if key_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not nvidia_at_least(key_cache.device, (8, 9)):
+        return False
+    return tuning.fp8_values_in_registers
 
 
 def _launch_shape(tiling: AttentionTiling, group: int, block_d: int) -> tuple[int, int, int]:
@@ -419,6 +449,9 @@ def paged_attention(
             raise ValueError("paged_attention: new_tokens needs a pure-decode step (max_query_len 1)")
         new_tokens = _check_new_tokens(new_tokens, query, key_cache)
     tiling = tuning.decode if is_decode else tuning.prefill
+    fp8_convert = _fp8_convert(tuning, key_cache)
+    if is_decode and fp8_convert and tuning.fp8_decode is not None:
+        tiling = tuning.fp8_decode
     block_d = max(next_power_of_2(head_size), 16)  # tl.dot needs K >= 16
     block_m, block_q, num_stages = _launch_shape(tiling, group, block_d)
     num_splits = num_splits if is_decode else 1
@@ -445,7 +478,7 @@ def paged_attention(
         IS_DECODE=is_decode, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         IEEE=query.dtype == torch.float32, NEW_KV=new_tokens is not None, HALF=max(head_size // 2, 1),
         FP16_DOT=tuning.fp8_dot_in_fp16 and query.dtype == torch.bfloat16 and key_cache.element_size() == 1,
-        PDL=pdl, num_warps=tiling.num_warps, num_stages=num_stages, **launch_options(pdl),
+        PDL=pdl, FP8_V_REGS=fp8_convert, num_warps=tiling.num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](

@@ -21,10 +21,15 @@ except ImportError:  # pragma: no cover
 
 
 @cache
+def nvidia_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether ``device`` is an NVIDIA GPU (not HIP, not the interpreter's CPU) of ``capability`` or newer."""
+    return (device.type == "cuda" and not getattr(torch.version, "hip", None)
+            and torch.cuda.get_device_capability(device) >= capability)
+
+
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched as programmatic dependent launches."""
-    return (gdc_wait is not None and device.type == "cuda" and not getattr(torch.version, "hip", None)
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    return gdc_wait is not None and nvidia_at_least(device, (9, 0))
 
 
 def launch_options(enabled: bool) -> dict:

@@ -83,6 +83,23 @@ class KernelTuning:
     # H200 A/B (session 8, 256 x 512/256, 8B shape): 9,996 and 10,023 out tok/s against 9,617 and
     # 9,608 with bf16 dots
     fp8_dot_in_fp16: bool = True
+    # fp8 caches (NVIDIA sm89+): attention converts value tiles to fp16 in the registers they load
+    # into, then feeds them to the MMA through shared memory as a bf16 tile goes (ldmatrix). Triton's
+    # own cast comes after the shared-memory load instead, where a [keys, head] tile (keys not
+    # contiguous) takes one 8-bit load an element: 64 of the decode loop's 100 shared loads. H200,
+    # decode at batch 256 x 640: bf16 cache 159 us, fp8 175 us with Triton's cast, 122 us so; keys
+    # converted so too: 160 us (NOTES.md session 9). Keys keep Triton's cast.
+    fp8_values_in_registers: bool = True
+    # the decode tiling over an fp8 cache with fp8_values_in_registers (None: ``decode``). The kernel
+    # sweep's best at batch 256, 16/32/2/2 (98 / 116 / 136 us at 520 / 640 / 760 context against 114 /
+    # 124 / 145), showed no end-to-end gain in its one run; A/B: PODIUM_CUDA_TUNING=fp8_decode=16/32/2/2
+    fp8_decode: AttentionTiling | None = None
+    # mixed steps starting with at least this many decodes launch the decode kernel for them and the
+    # prefill kernel for the rest (attention.decode_prefix); 0: one prefill launch for every row.
+    # H200, 16 x 512 prefill + 16 / 64 / 128 / 240 decodes, bf16: 225 / 294 / 381 / 527 us in one
+    # launch, 230 / 256 / 297 / 367 us split; 256 x 512/256 end to end neutral (10,067 / 10,034 out
+    # tok/s). Off until the bench warm-up also builds the decode variants it launches (NOTES.md)
+    mixed_decode_min: int = 0
     # one-row bf16/fp16 linears (batch-1 decode) as a Triton GEMV (gemv.py), with the norm or SiLU-mul
     # before them in its prologue: faster than separate kernel + cuBLAS at every 1B/8B shape, median
     # 0.88x (benchmarks/gemv_fused_sweep.py); False: cuBLAS
@@ -94,7 +111,21 @@ class KernelTuning:
     attention_pdl: bool = True
 
 
-TUNING_ENV = "PODIUM_CUDA_TUNING"  # "field=value,...": top-level int / bool fields of KernelTuning
+TUNING_ENV = "PODIUM_CUDA_TUNING"  # "field=value,...": int / bool fields of KernelTuning, tilings as m/n/w/s
+
+
+def _tiling_value(name: str, text: str, optional: bool) -> AttentionTiling | None:
+    """``block_m/block_n/num_warps/num_stages`` (e.g. 16/32/2/2), or none for an optional tiling."""
+    if optional and text == "none":
+        return None
+    parts = text.split("/")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{TUNING_ENV}: {name} takes block_m/block_n/num_warps/num_stages"
+                         f"{' or none' if optional else ''}, got {text!r}")
+    try:
+        return AttentionTiling(*map(int, parts))
+    except ValueError as error:
+        raise ValueError(f"{TUNING_ENV}: {name}: {error}") from None
 
 
 def tuning_from_env(value: str | None, base: KernelTuning) -> KernelTuning:
@@ -103,21 +134,24 @@ def tuning_from_env(value: str | None, base: KernelTuning) -> KernelTuning:
         return base
     changes = {}
     kinds = {f.name: type(getattr(base, f.name)) for f in fields(base)}
+    tilings = {f.name: "None" in str(f.type) for f in fields(base) if "AttentionTiling" in str(f.type)}  # -> optional
+    settable = sorted(n for n, k in kinds.items() if k in (int, bool) or n in tilings)
     for item in filter(None, (part.strip() for part in value.split(","))):
         name, _, text = item.partition("=")
-        kind = kinds.get(name.strip())
-        if kind not in (int, bool) or not text.strip():
-            settable = sorted(n for n, k in kinds.items() if k in (int, bool))
+        name, text = name.strip(), text.strip().lower()
+        kind = kinds.get(name)
+        if (kind not in (int, bool) and name not in tilings) or not text:
             raise ValueError(f"{TUNING_ENV}: cannot set {item!r}; settable: {settable} as name=value")
-        text = text.strip().lower()
-        if kind is bool:
+        if name in tilings:
+            changes[name] = _tiling_value(name, text, tilings[name])
+        elif kind is bool:
             if text not in ("0", "1", "true", "false"):
                 raise ValueError(f"{TUNING_ENV}: {name} takes 0/1/true/false, got {text!r}")
-            changes[name.strip()] = text in ("1", "true")
+            changes[name] = text in ("1", "true")
         elif not text.lstrip("-").isdigit():
             raise ValueError(f"{TUNING_ENV}: {name} takes an integer, got {text!r}")
         else:
-            changes[name.strip()] = int(text)
+            changes[name] = int(text)
     return replace(base, **changes)
 
 
