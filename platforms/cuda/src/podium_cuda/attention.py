@@ -13,8 +13,9 @@ max_model_len) so long contexts get their splits; a smaller value stays correct,
 Mixed steps whose batch starts with ``KernelTuning.mixed_decode_min`` or more decodes (running
 sequences come first) launch the decode kernel for those rows and the prefill kernel for the
 rest (``decode_prefix``), instead of one prefill launch in which each decode holds a 16-128-row
-tile for its one token. The fallbacks (head sizes over ``KernelTuning.max_head_size``, dtypes other than fp16/bf16/fp32)
-use the pure-torch reference, which syncs with the host and cannot be captured.
+tile for its one token. The fallbacks (head sizes over ``KernelTuning.max_head_size``, dtypes
+other than fp16/bf16/fp32) use the pure-torch reference, which syncs with the host and cannot be
+captured.
 """
 
 from __future__ import annotations

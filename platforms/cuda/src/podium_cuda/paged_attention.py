@@ -24,7 +24,9 @@ values are used only for grid sizes (tensor shapes) and to choose the split coun
 performance choice: any split count is correct for any sequence length.
 
 Rows outside ``query_start_loc[0] .. query_start_loc[S]`` are not written (as in the reference).
-Kernels use only portable Triton (no vendor intrinsics) so ROCm's Triton compiles them too.
+Kernels use portable Triton so ROCm's Triton compiles them too. The one vendor intrinsic, the
+PTX that converts fp8 value tiles in registers (``_fp8_tile_to_f16``), sits behind a constexpr that
+is off except on NVIDIA sm89+ (Triton's cast there instead).
 """
 
 from __future__ import annotations
