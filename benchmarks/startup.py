@@ -3,10 +3,14 @@
     python benchmarks/startup.py                          # SmolLM2, platform default dtype, 5 runs
     python benchmarks/startup.py --dtype float32 --runs 7 --json startup.json
     python benchmarks/startup.py --cold-kernel-cache      # every run compiles the CPU kernels anew
+    python benchmarks/startup.py --cold-tokenizer-cache   # every run converts (and caches) the GGUF tokenizer
 
 Each run is a new Python process (nothing imported or cached in memory), after one untimed run
-that warms the OS page cache and the CPU platform's kernel cache (``~/.cache/podium/cpu-kernels``)
-the way any earlier start on the machine would have. A run reports:
+that warms the OS page cache, the CPU platform's kernel cache (``~/.cache/podium/cpu-kernels``) and
+the tokenizer cache (``~/.cache/podium/tokenizers``) the way any earlier start on the machine would
+have. ``--cold-kernel-cache`` gives every run an empty cache folder (both caches cold);
+``--cold-tokenizer-cache`` one holding only the warm kernel cache (the first start of a new GGUF
+file). ``PODIUM_TOKENIZER_CACHE=0`` in the environment turns the tokenizer cache off. A run reports:
 
     python_start   from spawning the process to its first line of Python
     imports        ``from podium import LLM`` (torch, the core, the plugin entry points)
@@ -66,6 +70,17 @@ def one_run(args: argparse.Namespace, env: dict[str, str]) -> dict:
     return run
 
 
+def cold_cache_run(args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """One run in an empty XDG_CACHE_HOME; with ``--cold-tokenizer-cache`` it links in the warm kernel cache."""
+    with tempfile.TemporaryDirectory(prefix="podium-startup-") as cache:
+        if args.cold_tokenizer_cache:
+            kernels = os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "podium", "cpu-kernels")
+            os.makedirs(os.path.join(cache, "podium"))
+            if os.path.isdir(kernels):
+                os.symlink(kernels, os.path.join(cache, "podium", "cpu-kernels"))
+        return one_run(args, {**env, "XDG_CACHE_HOME": cache})
+
+
 def medians(runs: list[dict]) -> dict[str, float]:
     keys = [k for k in ORDER if k in runs[0]] + [k for k in runs[0] if k not in ORDER and k != "meta"]
     return {k: statistics.median(r[k] for r in runs) for k in keys}
@@ -90,24 +105,27 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cold-kernel-cache", action="store_true",
                         help="give every run an empty XDG_CACHE_HOME (the CPU kernels are compiled each time)")
+    parser.add_argument("--cold-tokenizer-cache", action="store_true",
+                        help="give every run an empty tokenizer cache (the GGUF tokenizer is converted and saved)")
     parser.add_argument("--json", default=None, help="also write every run and the medians here")
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.cold_kernel_cache and args.cold_tokenizer_cache:
+        parser.error("--cold-kernel-cache already makes the tokenizer cache cold; pass one of them")
     env = dict(os.environ)
-    one_run(args, env)  # untimed: page cache and kernel cache warm, as after any earlier start
+    one_run(args, env)  # untimed: page cache, kernel and tokenizer caches warm, as after any earlier start
     runs = []
     for _ in range(args.runs):
-        if args.cold_kernel_cache:
-            with tempfile.TemporaryDirectory(prefix="podium-startup-") as cache:
-                runs.append(one_run(args, {**env, "XDG_CACHE_HOME": cache}))
-        else:
-            runs.append(one_run(args, env))
+        runs.append(cold_cache_run(args, env) if args.cold_kernel_cache or args.cold_tokenizer_cache
+                    else one_run(args, env))
         print(f"run {len(runs)}: ready {runs[-1]['ready']:.2f} s", file=sys.stderr, flush=True)
     meta = runs[0]["meta"]
+    cold = " with cold kernel caches" if args.cold_kernel_cache else \
+        " with cold tokenizer caches" if args.cold_tokenizer_cache else ""
     print(f"startup of {args.model} ({meta['dtype']}, platform {meta['platform']}, attention {meta['attention']}), "
-          f"median of {len(runs)} fresh processes{' with cold kernel caches' if args.cold_kernel_cache else ''}:")
+          f"median of {len(runs)} fresh processes{cold}:")
     print(table(runs))
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,8 @@ import pytest
 
 from podium import LLM
 from podium import engine as engine_module
-from podium.loader import gguf_source
+from podium.loader import embedded_gguf_path, gguf_source
+from podium.loader import tokenizer_cache as cache
 from podium.startup import STAGES, StartupTimer, format_startup
 
 DELAY = 0.3
@@ -60,3 +61,20 @@ def test_engine_reports_each_stage_where_its_time_went(monkeypatch, caplog):
     assert seconds["weights"] > 0
     assert any(r.getMessage().startswith(f"startup {seconds['total']:.2f} s: ") and "tokenizer" in r.getMessage()
                for r in caplog.records)
+
+
+def test_tokenizer_stage_times_a_tokenizer_cache_hit(tokenizer_cache, monkeypatch):
+    """With the tokenizer cache filled, loading from it (not converting) is the tokenizer stage."""
+    gguf_source.gguf_tokenizer(embedded_gguf_path())  # fills the cache
+    real_load = cache._load
+
+    def slow_load(*args):
+        time.sleep(DELAY)
+        return real_load(*args)
+
+    monkeypatch.setattr(cache, "_load", slow_load)
+    monkeypatch.setattr(gguf_source, "convert_gguf_tokenizer", lambda path: pytest.fail("converted on a cache hit"))
+    llm = LLM("smollm2-135m-instruct", device="cpu", max_model_len=256)
+    seconds = llm.engine.startup_seconds
+    assert sum(seconds[s] for s in STAGES) == pytest.approx(seconds["total"], abs=0.01)
+    assert DELAY <= seconds["tokenizer"] < seconds["total"]

@@ -4,7 +4,8 @@
 
     platform        choose the platform, load the plugins, platform defaults
     config          the model's config (GGUF metadata or config.json) and weight file list
-    tokenizer       the tokenizer (for a GGUF file: transformers' conversion of its vocabulary)
+    tokenizer       the tokenizer (for a GGUF file: from the tokenizer cache, or transformers' conversion
+                    of its vocabulary on a cache miss; see ``podium.loader.tokenizer_cache``)
     custom_ops      the platform's fused ops (CPU: its native kernels, compiled on first use and cached)
     model_build     the model's modules, materialized uninitialized on the device
     weights         weights read, dequantized and copied in; the platform's model preparation

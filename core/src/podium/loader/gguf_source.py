@@ -2,7 +2,8 @@
 
 The config is built from the metadata (``gguf_config``), because transformers' own path re-parses
 every metadata array with ``gguf.GGUFReader`` (~5 s for a 49k vocabulary) and its config classes
-import more than the engine needs.
+import more than the engine needs. The tokenizer is transformers' conversion of the vocabulary,
+done once per file and then loaded from the tokenizer cache (``tokenizer_cache``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ from .gguf_reader import read_gguf
 from .gguf_weights import gguf_weights
 from .hf_folder import max_model_len
 from .source import ModelSource, token_id_list
+from .tokenizer_cache import load_or_convert
 
 
 def gguf_tokenizer(path: Path):
-    """transformers' tokenizer for a GGUF file (its own GGUF conversion; no code from the folder)."""
+    """transformers' tokenizer for a GGUF file: from the tokenizer cache, else converted (and cached)."""
+    return load_or_convert(path, convert_gguf_tokenizer)
+
+
+def convert_gguf_tokenizer(path: Path):
+    """transformers' own conversion of a GGUF file's vocabulary (no code from the folder runs)."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
