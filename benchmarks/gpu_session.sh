@@ -7,7 +7,11 @@
 #        graph_gaps_1 tp_8b (the fixed 8B run without --compare) rotary_tests (rotary / KV write / graph tests, CUDA and ROCm)
 # STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
 #   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
-# attention_tests: paged attention, fp8 caches, KV write / one-kernel decode, graph replay.
+# attention_tests: paged attention, fp8 caches, KV write / one-kernel decode, graph replay. decode_tests: of those, the
+# one-kernel decode (each decode option), attention over fp8 caches, fp8 graph replay, splits and mixed-step splits.
+# engine_decode_kernels: the 8B engine's batch-256 decode launch over the decode kernel's options (bench_kernels'
+# engine_decode section; its gemm section times cuBLAS against TunableOp); the fastest fp8 option's PODIUM_CUDA_TUNING
+# value goes to /tmp/podium_best_engine_decode_env for an A/B in the same call.
 # mixed_kernels: mixed-step attention, one launch or decodes apart (bench_kernels' mixed section).
 # fp8 KV cache: fp8_tests, fp8_kernels (bench_kernels' fp8 section), tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8); gemv_sweep
 # (benchmarks/gemv_fused_sweep.py); triton_cache_out tars ~/.triton into $OUT (its own file, 16 MiB at most comes
@@ -65,6 +69,9 @@ for s in $steps; do
     attention_tests) run_step $s 300 $pre python3 -m pytest platforms/cuda/tests/test_paged_attention.py \
       platforms/cuda/tests/test_fp8_cache.py platforms/cuda/tests/test_kv_write.py platforms/cuda/tests/test_graph_replay.py \
       -q -p no:cacheprovider -rfE ;;
+    decode_tests) run_step $s 330 $pre python3 -m pytest platforms/cuda/tests/test_kv_write.py platforms/cuda/tests/test_fp8_cache.py \
+      platforms/cuda/tests/test_paged_attention.py -k "new_tokens or attention_over_fp8 or graph_replay or mixed or split" \
+      -q -p no:cacheprovider -rfE ;;
     fp8_tests) run_step $s 300 $pre python3 -m pytest platforms/cuda/tests/test_fp8_cache.py -q -p no:cacheprovider -rfE ;;
     gemv_sweep) TAIL=60 run_step $s 240 $pre python3 benchmarks/gemv_fused_sweep.py --out "$OUT/$s.json" ;;
     triton_cache_out) tar cJf "$OUT/triton_cache.tar.xz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton_cache.tar.xz" ;;
@@ -86,6 +93,8 @@ for s in $steps; do
     tp_cold_log) TAIL=40 run_step $s 200 $pre env PODIUM_TRITON_COMPILE_LOG=1 podium bench throughput $shape8b --dataset random \
       --input-len 512 --output-len 256 --num-prompts 256 --json-out "$OUT/$s.json" ;;
     fp8_kernels) TAIL=60 run_step $s 300 $pre python3 platforms/cuda/scripts/bench_kernels.py --only fp8 --out "$OUT/$s.json" ;;
+    engine_decode_kernels) TAIL=70 run_step $s 330 $pre python3 platforms/cuda/scripts/bench_kernels.py --only engine_decode \
+      --out "$OUT/$s.json"; cp "$OUT/best_engine_decode_env" /tmp/podium_best_engine_decode_env 2>/dev/null ;;
     mixed_kernels) TAIL=12 run_step $s 200 $pre python3 platforms/cuda/scripts/bench_kernels.py --only mixed --out "$OUT/$s.json" ;;
     decode_sweep) TAIL=12 run_step $s 240 $pre python3 platforms/cuda/scripts/bench_kernels.py --only decode_sweep --out "$OUT/$s.json" ;;
     profile_bs1_1b|profile_bs1_8b) model=llama-3.2-1b-shape; [ "$s" = profile_bs1_8b ] && model=llama-3.1-8b-shape

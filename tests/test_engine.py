@@ -181,3 +181,41 @@ def test_errors_name_the_problem(llm):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**bad)
     assert all_blocks_free(engine)
+
+
+def test_profile_batch_is_the_largest_step_with_decodes_first():
+    """The cache-sizing step: ``token_budget`` tokens (capped by what the sequences can hold), at
+    most ``max_num_seqs`` sequences, none longer than ``max_model_len``, decodes at the front."""
+    import itertools
+
+    from podium.engine import profile_batch
+
+    for budget, seqs, model_len, block in itertools.product((1, 2, 7, 300, 8192), (1, 2, 3, 256), (1, 2, 16, 1024), (1, 16)):
+        query_lens, seq_lens = profile_batch(budget, seqs, model_len, block)
+        case = (budget, seqs, model_len, block, query_lens, seq_lens)
+        assert sum(query_lens) == min(budget, seqs * model_len), case
+        assert len(query_lens) <= seqs and all(1 <= q <= n <= model_len for q, n in zip(query_lens, seq_lens)), case
+        decodes = sum(n > q for q, n in zip(query_lens, seq_lens))  # the rest: fresh prompt chunks (q == n)
+        assert query_lens[:decodes] == [1] * decodes and query_lens[decodes:] == seq_lens[decodes:], case
+    query_lens, seq_lens = profile_batch(8192, 256, 1024, 16)
+    assert query_lens[:248] == [1] * 248 and seq_lens[:248] == [17] * 248 and query_lens[248:] == [1024] * 7 + [776]
+
+
+def test_profile_forward_runs_the_mixed_step_on_the_platform_backend(llm, monkeypatch):
+    """The sizing forward (run where a platform sizes its cache from free memory) hands the platform's
+    backend one mixed step that starts with decodes, and the model runs it."""
+    from podium.engine import profile_batch
+    from podium.kv_cache import kv_cache_spec
+
+    engine = llm.engine
+    backend = engine.platform.attention_backend()
+    monkeypatch.setattr(engine.platform, "attention_backend", lambda: backend)
+    seen = []
+    prepare = backend.prepare_metadata
+    monkeypatch.setattr(backend, "prepare_metadata", lambda meta: seen.append(meta) or prepare(meta))
+    engine._profile_forward(kv_cache_spec(engine.source.hf_config, engine.config.block_size, engine.kv_cache_dtype))
+    (meta,) = seen
+    want = profile_batch(engine.config.token_budget, engine.config.max_num_seqs, engine.max_model_len,
+                         engine.config.block_size)
+    assert (list(meta.query_lens_host), list(meta.seq_lens_host)) == (list(want[0]), list(want[1]))
+    assert meta.query_lens_host[0] == 1 and not meta.is_pure_decode

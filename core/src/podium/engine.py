@@ -77,6 +77,23 @@ def context_error(max_model_len: int, prompt_len: int) -> str:
     )
 
 
+def profile_batch(token_budget: int, max_num_seqs: int, max_model_len: int, block_size: int) -> tuple[list[int], list[int]]:
+    """(query_lens, seq_lens) of the largest step the scheduler can form: ``token_budget`` tokens (at
+    most ``max_num_seqs * max_model_len``), the running sequences' decodes first as the scheduler
+    orders them (at most half the tokens and ``max_num_seqs - 1`` sequences, each over one cached
+    block), then prompt chunks of up to ``max_model_len`` tokens. A step shaped like the serving
+    run's mixed steps also builds the kernels those launch before the first request arrives."""
+    tokens = min(token_budget, max_num_seqs * max_model_len)
+    decodes = 0
+    if max_model_len > 1:  # D decodes leave room for the chunks: D + ceil((tokens - D) / L) <= S
+        decodes = min(max_num_seqs - 1, tokens // 2, (max_num_seqs * max_model_len - tokens) // (max_model_len - 1))
+    context = min(block_size, max_model_len - 1)  # a decode's cached keys before its new one
+    prefill = tokens - decodes
+    chunk = min(max_model_len, prefill)
+    lens = [chunk] * (prefill // chunk) + ([prefill % chunk] if prefill % chunk else [])
+    return [1] * decodes + lens, [context + 1] * decodes + lens
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         timer = StartupTimer()  # see podium.startup for the stages
@@ -172,19 +189,18 @@ class LLMEngine:
 
     def _profile_forward_inner(self, spec) -> None:
         """A forward pass at the largest batch the scheduler can form, into a throwaway cache."""
-        tokens = min(self.config.token_budget, self.config.max_num_seqs * self.max_model_len)
-        seq_len = min(self.max_model_len, tokens)
-        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
         bs = spec.block_size
+        query_lens, seq_lens = profile_batch(self.config.token_budget, self.config.max_num_seqs, self.max_model_len, bs)
         tables, next_block = [], 0
-        for n in lens:
+        for n in seq_lens:
             tables.append(list(range(next_block, next_block + -(-n // bs))))
             next_block += len(tables[-1])
         caches = self.platform.allocate_kv_cache(spec, next_block)
         backend = self.platform.attention_backend()
-        meta = backend.prepare_metadata(AttentionMetadata.from_lengths(lens, lens, tables, bs, self.device))
+        meta = backend.prepare_metadata(AttentionMetadata.from_lengths(query_lens, seq_lens, tables, bs, self.device))
+        tokens = sum(query_lens)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        positions = torch.cat([torch.arange(n - q, n, device=self.device) for q, n in zip(query_lens, seq_lens)])
         hidden = self.model(ids, positions, ForwardContext(meta, caches, backend))
         self.model.compute_logits(hidden[: min(tokens, self.config.max_num_seqs)])
         del caches, hidden

@@ -14,6 +14,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import statistics
 import time
 import traceback
@@ -218,6 +219,143 @@ def bench_fp8(results: dict, quick: bool) -> None:
         print(f"fp8 best {shape}: " + "; ".join(f"{r['variant']} {r['us']:.1f} us" for r in best), flush=True)
 
 
+ENGINE_DECODE_BATCH, ENGINE_DECODE_CONTEXTS = 256, (520, 640, 760)  # lengths within +-8 (the 512/256 run's decode steps)
+T = AttentionTiling
+FP8 = torch.float8_e4m3fn
+ENGINE_DECODE_VARIANTS = (  # (label, cache dtype, new-token path, changes to CUDA_TUNING)
+    ("new, default", FP8, True, {}),
+    ("new, 16/64/4/2", FP8, True, {"fp8_decode": None}),
+    ("new, 16/32/2/2", FP8, True, {"fp8_decode": T(16, 32, 2, 2)}),
+    ("new, 16/32/1/2", FP8, True, {"fp8_decode": T(16, 32, 1, 2)}),
+    ("new, 16/32/1/4", FP8, True, {"fp8_decode": T(16, 32, 1, 4)}),
+    ("new, 16/64/1/3", FP8, True, {"fp8_decode": T(16, 64, 1, 3)}),
+    ("cached, default", FP8, False, {}),
+    ("bf16 new, default", DTYPE, True, {}),
+    ("bf16 new, 16/32/1/2", DTYPE, True, {"decode": T(16, 32, 1, 2)}),
+    ("bf16 new, 16/64/2/2", DTYPE, True, {"decode": T(16, 64, 2, 2)}),
+)
+
+
+def _env_value(value) -> str:
+    if isinstance(value, AttentionTiling):
+        return f"{value.block_m}/{value.block_n}/{value.num_warps}/{value.num_stages}"
+    return str(int(value)) if isinstance(value, bool) else str(value)
+
+
+class EngineDecodeSets:
+    """Batch-256 decode inputs as the 8B engine hands them over: ragged lengths (``ctx`` +- 8), q / k /
+    v as views of one fused qkv row, positions, slots and a float32 cos/sin table, over ``sets``
+    block tables of disjoint random blocks (enough to pass the L2 cache) sharing one cache."""
+
+    def __init__(self, ctx: int, gen: torch.Generator) -> None:
+        batch = ENGINE_DECODE_BATCH
+        self.lengths = torch.randint(ctx - 8, ctx + 9, (batch,), generator=gen)
+        width = -(-int(self.lengths.max()) // BLOCK)
+        self.tokens = int(self.lengths.sum())
+        sets = max(1, min(16, math.ceil(ROTATE_BYTES / (self.tokens * 2 * KV_HEADS * HEAD))))
+        self.num_blocks = sets * batch * width + 1
+        perm = torch.randperm(self.num_blocks - 1, generator=gen).to(torch.int32)
+        self.tables = [perm[i * batch * width:(i + 1) * batch * width].view(batch, width).to(DEV) for i in range(sets)]
+        self.seq_lens = self.lengths.to(torch.int32).to(DEV)
+        self.positions = (self.seq_lens - 1).to(torch.int64)
+        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        self.qkv = [torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD, device=DEV, dtype=DTYPE) for _ in range(sets)]
+        blocks = [t.gather(1, (self.positions // BLOCK).view(-1, 1)).view(-1).to(torch.int64) for t in self.tables]
+        self.slots = [b * BLOCK + self.positions % BLOCK for b in blocks]
+        self.outs = [torch.empty(batch, HEADS, HEAD, device=DEV, dtype=DTYPE) for _ in range(sets)]
+        self.cos_sin = torch.randn(1024, HEAD, device=DEV, dtype=torch.float32)
+
+    def call(self, i: int, cache: torch.Tensor, tuning: KernelTuning, new_path: bool):
+        from podium_cuda.paged_attention import NewTokens
+
+        qkv = self.qkv[i]
+        new = NewTokens(self.positions, qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:], self.cos_sin,
+                        self.slots[i]) if new_path else None
+        return functools.partial(paged_attention, qkv[:, :HEADS], cache[0], cache[1], self.qsl, self.seq_lens,
+                                 self.tables[i], scale=HEAD**-0.5, max_query_len=1, out=self.outs[i], new_tokens=new,
+                                 tuning=tuning)
+
+    def calls(self, cache: torch.Tensor, tuning: KernelTuning, new_path: bool):
+        sets = len(self.tables)
+        return [self.call(i, cache, tuning, new_path) for i in range(sets)] * max(1, 8 // sets)
+
+
+def bench_engine_decode(results: dict, quick: bool) -> None:
+    """The 8B engine's decode attention at batch 256 (``EngineDecodeSets``): the new tokens rotated,
+    stored and attended in the kernel (``NewTokens``) over the decode tilings, against the
+    cached-only launch (a mixed step's decodes). Writes the fastest fp8 new-token variant's
+    PODIUM_CUDA_TUNING to ``best_engine_decode_env`` beside ``--out``."""
+    rows = results.setdefault("engine_decode", [])
+    gen = torch.Generator().manual_seed(0)
+    for ctx in ENGINE_DECODE_CONTEXTS[:1] if quick else ENGINE_DECODE_CONTEXTS:
+        sets = EngineDecodeSets(ctx, gen)
+        for cache_dtype in (FP8, DTYPE):
+            cache = torch.empty(2, sets.num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DTYPE, device=DEV).normal_().to(cache_dtype)
+            kv_bytes = sets.tokens * 2 * KV_HEADS * HEAD * cache_dtype.itemsize
+            for label, dtype, new_path, changes in ENGINE_DECODE_VARIANTS:
+                if dtype != cache_dtype:
+                    continue
+                try:
+                    ms = graph_ms(sets.calls(cache, replace(CUDA_TUNING, **changes), new_path))
+                except Exception as error:  # noqa: BLE001 (a variant may not compile or fit)
+                    rows.append({"ctx": ctx, "variant": label, "error": repr(error)[:200]})
+                    print(f"engine decode ctx~{ctx} {label}: {error!r}"[:300], flush=True)
+                    continue
+                rows.append({"ctx": ctx, "variant": label, "cache": str(cache_dtype).replace("torch.", ""),
+                             "env": ",".join(f"{k}={_env_value(v)}" for k, v in changes.items()),
+                             "us": ms * 1e3, "TBps": kv_bytes / ms / 1e9})
+                print(f"engine decode ctx~{ctx} {label:28s} {ms * 1e3:8.1f} us {kv_bytes / ms / 1e9:5.2f} TB/s", flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    fp8_new = {}
+    for r in rows:
+        if "us" in r and r["cache"] != "bfloat16" and r["variant"].startswith("new, "):
+            fp8_new.setdefault(r["variant"], []).append(r)
+    if fp8_new:
+        best = min(fp8_new.values(), key=lambda rs: sum(r["us"] for r in rs))
+        results["engine_decode_best"] = {"variant": best[0]["variant"], "env": best[0]["env"]}
+        print(f"engine decode best fp8 new-token variant (sum over contexts): {best[0]['variant']} "
+              f"(PODIUM_CUDA_TUNING={best[0]['env']})", flush=True)
+
+
+GEMM_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (128256, 4096)}  # Llama-3.1-8B (N, K)
+
+
+def bench_gemm(results: dict, quick: bool) -> None:
+    """cuBLAS's default against PyTorch TunableOp's pick (torch.cuda.tunable) for the 8B linears at
+    decode (256 rows) and prefill (8192 rows) batches, bf16, in CUDA graphs."""
+    import torch.nn.functional as F
+    from torch.cuda import tunable
+
+    rows = results.setdefault("gemm", [])
+    for m in (256,) if quick else (256, 8192):
+        for name, (n, k) in GEMM_SHAPES.items():
+            xs = [torch.randn(m, k, device=DEV, dtype=DTYPE) for _ in range(2)]
+            ws = [torch.randn(n, k, device=DEV, dtype=DTYPE) / k**0.5 for _ in range(max(1, math.ceil(ROTATE_BYTES / (2 * n * k))))]
+            calls = [functools.partial(F.linear, xs[i % 2], w) for i, w in enumerate(ws)] * max(1, 8 // len(ws))
+            default = graph_ms(calls)
+            tunable.enable(True)
+            tunable.tuning_enable(True)
+            tunable.set_max_tuning_duration(200)
+            try:
+                F.linear(xs[0], ws[0])
+                torch.cuda.synchronize()
+                tunable.tuning_enable(False)
+                tuned = graph_ms(calls)
+            finally:
+                tunable.tuning_enable(False)
+                tunable.enable(False)
+            flops = 2 * m * n * k
+            rows.append({"m": m, "gemm": name, "default_us": default * 1e3, "tunable_us": tuned * 1e3,
+                         "default_TFLOPs": flops / default / 1e9, "tunable_TFLOPs": flops / tuned / 1e9})
+            print(f"gemm m={m:<5} {name:8s} default {default * 1e3:8.1f} us ({flops / default / 1e9:5.0f} TF/s) "
+                  f"tunable {tuned * 1e3:8.1f} us ({flops / tuned / 1e9:5.0f} TF/s)", flush=True)
+            del xs, ws, calls
+    results["tunable_results"] = [str(r) for r in tunable.get_results()]  # (op, shape, chosen kernel, ms) rows
+    print("tunableop results:", json.dumps(results["tunable_results"])[:3000], flush=True)
+
+
 MIXED_DECODES = (16, 64, 128, 240)  # decodes at the front of a mixed step, ~600 context each
 MIXED_PROMPTS = (16, 512)  # then this many new prompts of this length
 
@@ -363,6 +501,11 @@ def summarize(results: dict) -> None:
     for r in results.get("mixed", []):
         print(f"mixed {r['decodes']:>3} decodes + {MIXED_PROMPTS[0]} x {MIXED_PROMPTS[1]}, {r['cache']:14s} one launch {r['one_launch_us']:7.1f} us, "
               f"split {r['split_us']:7.1f} us")
+    for r in results.get("engine_decode", []):
+        if "us" in r:
+            print(f"engine decode ctx~{r['ctx']} {r['variant']:28s} {r['us']:8.1f} us {r['TBps']:5.2f} TB/s")
+    for r in results.get("gemm", []):
+        print(f"gemm m={r['m']:<5} {r['gemm']:8s} default {r['default_us']:8.1f} us tunable {r['tunable_us']:8.1f} us")
     for r in results.get("host", []):
         print("host", json.dumps({k: round(v, 1) for k, v in r.items()}))
     for r in results.get("kv_write", []):
@@ -399,12 +542,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="default tilings only")
     parser.add_argument("--only", nargs="*", default=["ceilings", "decode", "prefill", "host", "ops", "kv_write"],
                         help="sections; also decode_sweep (tilings at the 8B runs' decode shapes), fp8 (fp8 caches' "
-                             "convert modes and tilings against bf16), mixed (mixed-step attention, split or not)")
+                             "convert modes and tilings against bf16), mixed (mixed-step attention, split or not), "
+                             "engine_decode (the 8B engine's batch-256 decode launch and its options), gemm (cuBLAS "
+                             "against TunableOp at the 8B linears)")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "errors": []}
     sections = {"ceilings": lambda r, q: r.update(ceilings=ceilings()), "decode": bench_decode,
-                "decode_sweep": bench_decode_sweep, "fp8": bench_fp8, "mixed": bench_mixed, "prefill": bench_prefill, "host": bench_host, "ops": bench_ops, "kv_write": bench_kv_write}
+                "decode_sweep": bench_decode_sweep, "fp8": bench_fp8, "mixed": bench_mixed, "prefill": bench_prefill,
+                "host": bench_host, "ops": bench_ops, "kv_write": bench_kv_write, "engine_decode": bench_engine_decode,
+                "gemm": bench_gemm}
     for name in args.only:
         start = time.time()
         try:
@@ -415,6 +562,9 @@ def main() -> None:
         print(f"-- {name}: {time.time() - start:.1f} s", flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    if "engine_decode_best" in results:
+        with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "best_engine_decode_env"), "w") as f:
+            f.write(results["engine_decode_best"]["env"])
     summarize(results)
 
 

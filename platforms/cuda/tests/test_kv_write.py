@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
+from podium_cuda.tuning import CUDA_TUNING
 from podium_plugin_api import AttentionBackend, KVCacheSpec
 
 pytestmark = pytest.mark.cuda
@@ -175,14 +177,31 @@ NEW_TOKEN_CASES = [  # heads (H, Hkv), head_size, block_size, window, cap, num_s
 ]
 
 
-@pytest.mark.parametrize("case", NEW_TOKEN_CASES, ids=[f"{c[0][0]}x{c[0][1]}-d{c[1]}-b{c[2]}-w{c[3]}-c{c[4]}-s{c[5]}-"
-                                                       + "-".join(str(t)[6:] for t in c[6:]) for c in NEW_TOKEN_CASES])
-def test_decode_with_new_tokens_equals_write_then_attend(case, kernel_device, check_dtype):
+# the decode tilings (KernelTuning): the defaults, and swapped (the fp8 one over other caches and
+# the other way round)
+DECODE_OPTIONS = {
+    "default": {},
+    "swapped": {"decode": CUDA_TUNING.fp8_decode or CUDA_TUNING.decode, "fp8_decode": CUDA_TUNING.decode},
+}
+
+
+def _case_id(c) -> str:
+    return f"{c[0][0]}x{c[0][1]}-d{c[1]}-b{c[2]}-w{c[3]}-c{c[4]}-s{c[5]}-" + "-".join(str(t)[6:] for t in c[6:])
+
+
+# every case at the default tilings; swapped on bf16, fp16 group 1, MQA and fp8 cases
+NEW_TOKEN_RUNS = [(c, "default") for c in NEW_TOKEN_CASES] + [
+    (NEW_TOKEN_CASES[i], name) for name in list(DECODE_OPTIONS)[1:] for i in (0, 3, 4, 8)]
+
+
+@pytest.mark.parametrize("case,options", NEW_TOKEN_RUNS, ids=[f"{_case_id(c)}-{o}" for c, o in NEW_TOKEN_RUNS])
+def test_decode_with_new_tokens_equals_write_then_attend(case, options, kernel_device, check_dtype):
     """``paged_attention(new_tokens=...)`` (rotary, cache write and attention in one kernel) against
     ``rotary_write_kv`` then ``paged_attention``, and against the float64 reference: the same cache
     bits (padding slot -1 untouched), outputs within rounding, every real row of a NaN-poisoned
     output written. Lengths: a sequence's first token (nothing cached), block edges, long. An fp8
-    cache (8th field): the same bits, and the reference reads the fp8 values."""
+    cache (8th field): the same bits, and the reference reads the fp8 values. Each of the decode
+    tilings (``DECODE_OPTIONS``) gives the same."""
     from podium_cuda.kv_write import rotary_write_kv
     from podium_cuda.paged_attention import NewTokens, paged_attention
     from podium_cuda.testing import cache_bits, relative_error
@@ -205,6 +224,7 @@ def test_decode_with_new_tokens_equals_write_then_attend(case, kernel_device, ch
     pos = torch.tensor(lens, device=dev) - 1
     start = torch.randn(2, num_blocks, block_size, kv_heads, head_size, generator=gen).to(*cache_dtype or [dtype]).to(dev)
     args = dict(scale=head_size**-0.5, max_query_len=1, sliding_window=window, soft_cap=cap, num_splits=num_splits)
+    tuning = replace(CUDA_TUNING, **DECODE_OPTIONS[options])
 
     plain = start.clone()
     q_rot = rotary_write_kv(pos, q, k, v, table, plain[0], plain[1], meta.slot_mapping)
@@ -212,7 +232,7 @@ def test_decode_with_new_tokens_equals_write_then_attend(case, kernel_device, ch
     fused = start.clone()
     got = torch.full_like(q_rot, float("nan"))
     paged_attention(q, fused[0], fused[1], meta.query_start_loc, meta.seq_lens, meta.block_tables, out=got,
-                    new_tokens=NewTokens(pos, k, v, table, meta.slot_mapping), **args)
+                    new_tokens=NewTokens(pos, k, v, table, meta.slot_mapping), tuning=tuning, **args)
     assert torch.equal(cache_bits(fused), cache_bits(plain)), \
         f"seed {seed}: the kernel's cache write differs from rotary_write_kv's"
     assert torch.isfinite(got).all(), f"seed {seed}: rows left unwritten"

@@ -160,11 +160,14 @@ class TritonAttentionBackend(AttentionBackend):
             return self._launch(layer, query, key_cache, value_cache, meta, new_tokens)
         out = torch.empty_like(query)
         count = prefix.num_decodes
-        self._launch(layer, query[:count], key_cache, value_cache, prefix.decodes, out=out[:count])
+        # unsplit: the prefill launch beside it fills the device, and one variant (built by the startup
+        # profile step, whose batch starts with decodes) serves every mixed step
+        self._launch(layer, query[:count], key_cache, value_cache, prefix.decodes, out=out[:count], num_splits=1)
         self._launch(layer, query[count:], key_cache, value_cache, prefix.rest, out=out[count:])
         return out
 
-    def _launch(self, layer, query, key_cache, value_cache, meta, new_tokens=None, out=None) -> torch.Tensor:
+    def _launch(self, layer, query, key_cache, value_cache, meta, new_tokens=None, out=None,
+                num_splits=None) -> torch.Tensor:
         return paged_attention(
             query,
             key_cache,
@@ -176,7 +179,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=meta.max_query_len,
             sliding_window=layer.sliding_window,
             soft_cap=layer.soft_cap,
-            num_splits=self.num_splits(meta, layer.num_kv_heads),
+            num_splits=num_splits or self.num_splits(meta, layer.num_kv_heads),
             new_tokens=new_tokens,
             out=out,
             tuning=self.tuning,

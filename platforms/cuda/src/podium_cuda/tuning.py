@@ -90,16 +90,20 @@ class KernelTuning:
     # decode at batch 256 x 640: bf16 cache 159 us, fp8 175 us with Triton's cast, 122 us so; keys
     # converted so too: 160 us (NOTES.md session 9). Keys keep Triton's cast.
     fp8_values_in_registers: bool = True
-    # the decode tiling over an fp8 cache with fp8_values_in_registers (None: ``decode``). The kernel
-    # sweep's best at batch 256, 16/32/2/2 (98 / 116 / 136 us at 520 / 640 / 760 context against 114 /
-    # 124 / 145), showed no end-to-end gain in its one run; A/B: PODIUM_CUDA_TUNING=fp8_decode=16/32/2/2
-    fp8_decode: AttentionTiling | None = None
+    # the decode tiling over an fp8 cache with fp8_values_in_registers (None: ``decode``). One warp a
+    # program: with 21 KB of shared memory and ~140 registers, ten programs share a multiprocessor
+    # and keep more KV loads in flight. H200, the 8B engine's decode launch (new tokens rotated,
+    # stored and attended in the kernel; batch 256 at 520 / 640 / 760 context, NOTES.md session 10):
+    # 91.9 / 108.9 / 124.8 us against 121.5 / 140.6 / 156.8 at 16/64/4/2 and 126 / 150 / 172 at
+    # 16/32/2/2; end to end 256 x 512/256 fp8 10,765 / 10,787 out tok/s against 10,379 / 10,415
+    fp8_decode: AttentionTiling | None = AttentionTiling(block_m=16, block_n=32, num_warps=1, num_stages=3)
     # mixed steps starting with at least this many decodes launch the decode kernel for them and the
     # prefill kernel for the rest (attention.decode_prefix); 0: one prefill launch for every row.
     # H200, 16 x 512 prefill + 16 / 64 / 128 / 240 decodes, bf16: 225 / 294 / 381 / 527 us in one
-    # launch, 230 / 256 / 297 / 367 us split; 256 x 512/256 end to end neutral (10,067 / 10,034 out
-    # tok/s). Off until the bench warm-up also builds the decode variants it launches (NOTES.md)
-    mixed_decode_min: int = 0
+    # launch, 230 / 256 / 297 / 367 us split. The decode launch's variant is built by the startup
+    # profile step, whose batch starts with decodes (engine.profile_batch). 256 x 512/256 fp8 end to
+    # end (NOTES.md session 10): 10,831 / 10,849 out tok/s against 10,765 / 10,787 without
+    mixed_decode_min: int = 32
     # one-row bf16/fp16 linears (batch-1 decode) as a Triton GEMV (gemv.py), with the norm or SiLU-mul
     # before them in its prologue: faster than separate kernel + cuBLAS at every 1B/8B shape, median
     # 0.88x (benchmarks/gemv_fused_sweep.py); False: cuBLAS
