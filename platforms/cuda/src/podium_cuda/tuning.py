@@ -91,8 +91,8 @@ class KernelTuning:
     # converted so too: 160 us (NOTES.md session 9). Keys keep Triton's cast.
     fp8_values_in_registers: bool = True
     # the decode tiling over an fp8 cache with fp8_values_in_registers (None: ``decode``). One warp a
-    # program: with 21 KB of shared memory and ~140 registers, ten programs share a multiprocessor
-    # and keep more KV loads in flight. H200, the 8B engine's decode launch (new tokens rotated,
+    # program: with 20.6 KB of shared memory and 180 registers a thread, eleven programs share a
+    # multiprocessor (four at 16/64/4/2) and keep that many KV tiles in flight. H200, the 8B engine's decode launch (new tokens rotated,
     # stored and attended in the kernel; batch 256 at 520 / 640 / 760 context, NOTES.md session 10):
     # 91.9 / 108.9 / 124.8 us against 121.5 / 140.6 / 156.8 at 16/64/4/2 and 126 / 150 / 172 at
     # 16/32/2/2; end to end 256 x 512/256 fp8 10,765 / 10,787 out tok/s against 10,379 / 10,415
@@ -100,9 +100,9 @@ class KernelTuning:
     # mixed steps starting with at least this many decodes launch the decode kernel for them and the
     # prefill kernel for the rest (attention.decode_prefix); 0: one prefill launch for every row.
     # H200, 16 x 512 prefill + 16 / 64 / 128 / 240 decodes, bf16: 225 / 294 / 381 / 527 us in one
-    # launch, 230 / 256 / 297 / 367 us split. The decode launch's variant is built by the startup
-    # profile step, whose batch starts with decodes (engine.profile_batch). 256 x 512/256 fp8 end to
-    # end (NOTES.md session 10): 10,831 / 10,849 out tok/s against 10,765 / 10,787 without
+    # launch, 230 / 256 / 297 / 367 us split (so not at 16). The decode launch's variant is built by
+    # the startup profile step, whose batch starts with decodes (engine.profile_batch). 256 x 512/256
+    # fp8 end to end (NOTES.md session 10): 10,831 / 10,849 out tok/s against 10,765 / 10,787 without
     mixed_decode_min: int = 32
     # one-row bf16/fp16 linears (batch-1 decode) as a Triton GEMV (gemv.py), with the norm or SiLU-mul
     # before them in its prologue: faster than separate kernel + cuBLAS at every 1B/8B shape, median
