@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
 #        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep fused_tests argmax_bench
-#        graph_gaps_1 tp_8b (the fixed 8B run without --compare) rotary_tests (rotary / KV write / graph tests, CUDA and ROCm)
+#        graph_gaps_1 graph_gaps_256 graph_gaps_256_fp8 tp_8b (the fixed 8B run without --compare) rotary_tests (rotary / KV write / graph tests, CUDA and ROCm)
 # STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
 #   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
 # attention_tests: paged attention, fp8 caches, KV write / one-kernel decode, graph replay. decode_tests: of those, the
@@ -49,6 +49,9 @@ for s in $steps; do
     fused_tests) run_step $s 200 $pre python3 -m pytest platforms/cuda/tests/test_fused_ops.py -q -p no:cacheprovider -rfE ;;
     argmax_bench) run_step $s 120 $pre python3 benchmarks/argmax_gpu.py ;;
     graph_gaps_1) TAIL=30 run_step $s 150 $pre python3 benchmarks/graph_gaps.py --sizes 1 --trace-dir "$OUT" ;;
+    graph_gaps_256) TAIL=30 run_step $s 200 $pre python3 benchmarks/graph_gaps.py --sizes 256 --trace-dir "$OUT" ;;
+    graph_gaps_256_fp8) TAIL=30 run_step $s 200 $pre python3 benchmarks/graph_gaps.py --sizes 256 --trace-dir "$OUT" \
+      --kv-cache-dtype fp8 ;;
     kernel_tests) run_step $s 400 $pre python3 -m pytest platforms/cuda/tests -q -p no:cacheprovider -rfE ;;
     rocm_tests) run_step $s 200 $pre env PODIUM_ROCM_FORCE_ON_CUDA=1 python3 -m pytest platforms/rocm/tests \
       --podium-platform rocm -q -p no:cacheprovider -rfE ;;

@@ -1,6 +1,6 @@
 """How much of a decode step is idle GPU: inside the captured graph, and between the engine's steps.
 
-    python3 benchmarks/graph_gaps.py --model llama-3.1-8b-shape --sizes 256 1 [--trace-dir DIR]
+    python3 benchmarks/graph_gaps.py --model llama-3.1-8b-shape --sizes 256 1 [--trace-dir DIR] [--kv-cache-dtype fp8]
 
 For each batch size, ``size`` requests of ``--prompt-len`` tokens run until every one of them
 decodes (so the captured graph's buffers hold a full step: lengths, block tables), then:
@@ -82,8 +82,9 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--steps", type=int, default=8, help="engine steps profiled after the replays")
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(args.model, max_model_len=1024)
+    llm = LLM(args.model, max_model_len=1024, kv_cache_dtype=args.kv_cache_dtype)
     engine, runner = llm.engine, llm.engine.runner
     vocab = engine.source.hf_config.vocab_size
     rng = random.Random(0)
