@@ -176,6 +176,45 @@ static inline __attribute__((always_inline)) void pair_scores_block(
 }
 #endif
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && VL == 8
+/* row[g * B + t + i] for i < 8 and GS heads from g0 on AVX2: a 32-bit pair word (d even | d odd)
+ * widens with one shift (even) and one mask (odd) in registers, so the tile is never widened into
+ * memory, and every head of the group uses the same widened keys. The FMAs and their order are
+ * tile_scores' over the widened tile (chains d % 4, then (a0 + a1) + (a2 + a3)): the same bits. */
+static inline __attribute__((always_inline)) void pair_scores_block_avx2(
+    const float *restrict qf, const bf16_t *restrict kt, float *restrict row, int64_t D, int64_t B, int64_t t,
+    int64_t g0, const int GS) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 a[3][4];
+    for (int g = 0; g < GS; g++) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 2 <= D / 2; p += 2) {
+        for (int half = 0; half < 2; half++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(kt + (p + half) * 2 * B + 2 * t));
+            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+            for (int g = 0; g < GS; g++) {
+                const float *qg = qf + (g0 + g) * D + 2 * (p + half);
+                a[g][2 * half] = _mm256_fmadd_ps(_mm256_set1_ps(qg[0]), even, a[g][2 * half]);
+                a[g][2 * half + 1] = _mm256_fmadd_ps(_mm256_set1_ps(qg[1]), odd, a[g][2 * half + 1]);
+            }
+        }
+    }
+    if (p < D / 2) { /* D % 4 == 2: the last pair into the first chain, as tile_scores' remainder */
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(kt + p * 2 * B + 2 * t));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        for (int g = 0; g < GS; g++) {
+            const float *qg = qf + (g0 + g) * D + 2 * p;
+            a[g][0] = _mm256_fmadd_ps(_mm256_set1_ps(qg[1]), odd, _mm256_fmadd_ps(_mm256_set1_ps(qg[0]), even, a[g][0]));
+        }
+    }
+    for (int g = 0; g < GS; g++)
+        _mm256_storeu_ps(row + (g0 + g) * B + t,
+                         _mm256_add_ps(_mm256_add_ps(a[g][0], a[g][1]), _mm256_add_ps(a[g][2], a[g][3])));
+}
+#endif
+
 /* row[g * B + t] = q_g . k_t for a bf16 pair tile; q [G][D] bf16, qf the same widened */
 static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf, const bf16_t *restrict kt,
                               float *restrict tile, float *restrict row, int64_t G, int64_t D, int64_t B) {
@@ -188,6 +227,17 @@ static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf
                 else if (gs == 3) pair_scores_block(q, kt, row, D, B, t, g, 3);
                 else if (gs == 2) pair_scores_block(q, kt, row, D, B, t, g, 2);
                 else pair_scores_block(q, kt, row, D, B, t, g, 1);
+            }
+        return;
+    }
+#elif defined(__AVX2__) && VL == 8
+    if ((B & 7) == 0 && (D & 1) == 0) {
+        for (int64_t t = 0; t < B; t += 8)
+            for (int64_t g = 0; g < G; g += 3) {
+                const int64_t gs = G - g < 3 ? G - g : 3;
+                if (gs == 3) pair_scores_block_avx2(qf, kt, row, D, B, t, g, 3);
+                else if (gs == 2) pair_scores_block_avx2(qf, kt, row, D, B, t, g, 2);
+                else pair_scores_block_avx2(qf, kt, row, D, B, t, g, 1);
             }
         return;
     }
