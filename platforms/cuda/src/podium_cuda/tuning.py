@@ -94,8 +94,9 @@ class KernelTuning:
     # program: with 20.6 KB of shared memory and 180 registers a thread, eleven programs share a
     # multiprocessor (four at 16/64/4/2) and keep that many KV tiles in flight. H200, the 8B engine's decode launch (new tokens rotated,
     # stored and attended in the kernel; batch 256 at 520 / 640 / 760 context, NOTES.md session 10):
-    # 91.9 / 108.9 / 124.8 us against 121.5 / 140.6 / 156.8 at 16/64/4/2 and 126 / 150 / 172 at
-    # 16/32/2/2; end to end 256 x 512/256 fp8 10,765 / 10,787 out tok/s against 10,379 / 10,415
+    # 91.9 / 108.9 / 124.8 us against 121.5 / 140.6 / 156.8 for session 9's launch (16/64/4/2, the new
+    # token after the loop), 118 / 137 / 150 at 16/64/4/2 and 126 / 150 / 172 at 16/32/2/2 (the new
+    # token first); end to end 256 x 512/256 fp8 10,765 / 10,787 out tok/s against 10,379 / 10,415
     fp8_decode: AttentionTiling | None = AttentionTiling(block_m=16, block_n=32, num_warps=1, num_stages=3)
     # mixed steps starting with at least this many decodes launch the decode kernel for them and the
     # prefill kernel for the rest (attention.decode_prefix); 0: one prefill launch for every row.

@@ -10,8 +10,8 @@
  *
  * The transposed key tile turns q.k into B-wide vector FMAs (one per d) with no horizontal sums;
  * bf16 pairs feed AVX512-BF16's dot product (two d per instruction, no conversion) where the CPU
- * has it, and are widened to the float32 tile otherwise; every query head of a group is scored in
- * the same pass over the tile. Values are summed row by row in float32 (bf16 rows widened in
+ * has it, are widened in registers on AVX2 (a shift and a mask a pair word) and into a float32
+ * tile otherwise; every query head of a group is scored in the same pass over the tile. Values are summed row by row in float32 (bf16 rows widened in
  * registers), up to 3 heads x ACC_NV vectors of accumulators at once so the FMAs of a row do not wait on
  * each other. One work item is (query token, kv head): the
  * G = H / H_kv query heads sharing that kv head go together, so each tile is read once for all.
