@@ -12,11 +12,16 @@
 # engine_decode_kernels: the 8B engine's batch-256 decode launch over the decode kernel's options (bench_kernels'
 # engine_decode section; its gemm section times cuBLAS against TunableOp); the fastest fp8 option's PODIUM_CUDA_TUNING
 # value goes to /tmp/podium_best_engine_decode_env for an A/B in the same call.
-# mixed_kernels: mixed-step attention, one launch or decodes apart (bench_kernels' mixed section).
+# mixed_kernels: mixed-step attention, one launch or decodes apart (bench_kernels' mixed section). prefill_kernels: prefill
+# tilings over bf16 and fp8 caches (bench_kernels' prefill section); the fastest fp8 one at 16 x 512 goes to
+# /tmp/podium_best_prefill_env.
 # fp8 KV cache: fp8_tests, fp8_kernels (bench_kernels' fp8 section), tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8); gemv_sweep
 # (benchmarks/gemv_fused_sweep.py); triton_cache_out tars ~/.triton into $OUT (its own file, 16 MiB at most comes
 # back) for the next call to carry as .triton_cache.tar.xz. gemv_tests: the batch-1 GEMV and the kit's op checks on cuda;
 # cuda_quick_tests: GEMV, KV write / one-kernel decode, fused ops, graph replay (not the long attention sweep).
+# run_timeline_8b_fp8: the fp8 512/256 run's SM clock and power by step kind (NVML), then the whole run's GPU timeline
+# (step_profile.py --clocks --timeline). ncu_decode_fp8 / ncu_decode_bf16: Nsight Compute's counters for the 8B
+# engine's batch-256 decode attention launch (ncu_decode.py), the report's details page as text.
 # tp_cold_log: the fixed 8B run with every Triton variant built or loaded logged (PODIUM_TRITON_COMPILE_LOG=1);
 # run first on a fresh machine, it shows what the startup warm-up leaves to compile inside the timed run.
 set -o pipefail
@@ -63,6 +68,12 @@ for s in $steps; do
       --output-len 256 --num-prompts 256 --kv-cache-dtype fp8 --json-out "$OUT/$s.json" ;;
     latency_8b_fp8) run_step $s 70 $pre podium bench latency $shape8b --batch-size 1 --input-len 512 --output-len 128 \
       --kv-cache-dtype fp8 ;;
+    run_timeline_8b_fp8) TAIL=40 run_step $s 240 $pre python3 benchmarks/step_profile.py --model llama-3.1-8b-shape \
+      --kv-cache-dtype fp8 --clocks --timeline ;;
+    ncu_decode_fp8|ncu_decode_bf16) cache=${s#ncu_decode_}
+      TAIL=30 run_step $s 150 $pre ncu --clock-control none -k regex:paged_attention_kernel -s 3 -c 1 --set full \
+        -o "$OUT/$s" python3 platforms/cuda/scripts/ncu_decode.py --cache $cache --ctx 640
+      ncu --import "$OUT/$s.ncu-rep" --page details > "$OUT/${s}_details.txt" 2>&1; rm -f "$OUT/$s.ncu-rep" ;;
     step_profile_8b_fp8) run_step $s 150 $pre python3 benchmarks/step_profile.py --model llama-3.1-8b-shape --kernels \
       --kv-cache-dtype fp8 ;;
     cuda_quick_tests) run_step $s 200 $pre python3 -m pytest platforms/cuda/tests/test_gemv.py platforms/cuda/tests/test_kv_write.py \
@@ -98,6 +109,8 @@ for s in $steps; do
     fp8_kernels) TAIL=60 run_step $s 300 $pre python3 platforms/cuda/scripts/bench_kernels.py --only fp8 --out "$OUT/$s.json" ;;
     engine_decode_kernels) TAIL=70 run_step $s 330 $pre python3 platforms/cuda/scripts/bench_kernels.py --only engine_decode \
       --out "$OUT/$s.json"; cp "$OUT/best_engine_decode_env" /tmp/podium_best_engine_decode_env 2>/dev/null ;;
+    prefill_kernels) TAIL=40 run_step $s 300 $pre python3 platforms/cuda/scripts/bench_kernels.py --only prefill --out "$OUT/$s.json"
+      cp "$OUT/best_prefill_env" /tmp/podium_best_prefill_env 2>/dev/null ;;
     mixed_kernels) TAIL=12 run_step $s 200 $pre python3 platforms/cuda/scripts/bench_kernels.py --only mixed --out "$OUT/$s.json" ;;
     decode_sweep) TAIL=12 run_step $s 240 $pre python3 platforms/cuda/scripts/bench_kernels.py --only decode_sweep --out "$OUT/$s.json" ;;
     profile_bs1_1b|profile_bs1_8b) model=llama-3.2-1b-shape; [ "$s" = profile_bs1_8b ] && model=llama-3.1-8b-shape

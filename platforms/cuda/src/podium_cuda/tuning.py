@@ -91,8 +91,9 @@ class KernelTuning:
     # converted so too: 160 us (NOTES.md session 9). Keys keep Triton's cast.
     fp8_values_in_registers: bool = True
     # the decode tiling over an fp8 cache with fp8_values_in_registers (None: ``decode``). One warp a
-    # program: with 20.6 KB of shared memory and 180 registers a thread, eleven programs share a
-    # multiprocessor (four at 16/64/4/2) and keep that many KV tiles in flight. H200, the 8B engine's decode launch (new tokens rotated,
+    # program: with 20.6 KB of shared memory and 180 registers a thread, eight programs share a
+    # multiprocessor (two per scheduler's 16K registers; four at 16/64/4/2) and keep that many KV
+    # tiles in flight (Nsight Compute, NOTES.md session 11). H200, the 8B engine's decode launch (new tokens rotated,
     # stored and attended in the kernel; batch 256 at 520 / 640 / 760 context, NOTES.md session 10):
     # 91.9 / 108.9 / 124.8 us against 121.5 / 140.6 / 156.8 for session 9's launch (16/64/4/2, the new
     # token after the loop), 118 / 137 / 150 at 16/64/4/2 and 126 / 150 / 172 at 16/32/2/2 (the new
