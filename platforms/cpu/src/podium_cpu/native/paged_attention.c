@@ -19,7 +19,10 @@
  * soft-capped, soft-maxed in float32 (scores first, then the weighted sum of values) and written
  * in the query's dtype. query [T, H, D] rows are q_token_stride apart (heads contiguous); out
  * likewise with o_token_stride. A layer's call first stores the step's new key/value rows, then
- * attends (one ctypes call, one OpenMP region per layer).
+ * attends (one ctypes call, one OpenMP region per layer). Tiles are scattered, so each is asked
+ * for ahead of its use: key tiles into L1 PREFETCH_AHEAD blocks ahead of the scores, value tiles
+ * into L2 during the scores and into L1 V_AHEAD blocks ahead of the weighted sum (without the last,
+ * 69% of the sum's samples waited on its value loads; bf16 at 32 x 112 / 512: -30%, BENCHMARKS.md).
  *
  * The caller (attention.py) validates every shape, stride, dtype and index range: this code
  * trusts its arguments. Compiled on first use with the system C compiler and cached
@@ -65,6 +68,10 @@ typedef struct { /* one step's batch, the same for every layer */
             __builtin_prefetch((const char *)(p) + off_, 0, locality);                                \
     } while (0)
 
+/* value tiles asked into L1 this many blocks ahead of the one being summed (2: the same) */
+#ifndef V_AHEAD
+#define V_AHEAD 1
+#endif
 /* key tiles asked for this many blocks ahead of the one being scored (blocks are scattered, so the
  * hardware prefetcher cannot guess them; one block of scoring is shorter than a DRAM round trip) */
 #ifndef PREFETCH_AHEAD
@@ -350,6 +357,9 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     for (int64_t b = first; b <= last; b++) {                                                         \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
         const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
+        if (b + V_AHEAD <= last) /* L2 -> L1 while this tile accumulates */                           \
+            prefetch_tile(vc + ((int64_t)table[b + V_AHEAD] * s->num_kv_heads + h) * tile_size,         \
+                          tile_size * (int64_t)sizeof(T), 3);                                         \
         ACCUMULATE(scores, n, b * B - lo, vc + base, acc, G, D, t0, t1);                                \
     }                                                                                                 \
     T *o = out + token * s->o_token_stride + h * G * D;                                               \
