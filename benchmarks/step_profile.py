@@ -28,6 +28,7 @@ import threading
 import time
 
 import torch
+from graph_gaps import short  # benchmarks/ is the script's folder, first on sys.path
 
 from podium import LLM, SamplingParams
 
@@ -151,7 +152,6 @@ class ClockSampler:
 
 def timeline(engine, args, vocab, rng, params) -> None:
     """The workload once more under torch.profiler: the GPU's run split into graph replays and eager work."""
-    from graph_gaps import short  # benchmarks/ is the script's folder, first on sys.path
     from torch.profiler import ProfilerActivity, profile
 
     for i in range(args.num_prompts):
@@ -167,10 +167,10 @@ def timeline(engine, args, vocab, rng, params) -> None:
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    print_timeline(events, wall, short)
+    print_timeline(events, wall)
 
 
-def print_timeline(events: list[dict], wall: float, short) -> None:
+def print_timeline(events: list[dict], wall: float) -> None:
     """Chrome-trace events -> graph-launch segments and eager segments, printed (see ``timeline``)."""
     launches = {e["args"]["correlation"]: e["name"] for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
