@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -306,21 +308,25 @@ def test_native_packing_keeps_parameters_and_ties(native_linear):
 
 @pytest.mark.parametrize("rows", [1, 5, 32, 50])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_norm_and_silu_linears_equal_the_op_then_the_linear_bit_for_bit(kernels, rows, bias):
-    """rms_norm_linear / silu_and_mul_linear into an FmaLinear: one native call whose input pass runs
-    the same row code as the ops alone (native/prologue.h), so the result is theirs exactly."""
-    if not kernels.fma_fused_linear:
-        pytest.skip("this build has no AVX2 + FMA kernel")
+def test_fused_norm_and_silu_linears_equal_the_op_then_the_linear_bit_for_bit(kernels, native_linear, rows, bias):
+    """rms_norm_linear / silu_and_mul_linear into a native linear (FmaLinear, AmxLinear): one native
+    call whose input pass runs the same row code as the ops alone (native/prologue.h), so the result
+    is theirs exactly."""
+    layer_class, kernel, pack = native_linear
     gen = torch.Generator().manual_seed(rows)
-    hidden, inter, out_features = 96, 160, 72  # 72: a partial last panel of 16 columns
+    # 90: not a multiple of AMX's 32-input tiles (a padded input); 72: a partial last panel / tile pair
+    hidden, inter, out_features = 90, 160, 72
+    entry = {FmaLinear: "fma_fused_linear", AmxLinear: "amx_fused_linear"}[layer_class]
+    real, calls = getattr(kernels, entry)[torch.bfloat16], []
+    # the fused entry counts its calls, so "equal to the separate ops" cannot come from not fusing
+    kernels = dataclasses.replace(kernels, **{entry: {torch.bfloat16: lambda *args: calls.append(1) or real(*args)}})
 
-    def layer(k: int) -> FmaLinear:
+    def layer(k: int):
         plain = nn.Linear(k, out_features, bias=bias).requires_grad_(False)
         plain.weight.copy_(torch.randn(out_features, k, generator=gen) / k**0.5)
         if bias:
             plain.bias.copy_(torch.randn(out_features, generator=gen))
-        plain = plain.bfloat16()
-        return FmaLinear(plain, kernels.fma_linear[torch.bfloat16], kernels.fma_pack[torch.bfloat16])
+        return layer_class(plain.bfloat16(), kernel, pack)
 
     qkv, down = layer(hidden), layer(inter)
     x = torch.randn(rows, hidden, generator=gen).bfloat16()
@@ -342,6 +348,7 @@ def test_fused_norm_and_silu_linears_equal_the_op_then_the_linear_bit_for_bit(ke
                                      lambda h: F.linear(h, qkv.weight.double(), None if qkv.bias is None else qkv.bias.double()))[0]
     got = fused_ops.rms_norm_linear(kernels, x, residual, weight, 1e-6, qkv)[0]
     assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+    assert len(calls) == 5
 
 
 def test_fused_linears_leave_other_linears_to_the_op_then_the_module(kernels):

@@ -7,11 +7,11 @@
 - silu_and_mul: native for bfloat16, rounding where torch's silu and mul round (silu in float32
   of the bf16 gate, rounded to bf16, times up, rounded); its e^x is not libm's, but a full sweep
   of bf16 gates gave torch's results bit for bit. float32 stays the reference.
-- rms_norm_linear, silu_and_mul_linear (API 1.5): where the linear is an ``FmaLinear`` (bf16 on
-  AVX2 without oneDNN bf16), one native call: the norm or SiLU-mul runs row by row in the input pass
-  the FMA kernel makes anyway (native/prologue.h, the same row code as the ops alone), so the
-  result is "op, then linear" bit for bit, in one call instead of two. Other linears: the op above,
-  then the linear.
+- rms_norm_linear, silu_and_mul_linear (API 1.5): where the linear is a native one, an ``FmaLinear``
+  (bf16 on AVX2 without oneDNN bf16) or an ``AmxLinear`` (bf16 on AMX, up to its row limit), one
+  native call: the norm or SiLU-mul runs row by row in the kernel's input pass (native/prologue.h,
+  the same row code as the ops alone), so the result is "op, then linear" bit for bit, in one call
+  and one OpenMP region instead of two. Other linears: the op above, then the linear.
 - top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
   row are sorted instead of the whole vocabulary.
 Anything outside what a native op handles (other dtypes, odd strides) goes to the reference.
@@ -26,7 +26,7 @@ import torch
 
 from podium_plugin_api import ops as reference
 
-from .linear_packing import FmaLinear
+from .linear_packing import AmxLinear, FmaLinear
 from .native_kernels import NativeKernels
 
 PREFILTER_MAX_FRACTION = 8  # the pre-filter pays when max(top_k) is at most vocab / 8
@@ -122,8 +122,14 @@ def silu_and_mul(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
 
 def _fused_linear(kernels: NativeKernels, x: torch.Tensor, linear) -> Callable | None:
     """The native fused entry for input ``x`` into ``linear``, or None (another path)."""
-    fused = kernels.fma_fused_linear.get(torch.bfloat16)
-    if fused is None or type(linear) is not FmaLinear or not _bf16_rows(x) or x.shape[0] == 0:
+    kind = type(linear)
+    if kind is FmaLinear:
+        fused = kernels.fma_fused_linear.get(torch.bfloat16)
+    elif kind is AmxLinear and x.shape[0] <= linear.max_rows:
+        fused = kernels.amx_fused_linear.get(torch.bfloat16)
+    else:
+        return None
+    if fused is None or not _bf16_rows(x) or x.shape[0] == 0:
         return None
     return fused
 
@@ -138,12 +144,12 @@ def _run_fused(fused, linear, x, residual=None, norm_weight=None, eps=0.0, summe
                linear.out_features, linear.in_features, bias, out.data_ptr(), linear.out_features,
                torch.get_num_threads())
     if rc != 0:
-        raise MemoryError("the fma linear kernel could not allocate its scratch rows")
+        raise MemoryError(f"the {linear.kind} linear kernel could not allocate its scratch rows")
     return out
 
 
 def rms_norm_linear(kernels: NativeKernels, x, residual, weight, eps, linear):
-    """(linear(rms_norm(x + residual)), x + residual); one native call into an FmaLinear."""
+    """(linear(rms_norm(x + residual)), x + residual); one native call into a native linear."""
     fused = _fused_linear(kernels, x, linear)
     if fused is None or not _norm_native(x, weight, residual) or x.shape[1] != linear.in_features:
         if residual is None:
@@ -157,7 +163,7 @@ def rms_norm_linear(kernels: NativeKernels, x, residual, weight, eps, linear):
 
 
 def silu_and_mul_linear(kernels: NativeKernels, x, linear):
-    """linear(silu(gate) * up) for x [T, 2I]; one native call into an FmaLinear."""
+    """linear(silu(gate) * up) for x [T, 2I]; one native call into a native linear."""
     fused = _fused_linear(kernels, x, linear)
     if fused is None or x.shape[1] != 2 * linear.in_features:
         return linear(silu_and_mul(kernels, x))

@@ -34,8 +34,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 LIBRARIES = {
     "paged_attention": (NATIVE_DIR / "paged_attention.c", ()),
     "fused_ops": (NATIVE_DIR / "fused_ops.c", ("-ffp-contract=off",)),
-    "amx_linear": (NATIVE_DIR / "amx_linear.c", ()),
-    "fma_linear": (NATIVE_DIR / "fma_linear.c", ("-ffp-contract=off",)),  # its prologues are fused_ops' rows
+    "amx_linear": (NATIVE_DIR / "amx_linear.c", ("-ffp-contract=off",)),  # its prologues are fused_ops' rows
+    "fma_linear": (NATIVE_DIR / "fma_linear.c", ("-ffp-contract=off",)),
 }
 COMPILERS = ("cc", "gcc", "clang")
 COMPILE_TIMEOUT_S = 120
@@ -79,8 +79,9 @@ class NativeKernels:
     amx_pack: dict  # the weight layout amx_linear reads (plain C, present wherever the library loads)
     fma_linear: dict  # empty where this build has no AVX2 + FMA
     fma_pack: dict  # the weight layout fma_linear reads (plain C)
-    # fma_linear with the RMSNorm (+ residual add) or SiLU-mul before it in its input pass (prologue.h)
+    # the linears with the RMSNorm (+ residual add) or SiLU-mul before them in their input pass (prologue.h)
     fma_fused_linear: dict = field(default_factory=dict)
+    amx_fused_linear: dict = field(default_factory=dict)
 
 
 def cache_dir() -> Path:
@@ -151,6 +152,8 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("bf16",)),
     "podium_amx_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
     "podium_amx_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
+    "podium_amx_fused_linear": ([_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR,
+                                 _I64, _INT], ("bf16",)),
     "podium_fma_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
     "podium_fma_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
     "podium_fma_fused_linear": ([_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR,
@@ -227,6 +230,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         fma_linear=entries["podium_fma_linear"] if fma_ready else {},
         fma_pack=entries["podium_fma_pack"],
         fma_fused_linear=entries["podium_fma_fused_linear"] if fma_ready else {},
+        amx_fused_linear=entries["podium_amx_fused_linear"] if amx_ready else {},
     ), ""
 
 

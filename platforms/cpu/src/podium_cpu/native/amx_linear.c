@@ -18,6 +18,15 @@
  * invariance). Bias is added in float32 before the one rounding to bf16 (round to nearest even).
  * Rows of a last partial chunk, and x when K % 32 != 0, go through a zero-padded copy.
  *
+ * With a prologue (podium_amx_fused_linear_bf16, the API 1.5 ops rms_norm_linear and
+ * silu_and_mul_linear) the input rows are first computed by the op before the linear, RMSNorm
+ * (+ residual add) or SiLU-and-mul, row by row with the same code as the op alone (prologue.h,
+ * compiled with -ffp-contract=off like fused_ops.c) into a zero-padded [chunks * 32, K rounded up
+ * to 32] scratch, split over the threads in the same OpenMP region as the matmul: the result is
+ * "op, then linear" bit for bit, in one call instead of two. The scratch belongs to the calling
+ * thread and is kept between calls (grown when a call needs more), so a decode step's calls do not
+ * go to the allocator.
+ *
  * AMX state is per thread: each thread loads its tile configuration on entry and releases the
  * tiles on exit (other AMX users, oneDNN, configure their own). The process asks the kernel for
  * AMX tile data once (podium_amx_init). The caller (linear_packing.py) validates shapes, strides
@@ -30,6 +39,7 @@
 #include <unistd.h>
 
 #include "bf16.h"
+#include "prologue.h"
 
 /* w [N, K] (rows contiguous) -> packed (the layout above), zeros where N or K are padded; threads
  * split the 16-column blocks. Plain C (no AMX needed). A (k, k+1) pair of one column is one 32-bit
@@ -148,23 +158,59 @@ static inline void chunk_pair(const bf16_t *a, int64_t a_stride, int64_t rows, c
     }
 }
 
-/* x [M, K] (row stride x_stride elements), packed weights for [N, K], bias [N] float32 or NULL,
- * out [M, N] (row stride out_stride). Returns 0, or -1 when scratch memory could not be allocated. */
-int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
-                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
-    const int64_t kb = (K + 31) / 32, kp = kb * 32, pairs = (N + 31) / 32;
-    const int64_t full = K % 32 == 0 ? M / 32 : 0;  /* chunks read in place */
-    const int64_t chunks = (M + 31) / 32;
-    bf16_t *pad = NULL; /* rows of the chunks not read in place, zero padded to 32 rows and kp columns */
-    if (chunks > full) {
-        pad = (bf16_t *)calloc((size_t)(chunks - full) * 32 * kp, sizeof(bf16_t));
-        if (!pad) return -1;
-        for (int64_t r = full * 32; r < M; r++)
-            memcpy(pad + (r - full * 32) * kp, x + r * x_stride, (size_t)K * sizeof(bf16_t));
+/* The calling thread's scratch of at least `bytes` bytes, kept for its next calls (NULL: no memory) */
+static void *thread_scratch(size_t bytes) {
+    static __thread void *buffer;
+    static __thread size_t capacity;
+    if (bytes > capacity) {
+        void *grown = malloc(bytes);
+        if (!grown) return NULL;
+        free(buffer);
+        buffer = grown, capacity = bytes;
     }
-    const int parallel = num_threads > 1 && pairs > 1;
+    return buffer;
+}
+
+/* out [M, N] (row stride out_stride) = h . w^T + bias, h [M, K] the linear's input: x [M, K] (row
+ * stride x_stride) itself; with norm_w, rms_norm(x + res) (res NULL: rms_norm(x); else x + res goes
+ * to sum_out [M, K] contiguous, as fused_add_rms_norm returns it); with silu, silu(gate) * up of x
+ * [M, 2K] = [gate | up]. packed: the weights for [N, K]; bias [N] float32 or NULL. Returns 0, or -1
+ * when scratch memory could not be allocated. */
+int podium_amx_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
+                                 const bf16_t *norm_w, float eps, bf16_t *sum_out, int silu, int64_t M,
+                                 const bf16_t *packed, int64_t N, int64_t K, const float *bias, bf16_t *out,
+                                 int64_t out_stride, int num_threads) {
+    const int64_t kb = (K + 31) / 32, kp = kb * 32, pairs = (N + 31) / 32;
+    const int prologue = norm_w || silu;
+    const int64_t full = !prologue && K % 32 == 0 ? M / 32 : 0; /* chunks read in place */
+    const int64_t chunks = (M + 31) / 32;
+    /* rows of the chunks not read in place: the prologue's output or a copy of x, zero padded to 32
+     * rows and kp columns */
+    bf16_t *pad = NULL;
+    if (chunks > full) {
+        const int64_t rows = (chunks - full) * 32, used = M - full * 32;
+        pad = (bf16_t *)thread_scratch((size_t)(rows * kp) * sizeof(bf16_t));
+        if (!pad) return -1;
+        if (kp > K)
+            for (int64_t r = 0; r < used; r++) memset(pad + r * kp + K, 0, (size_t)(kp - K) * sizeof(bf16_t));
+        memset(pad + used * kp, 0, (size_t)((rows - used) * kp) * sizeof(bf16_t));
+    }
+    const int parallel = num_threads > 1 && (pairs > 1 || prologue);
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
+        if (chunks > full) {
+#pragma omp for schedule(static)
+            for (int64_t r = full * 32; r < M; r++) {
+                bf16_t *h = pad + (r - full * 32) * kp;
+                if (norm_w)
+                    norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, norm_w, h,
+                             res ? sum_out + r * K : NULL, K, eps);
+                else if (silu)
+                    silu_mul_row(x + r * x_stride, h, K);
+                else
+                    memcpy(h, x + r * x_stride, (size_t)K * sizeof(bf16_t));
+            }
+        } /* the loop's barrier: every input row is ready before any tile reads it */
         float c[32 * 32];
         configure_tiles();
 #pragma omp for schedule(static)
@@ -181,12 +227,28 @@ int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const b
         }
         _tile_release();
     }
-    free(pad);
     return 0;
+}
+
+/* x [M, K] (row stride x_stride elements), packed weights for [N, K], bias [N] float32 or NULL,
+ * out [M, N] (row stride out_stride). Returns 0, or -1 when scratch memory could not be allocated. */
+int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
+                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
+    return podium_amx_fused_linear_bf16(x, x_stride, NULL, 0, NULL, 0.f, NULL, 0, M, packed, N, K, bias, out,
+                                        out_stride, num_threads);
 }
 
 #else /* no AMX in this build (-march=native on a CPU without it): nothing to run */
 int podium_amx_init(void) { return -1; }
+
+int podium_amx_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
+                                 const bf16_t *norm_w, float eps, bf16_t *sum_out, int silu, int64_t M,
+                                 const bf16_t *packed, int64_t N, int64_t K, const float *bias, bf16_t *out,
+                                 int64_t out_stride, int num_threads) {
+    (void)x, (void)x_stride, (void)res, (void)res_stride, (void)norm_w, (void)eps, (void)sum_out, (void)silu;
+    (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride, (void)num_threads;
+    return -1;
+}
 
 int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
                            int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
