@@ -71,7 +71,8 @@ def test_kit_passes_for_cpu(tmp_path):
     assert "podium platform kit: platform 'cpu' (podium-cpu" in out
     tally = counts(out)
     assert tally.get("failed", 0) == 0 and tally["passed"] >= 30  # three dtypes, every attention case
-    assert "capabilities().graph_capture is False" in out  # skipped, and saying why
+    # graphs: float32 and bf16 steps captured and replayed; float16 (no native kernel) declined, saying why
+    assert re.search(r"SKIPPED \[1\] .*graph capture of a decode step .*float16.*does not capture it", out), out
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ tokens are still being computed; a token the previous step sampled but the host 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from podium_plugin_api import AttentionMetadata, Platform
+from podium_plugin_api import AttentionMetadata, GraphCaptureUnsupported, Platform
 
 from .models.context import ForwardContext
 from .request import Sequence
@@ -36,6 +37,8 @@ from .scheduler import SchedulerOutput
 from .step_staging import StagingRing, StepLayout, fill_host
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+logger = logging.getLogger("podium.runner")
 
 
 @dataclass
@@ -310,18 +313,26 @@ class ModelRunner:
         return None
 
     def capture_graphs(self, max_batch: int) -> float:
-        """Capture pure-decode steps for bucketed batch sizes up to ``max_batch``; returns seconds."""
+        """Capture pure-decode steps for bucketed batch sizes up to ``max_batch`` (and the runner's
+        ``max_batch_size``); returns seconds. A platform that cannot capture this model's step says so
+        (``GraphCaptureUnsupported``): every step then runs eagerly."""
         runner = self.platform.graph_runner()
         if runner is None:
             return 0.0
         begin = time.perf_counter()
+        if runner.max_batch_size is not None:
+            max_batch = min(max_batch, runner.max_batch_size)
         sizes = [b for b in GRAPH_BATCH_SIZES if b <= max_batch]
         if max_batch not in sizes and max_batch <= GRAPH_BATCH_SIZES[-1]:
             sizes.append(max_batch)
         if self.static_shapes:  # padded decode steps only come in token buckets
             sizes = sorted({bucket(b, 16) for b in sizes})
-        for size in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool
-            self.graphs[size] = self._capture_one(runner, size)
+        try:
+            for size in sorted(sizes, reverse=True):  # largest first: later captures reuse its pool
+                self.graphs[size] = self._capture_one(runner, size)
+        except GraphCaptureUnsupported as exc:
+            self.graphs.clear()
+            logger.info("decode steps run eagerly: the platform cannot capture this model's step (%s)", exc)
         self.platform.synchronize()
         self.capture_seconds = time.perf_counter() - begin
         return self.capture_seconds

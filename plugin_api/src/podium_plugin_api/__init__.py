@@ -27,6 +27,7 @@ _EXPORTS = {
     "fp8_dtypes": ".metadata",
     "Availability": ".platform",
     "Capabilities": ".platform",
+    "GraphCaptureUnsupported": ".platform",
     "GraphRunner": ".platform",
     "MemoryInfo": ".platform",
     "Platform": ".platform",

@@ -68,6 +68,11 @@ class Capabilities:
         }
 
 
+class GraphCaptureUnsupported(RuntimeError):
+    """Raised by ``GraphRunner.capture`` when this step cannot be captured here (the model runs an
+    op the platform's graphs do not cover, say); the core then runs every step eagerly. (API 1.6)"""
+
+
 class GraphRunner:
     """Captures a step function once and replays it (CUDA/HIP graphs and the like).
 
@@ -75,8 +80,14 @@ class GraphRunner:
     inputs into the same tensors the captured function read, and reads the same output tensors.
     """
 
+    # the largest batch worth a graph here (None: every size up to the engine's max_num_seqs); the
+    # core captures bucketed sizes up to it and runs larger decode steps eagerly (API 1.6)
+    max_batch_size: int | None = None
+
     def capture(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """Run ``fn`` under capture; return a callable that replays it and returns its outputs."""
+        """Run ``fn`` under capture; return a callable that replays it and returns its outputs.
+
+        May raise ``GraphCaptureUnsupported`` (the core then stays eager) (API 1.6)."""
         raise NotImplementedError
 
 

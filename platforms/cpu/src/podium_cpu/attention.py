@@ -34,8 +34,18 @@ from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMet
 from podium_plugin_api.attention import to_cache_dtype
 from podium_plugin_api.reference import attend_one, attention_mask, indexable
 
-from .attention_kernel import call_kernel, check_plan, checked_slots, kernel_inputs_fit, rotary_fits, token_rows
+from .attention_kernel import (
+    call_kernel,
+    captured_step,
+    check_plan,
+    checked_slots,
+    kernel_inputs_fit,
+    launch,
+    rotary_fits,
+    token_rows,
+)
 from .attention_plan import LongSeq, StepPlan, plan_for
+from .graphs import capturing
 from .native_kernels import NativeKernels
 
 
@@ -168,12 +178,15 @@ class CpuAttentionBackend(AttentionBackend):
             return None
         if not kernel_inputs_fit(layer, query, (key, value), hkv, head_size, meta.slot_mapping.shape[0]):
             return None
+        base = kv_cache.data_ptr()
+        caches = (base, base + kv_cache.stride(0) * kv_cache.element_size(), blocks, block_size)
+        if capturing():  # a graph: the kernel reads the step's tensors in place on every replay
+            step = captured_step(meta, query, block_size, True, rotary)
+            return launch(self.kernels, self._shapes, layer, query, (key, value), caches, step)
         plan = plan_for(meta, block_size)
         if rotary is not None and (plan.long_seqs or query.shape[0] != key.shape[0]
                                    or not rotary_fits(rotary, key.shape[0], head_size)):
             return None
-        base = kv_cache.data_ptr()
-        caches = (base, base + kv_cache.stride(0) * kv_cache.element_size(), blocks, block_size)
         out = call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary)
         if plan.long_seqs:
             self._long_seqs(layer, query, *self.split_cache(kv_cache), plan.long_seqs, key, value, out)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, RotaryInputs
+from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, GraphCaptureUnsupported, RotaryInputs
 
 from .attention_plan import StepPlan
 from .native_kernels import NativeKernels, Shape, Step
@@ -34,8 +34,16 @@ def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec,
     and key come unrotated; the kernel rotates them (``rotary_fits`` checked it applies). The
     caller checked ``kernel_inputs_fit``.
     """
-    key_ptr, value_ptr, blocks, block_size = caches
+    _, _, blocks, block_size = caches
     check_plan(plan, query, blocks)
+    step = _step(plan, meta, blocks * block_size, new_rows is not None, rotary)
+    return launch(kernels, shapes, layer, query, new_rows, caches, step)
+
+
+def launch(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec, query: torch.Tensor,
+           new_rows: tuple[torch.Tensor, torch.Tensor] | None, caches: tuple[int, int, int, int], step: Step) -> torch.Tensor:
+    """One kernel call over ``step``'s tokens: out [T, H, D] (rows of other tokens uninitialised)."""
+    key_ptr, value_ptr, _, block_size = caches
     out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
     if new_rows is None:
         key = value = None
@@ -43,7 +51,6 @@ def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec,
     else:
         key, value = new_rows
         k_stride, v_stride = key.stride(0), value.stride(0)
-    step = _step(plan, meta, blocks * block_size, new_rows is not None, rotary)
     shape_key = (id(layer), query.stride(0), k_stride, v_stride, block_size)
     entry = shapes.get(shape_key)
     if entry is None or entry[0] is not layer:
@@ -114,6 +121,41 @@ def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool,
     # the tensors the struct points at stay alive with it
     plan.cache[key] = (meta.slot_mapping, step, rotary and rotary.positions, rotary and rotary.cos_sin_cache,
                        slots, positions)
+    return step
+
+
+def captured_step(meta: AttentionMetadata, query: torch.Tensor, block_size: int, writes: bool,
+                  rotary: RotaryInputs | None) -> Step:
+    """The Step of a decode step being captured as a graph: it points at the step's own tensors,
+    which the engine refills before every replay, and plans nothing on the host. Each token is its
+    sequence's last (position seq_lens[i] - 1, read by the kernel each call), keys are read through
+    ``block_tables`` up to its whole width (``max_span``), new rows go to ``slot_mapping`` and
+    rotate at ``rotary.positions``. Nothing is validated: a replayed step's inputs come from the
+    engine, as a CUDA graph's do. Built once per (step, writes, rotary), kept in ``meta.extras``."""
+    key = ("podium_cpu.captured step", writes, rotary is not None)
+    cached = meta.extras.get(key)
+    if cached is not None:
+        return cached[0]
+    tables, seq_lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
+    num = seq_lens.shape[0]
+    if meta.max_query_len != 1 or query.shape[0] != num:
+        raise GraphCaptureUnsupported("only decode steps (one new token a sequence) are captured on the CPU")
+    fits = (tables.dtype == torch.int32 and tables.stride(1) == 1 and seq_lens.dtype == torch.int32
+            and seq_lens.is_contiguous() and (not writes or (slots.dtype == torch.int64 and slots.is_contiguous())))
+    if rotary is not None:
+        fits = fits and rotary_fits(rotary, num, query.shape[2]) and rotary.positions.dtype == torch.int64 \
+            and rotary.positions.is_contiguous()
+    if not fits:
+        raise GraphCaptureUnsupported("the step's metadata is not in the dtypes and layouts the kernel reads in place")
+    index = torch.arange(num, dtype=torch.int64)  # token i is sequence i's new token
+    step = Step(
+        block_tables=tables.data_ptr(), bt_stride=tables.stride(0), tokens=index.data_ptr(), seqs=index.data_ptr(),
+        num_tokens=num, max_span=tables.shape[1] * block_size, seq_lens=seq_lens.data_ptr(),
+        slots=slots.data_ptr() if writes else None, num_writes=num if writes else 0,
+    )
+    if rotary is not None:
+        step.cos_sin, step.rope_positions = rotary.cos_sin_cache.data_ptr(), rotary.positions.data_ptr()
+    meta.extras[key] = (step, index)
     return step
 
 

@@ -16,7 +16,9 @@ no compiler works, ``load_kernels`` says why and the backend runs its pure-torch
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -36,6 +38,7 @@ LIBRARIES = {
     "fused_ops": (NATIVE_DIR / "fused_ops.c", ("-ffp-contract=off",)),
     "amx_linear": (NATIVE_DIR / "amx_linear.c", ("-ffp-contract=off",)),  # its prologues are fused_ops' rows
     "fma_linear": (NATIVE_DIR / "fma_linear.c", ("-ffp-contract=off",)),
+    "graph_replay": (NATIVE_DIR / "graph_replay.c", ()),
 }
 COMPILERS = ("cc", "gcc", "clang")
 COMPILE_TIMEOUT_S = 120
@@ -61,7 +64,7 @@ class Step(ctypes.Structure):
         ("tokens", ctypes.c_void_p), ("seqs", ctypes.c_void_p), ("positions", ctypes.c_void_p),
         ("num_tokens", ctypes.c_int64), ("max_span", ctypes.c_int64),
         ("slots", ctypes.c_void_p), ("num_writes", ctypes.c_int64),
-        ("cos_sin", ctypes.c_void_p), ("rope_positions", ctypes.c_void_p),
+        ("cos_sin", ctypes.c_void_p), ("rope_positions", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
     ]
 
 
@@ -82,6 +85,8 @@ class NativeKernels:
     # the linears with the RMSNorm (+ residual add) or SiLU-mul before them in their input pass (prologue.h)
     fma_fused_linear: dict = field(default_factory=dict)
     amx_fused_linear: dict = field(default_factory=dict)
+    embed_rows: dict = field(default_factory=dict)  # the embedding lookup
+    replay: ctypes._CFuncPtr | None = None  # graph_replay.c: a captured step's calls (graphs.py)
 
 
 def cache_dir() -> Path:
@@ -116,6 +121,12 @@ def _compiler() -> tuple[str, str] | None:
     return None
 
 
+@functools.cache
+def compiler_found() -> bool:
+    """Whether a C compiler answers here (asked once per process)."""
+    return _compiler() is not None
+
+
 def _build(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
     """Compile ``source`` to ``target`` atomically (a concurrent process may build the same file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +153,43 @@ def _remove_stale(name: str, keep: Path) -> None:
                 pass
 
 
+class NativeEntry:
+    """One bound kernel entry point. Calling it calls the C function; while a graph capture is in
+    progress in this thread (``RECORDER``, graphs.py), the call is handed to the recorder first.
+
+    ``kind`` names the C signature (graph_replay.c's enum) a replay makes the call through, or is
+    None for entries a captured step never calls (the packers)."""
+
+    __slots__ = ("fn", "name", "kind", "address")
+
+    def __init__(self, fn, name: str, kind: int | None) -> None:
+        self.fn, self.name, self.kind = fn, name, kind
+        self.address = ctypes.cast(fn, ctypes.c_void_p).value
+
+    @property
+    def argtypes(self):
+        return self.fn.argtypes
+
+    def __call__(self, *args):
+        recorder = RECORDER.get()
+        if recorder is not None:
+            recorder.record(self, args)
+        return self.fn(*args)
+
+    def __repr__(self) -> str:
+        return f"NativeEntry({self.name})"
+
+
+# the graph capture in progress in this thread (graphs.Recorder), or None
+RECORDER: contextvars.ContextVar = contextvars.ContextVar("podium_cpu_recorder", default=None)
+
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# graph_replay.c's call kinds, by C function prefix
+REPLAY_KINDS = {
+    "podium_amx_fused_linear": 0, "podium_fma_fused_linear": 0, "podium_amx_linear": 1, "podium_fma_linear": 1,
+    "podium_paged_attention": 2, "podium_rms_norm": 3, "podium_embed_rows": 4, "podium_silu_and_mul": 5,
+    "podium_rotary": 6, "podium_write_kv": 7,
+}
 SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_paged_attention": ([_PTR] * 6 + [ctypes.POINTER(Step), ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
     "podium_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ("f32", "bf16")),
@@ -158,6 +205,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_fma_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
     "podium_fma_fused_linear": ([_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR,
                                  _I64, _INT], ("bf16",)),
+    "podium_embed_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16")),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -173,7 +221,7 @@ def _bind(libs: list[ctypes.CDLL]) -> dict[str, dict]:
             if fn is None:
                 raise AttributeError(f"native library lacks {name}")
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            entries[prefix][SUFFIX_DTYPES[suffix]] = fn
+            entries[prefix][SUFFIX_DTYPES[suffix]] = NativeEntry(fn, name, REPLAY_KINDS.get(prefix))
     return entries
 
 
@@ -216,6 +264,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         entries = _bind(libs)
         amx_ready = _amx_ready(libs)
         fma_ready = _ready(libs, "podium_fma_ready") == 1
+        replay = _replay_entry(libs)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"native kernels unavailable ({exc}); using pure-torch attention and ops"
     return NativeKernels(
@@ -231,7 +280,18 @@ def _load() -> tuple[NativeKernels | None, str]:
         fma_pack=entries["podium_fma_pack"],
         fma_fused_linear=entries["podium_fma_fused_linear"] if fma_ready else {},
         amx_fused_linear=entries["podium_amx_fused_linear"] if amx_ready else {},
+        embed_rows=entries["podium_embed_rows"],
+        replay=replay,
     ), ""
+
+
+def _replay_entry(libs: list[ctypes.CDLL]):
+    """graph_replay.c's ``podium_replay(const Call *calls, int64_t n)``."""
+    fn = next((lib.podium_replay for lib in libs if hasattr(lib, "podium_replay")), None)
+    if fn is None:
+        raise AttributeError("native library lacks podium_replay")
+    fn.argtypes, fn.restype = [_PTR, _I64], ctypes.c_int
+    return fn
 
 
 def _ready(libs: list[ctypes.CDLL], name: str) -> int:

@@ -5,6 +5,8 @@ Choices made here, from what the machine offers (``cpu_info``):
   otherwise; every dtype stays selectable.
 - threads: ``set_device`` caps torch's thread count at the physical cores this process may use
   (affinity and cgroup quota), never raising a count the user lowered.
+- graphs: decode steps captured as their native kernel calls and replayed from C (graphs.py), where
+  the attention is the native kernel's; a model with an op outside the native kernels stays eager.
 - attention: the native C kernel (compiled on first use), else IPEX's paged attention when
   ``intel_extension_for_pytorch`` imports (optional), else pure torch. ``PODIUM_CPU_ATTENTION``
   (``native``, ``ipex`` or ``torch``; unset or ``auto``: that order) forces one, and an explicit
@@ -21,14 +23,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from podium_plugin_api import AttentionBackend, Capabilities, KVCacheSpec, Platform
+from podium_plugin_api import AttentionBackend, Capabilities, GraphRunner, KVCacheSpec, Platform
 
 from .attention import CpuAttentionBackend
 from .cpu_info import has_native_bf16, usable_cores
+from .embedding import native_embeddings
 from .fused_ops import cpu_ops
+from .graphs import CpuGraphRunner
 from .ipex_support import ipex_status
 from .linear_packing import pack_linear_layers
-from .native_kernels import load_kernels
+from .native_kernels import compiler_found, load_kernels
 
 ATTENTION_ENV = "PODIUM_CPU_ATTENTION"
 ATTENTION_CHOICES = ("auto", "native", "ipex", "torch")
@@ -51,7 +55,7 @@ class CpuPlatform(Platform):
             self._capabilities = Capabilities(
                 dtypes=(torch.float32, torch.bfloat16, torch.float16),
                 default_dtype=torch.bfloat16 if native_bf16 else torch.float32,
-                graph_capture=False,
+                graph_capture=_graphs_possible(),
                 fp8="e4m3fn",  # fp8 KV caches (torch's CPU casts): see CpuAttentionBackend.kv_cache_dtypes
                 distributed_backend="gloo",
                 extra={"native_bf16": native_bf16, "threads": usable_cores(), "attention": _attention_setting()},
@@ -93,7 +97,8 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Called once the weights are loaded: pack bf16 linear weights for the native AMX kernel
-        where it runs, else for oneDNN, else for the native FMA kernel. Returns the model."""
+        where it runs, else for oneDNN, else for the native FMA kernel; embeddings to the native
+        lookup. Returns the model."""
         kernels = load_kernels()[0]
         if kernels is None:
             pack_linear_layers(model)
@@ -101,7 +106,22 @@ class CpuPlatform(Platform):
             bf16 = torch.bfloat16
             pack_linear_layers(model, kernels.amx_linear.get(bf16), kernels.amx_pack.get(bf16),
                                kernels.fma_linear.get(bf16), kernels.fma_pack.get(bf16))
+            native_embeddings(model, kernels)
         return model
+
+    def graph_runner(self) -> GraphRunner | None:
+        """Capture of decode steps as their native calls (graphs.py), where the native kernels run."""
+        return CpuGraphRunner() if self.capabilities().graph_capture else None
+
+
+def _graphs_possible() -> bool:
+    """Decode steps can be captured (graphs.py) where the attention is the native kernel's: not forced
+    elsewhere, and a C compiler to build it (cheap to ask; the build itself happens on first use)."""
+    try:
+        choice = requested_attention()
+    except ValueError:
+        return False
+    return choice in ("auto", "native") and compiler_found()
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> torch.Tensor:

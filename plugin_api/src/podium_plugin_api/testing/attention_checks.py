@@ -23,7 +23,7 @@ import torch
 from .. import ops
 from ..attention import AttentionBackend
 from ..metadata import RotaryInputs
-from ..platform import Platform
+from ..platform import GraphCaptureUnsupported, Platform
 from .batches import AttentionBatch, AttentionCase, build_batch
 from .report import ConformanceError, check_close, dtype_name, guarded
 
@@ -129,7 +129,9 @@ def _advance(batch: AttentionBatch, seq_lens: list[int], gen: torch.Generator) -
         meta.seq_lens_host[:] = seq_lens
 
 
-def check_graph_capture(platform: Platform, backend: AttentionBackend, dtype: torch.dtype, seed: int = 0) -> None:
+def check_graph_capture(platform: Platform, backend: AttentionBackend, dtype: torch.dtype, seed: int = 0) -> str | None:
+    """None when replays equal eager forwards; the reason when the runner declines to capture
+    (``GraphCaptureUnsupported``: the engine then runs eagerly, a supported outcome, so not a failure)."""
     runner = guarded("graph_runner()", platform.graph_runner)
     if runner is None:
         raise ConformanceError(
@@ -146,7 +148,12 @@ def check_graph_capture(platform: Platform, backend: AttentionBackend, dtype: to
     def step() -> torch.Tensor:
         return backend.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, batch.meta)
 
-    replay = guarded(f"{what}: GraphRunner.capture", runner.capture, step)
+    try:
+        replay = guarded(f"{what}: GraphRunner.capture", runner.capture, step)
+    except ConformanceError as exc:
+        if isinstance(exc.__cause__, GraphCaptureUnsupported):
+            return f"{what}: the platform does not capture it ({exc.__cause__})"
+        raise
     platform.synchronize()
     for n in (1, 2):
         seq_lens = [s + n for _, s in GRAPH_CASE.seqs]

@@ -76,3 +76,18 @@ int NAME(const T *q, int64_t q_stride, const T *k, int64_t k_stride, T *q_out, T
 
 DEFINE_ROTARY(podium_rotary_f32, rotate_f32, float)
 DEFINE_ROTARY(podium_rotary_bf16, rotate_bf16, bf16_t)
+
+/* The embedding lookup: out [n, dim] = table [ids[i]] for table [num_rows, dim] (rows contiguous).
+ * Returns 0, or -1 (nothing written) when an id is outside [0, num_rows). */
+#define DEFINE_EMBED(NAME, T)                                                                         \
+int NAME(const T *table, int64_t num_rows, int64_t dim, const int64_t *ids, int64_t n, T *out,        \
+         int num_threads) {                                                                           \
+    for (int64_t i = 0; i < n; i++)                                                                   \
+        if (ids[i] < 0 || ids[i] >= num_rows) return -1;                                              \
+    _Pragma("omp parallel for num_threads(num_threads) if (n * dim >= 4 * PARALLEL_MIN)")             \
+    for (int64_t i = 0; i < n; i++) memcpy(out + i * dim, table + ids[i] * dim, (size_t)dim * sizeof(T)); \
+    return 0;                                                                                         \
+}
+
+DEFINE_EMBED(podium_embed_rows_f32, float)
+DEFINE_EMBED(podium_embed_rows_bf16, bf16_t)

@@ -60,6 +60,9 @@ typedef struct { /* one step's batch, the same for every layer */
      * cos_sin [*, D] (cos | sin) at rope_positions [num_writes] first (rotary.h) */
     const float *cos_sin;
     const int64_t *rope_positions;
+    /* NULL: token i sits at positions[i]; else every token is its sequence's last one (a decode
+     * step), at seq_lens[seqs[i]] - 1: a captured step reads the lengths of each replay from here */
+    const int32_t *seq_lens;
 } Step;
 
 /* ask for a tile before it is needed (a sequence's tiles are scattered); locality 3: L1, 2: L2 */
@@ -78,6 +81,21 @@ typedef struct { /* one step's batch, the same for every layer */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
 #endif
+
+/* This thread's scratch of at least `bytes` bytes, kept for its next calls (NULL: no memory): a
+ * work item's buffers, whose score row grows with the longest span (a captured step's is the
+ * block table's whole width), without an allocation per call */
+static float *thread_scratch(size_t bytes) {
+    static __thread float *buffer;
+    static __thread size_t capacity;
+    if (bytes > capacity) {
+        float *grown = (float *)malloc(bytes);
+        if (!grown) return NULL;
+        free(buffer);
+        buffer = grown, capacity = bytes;
+    }
+    return buffer;
+}
 
 /* x[0..n) <- softmax(soft_cap * tanh(x / soft_cap)) (soft_cap <= 0: no cap), in place */
 static void softmax_row(float *restrict x, int64_t n, float soft_cap) {
@@ -424,17 +442,17 @@ int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, con
             }                                                                                         \
             free(k_rot);                                                                              \
         } /* the loop's barrier: every row is written (and every query rotated) before any is read */\
-        float *scratch = items ? (float *)malloc(sizeof(float) * (2 * G * D + B * D + G * B + G * span)) \
+        float *scratch = items ? thread_scratch(sizeof(float) * (2 * G * D + B * D + G * B + G * span)) \
                                : NULL;                                                                \
         if (items && !scratch) failed = 1;                                                            \
         _Pragma("omp for schedule(dynamic, 4)")                                                       \
         for (int64_t it = 0; it < items; it++) {                                                      \
             if (!scratch || failed) continue;                                                         \
-            const int64_t i = it / Hkv, h = it % Hkv;                                                 \
-            ITEM(q, kc, vc, out, st->block_tables + st->seqs[i] * st->bt_stride, st->tokens[i],       \
-                 st->positions[i], h, &sq, scratch);                                                  \
+            const int64_t i = it / Hkv, h = it % Hkv, seq = st->seqs[i];                              \
+            const int64_t pos = st->seq_lens ? (int64_t)st->seq_lens[seq] - 1 : st->positions[i];     \
+            ITEM(q, kc, vc, out, st->block_tables + seq * st->bt_stride, st->tokens[i], pos, h, &sq,  \
+                 scratch);                                                                            \
         }                                                                                             \
-        free(scratch);                                                                                \
     }                                                                                                 \
     return failed ? -1 : 0;                                                                           \
 }
