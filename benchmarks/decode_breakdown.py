@@ -74,7 +74,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    engine = LLM(args.model, dtype=args.dtype, max_model_len=2048).engine
+    # eager: a replayed graph (a CPU decode step with native kernels) runs no Python op to time
+    engine = LLM(args.model, dtype=args.dtype, max_model_len=2048, enforce_eager=True).engine
     if args.threads:
         torch.set_num_threads(args.threads)
     rng = random.Random(0)

@@ -4,8 +4,9 @@
 
 Builds the benchmark's Podium backend and requests exactly as ``podium bench throughput`` does
 (same dataset, warm-up, greedy, EOS ignored), then times the run with every engine step wrapped:
-the scheduler, the model forward, compute_logits, the sampler, and the rest of the step (batch
-building, output processing, detokenizing). Steps are grouped by kind: ``prefill`` (any sequence
+the scheduler, the model forward, compute_logits (or, for decode steps on a captured graph, the
+graph replay, which holds both), the sampler, and the rest of the step (batch building, output
+processing, detokenizing). Steps are grouped by kind: ``prefill`` (any sequence
 computes more than one token), ``decode``. Prints per-kind totals and per-step medians in ms, the
 run's wall and process CPU time, and how much of the run no step accounts for (the bench's loop).
 """
@@ -49,7 +50,8 @@ def main() -> None:
     acc: dict = collections.defaultdict(float)
     for obj, attr, key in ((engine.scheduler, "schedule", "schedule"), (engine.model, "forward", "model forward"),
                            (engine.model, "compute_logits", "compute_logits"), (engine.sampler, "sample", "sample"),
-                           (engine.sampler, "sample_device", "sample"), (engine.runner, "execute", "execute")):
+                           (engine.sampler, "sample_device", "sample"), (engine.runner, "execute", "execute"),
+                           (engine.runner, "_replay", "graph replay")):
         wrap(obj, attr, key, acc)
     steps: list[tuple[str, dict]] = []
     step = engine.step
@@ -79,7 +81,7 @@ def main() -> None:
     backend.generate(requests)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"run: wall {wall * 1e3:.0f} ms, process CPU {cpu * 1e3:.0f} ms, {len(steps)} steps")
-    keys = ["step", "step cpu", "execute", "model forward", "compute_logits", "sample", "schedule"]
+    keys = ["step", "step cpu", "execute", "model forward", "compute_logits", "graph replay", "sample", "schedule"]
     for kind in ("prefill", "decode"):
         chosen = [a for k, a in steps if k == kind]
         if not chosen:
@@ -95,10 +97,11 @@ def main() -> None:
     print(f"outside steps (bench/LLM loop): {(wall - in_steps) * 1e3:.1f} ms")
     decode = [a for k, a in steps if k == "decode"]
     tenth = max(1, len(decode) // 8)
-    print("decode steps by eighths of the run (median step / forward / logits ms):",
+    print("decode steps by eighths of the run (median step / forward or graph replay / logits ms):",
           [(round(statistics.median(a["step"] for a in decode[i:i + tenth]) * 1e3, 1),
-            round(statistics.median(a["model forward"] for a in decode[i:i + tenth]) * 1e3, 1),
-            round(statistics.median(a["compute_logits"] for a in decode[i:i + tenth]) * 1e3, 1))
+            round(statistics.median(a.get("model forward", 0) + a.get("graph replay", 0)
+                                    for a in decode[i:i + tenth]) * 1e3, 1),
+            round(statistics.median(a.get("compute_logits", 0) for a in decode[i:i + tenth]) * 1e3, 1))
            for i in range(0, len(decode), tenth)])
     print("first 6 steps (kind, step ms, forward ms):",
           [(k, round(a["step"] * 1e3, 1), round(a.get("model forward", 0) * 1e3, 1)) for k, a in steps[:6]])
