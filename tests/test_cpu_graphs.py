@@ -127,3 +127,20 @@ def test_native_embedding_is_f_embedding(kernels, dtype):
         layer(torch.tensor([5, -1, 17]))
     with pytest.raises(IndexError, match=r"got \[0, 50\]"):
         layer(torch.tensor([0, 50]))
+
+
+def test_smaller_graphs_share_the_largest_ones_buffers(kernels):
+    """Captured largest first (as the engine does), a smaller step's tensors are views of the larger
+    one's: one set of buffers for every size. Each replay reads its own ids anew."""
+    embedding = NativeEmbedding(nn.Embedding(50, 12).bfloat16(), kernels.embed_rows[torch.bfloat16])
+    big, small = torch.zeros(8, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    runner = CpuGraphRunner()
+    replay_big = runner.capture(lambda: embedding(big))
+    replay_small = runner.capture(lambda: embedding(small))
+    big.copy_(torch.tensor([1, 2, 3, 4, 5, 6, 7, 49]))
+    small.copy_(torch.tensor([9, 0]))
+    out_big = replay_big()
+    assert torch.equal(out_big, F.embedding(big, embedding.weight))
+    out_small = replay_small()
+    assert torch.equal(out_small, F.embedding(small, embedding.weight))
+    assert out_small.data_ptr() == out_big.data_ptr()  # the same memory: the big output is overwritten now

@@ -22,13 +22,15 @@ A step that is not all native cannot be replayed this way: while capturing, the 
 through only ops that allocate or view memory (and index tensors built once, ``arange``); any
 other torch op (a oneDNN float32 linear, a torch fallback of an op) raises
 ``GraphCaptureUnsupported``, and the engine runs its steps eagerly. Graphs cover decode batches up
-to ``MAX_GRAPH_BATCH`` rows: above that the kernels' own time dwarfs what a replay saves, and every
-captured size keeps its intermediate tensors (~0.5 MB a row for SmolLM2).
+to ``MAX_GRAPH_BATCH`` rows: above that the kernels' own time dwarfs what a replay saves, and the
+graphs keep the largest one's intermediate tensors (~0.5 MB a row for SmolLM2; smaller sizes
+reuse them) and cost startup time (a forward each).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -93,11 +95,20 @@ def capturing() -> bool:
 
 class _CaptureGuard(TorchDispatchMode):
     """While capturing: keeps every tensor the step allocates alive (a replay writes into them
-    again) and refuses torch ops that compute (a replay would not run them)."""
+    again) and refuses torch ops that compute (a replay would not run them).
 
-    def __init__(self) -> None:
+    ``shared``: the allocations of an earlier capture of the same step (a larger batch), in order.
+    The step allocates the same tensors in the same order at every batch size, so its i-th
+    allocation becomes a view of the i-th one there when it fits (same dtype, no more elements): the
+    graphs of all sizes share one set of buffers, as CUDA graphs share a memory pool. Only one graph
+    replays at a time and the engine reads its output before the next, so sharing is safe; no two
+    allocations of one capture share memory."""
+
+    def __init__(self, shared: list[torch.Tensor] | None = None) -> None:
         super().__init__()
         self.kept: list[torch.Tensor] = []
+        self.allocated: list[torch.Tensor] = []
+        self.shared = shared or []
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -107,6 +118,11 @@ class _CaptureGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         packet = func.overloadpacket
+        if func is aten.empty.memory_format:
+            out = self._empty(*args, **(kwargs or {}))
+            self.allocated.append(out)
+            self.kept.append(out)
+            return out
         if packet not in _ALLOCATING and packet not in _VIEWING and packet not in _VIEWING_IF_POSSIBLE:
             raise GraphCaptureUnsupported(f"the step runs {func}, which is not a native kernel a replay can repeat")
         out = func(*args, **(kwargs or {}))
@@ -116,21 +132,37 @@ class _CaptureGuard(TorchDispatchMode):
         return out
 
 
+    def _empty(self, size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+        earlier = self.shared[len(self.allocated)] if len(self.allocated) < len(self.shared) else None
+        numel = math.prod(size)
+        dtype = dtype or torch.get_default_dtype()
+        plain = memory_format in (None, torch.contiguous_format) and not pin_memory and layout in (None, torch.strided)
+        if earlier is not None and plain and earlier.dtype == dtype and earlier.numel() >= numel \
+                and (device is None or torch.device(device).type == "cpu"):
+            return earlier.view(-1)[:numel].view(size)
+        return aten.empty.memory_format(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory,
+                                        memory_format=memory_format)
+
+
 def _shares_memory(out, source) -> bool:
     return (isinstance(out, torch.Tensor) and isinstance(source, torch.Tensor)
             and out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
 
 
 class CpuGraphRunner(GraphRunner):
-    """Captures a decode step as its list of native calls (module docstring)."""
+    """Captures a decode step as its list of native calls (module docstring). The engine captures
+    its largest batch first; later (smaller) captures reuse that one's buffers (``_CaptureGuard``)."""
 
     max_batch_size = MAX_GRAPH_BATCH
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []  # the first capture's allocations, in order
 
     def capture(self, fn):
         kernels, why = load_kernels()
         if kernels is None:
             raise GraphCaptureUnsupported(why)
-        recorder, guard = Recorder(), _CaptureGuard()
+        recorder, guard = Recorder(), _CaptureGuard(self._buffers)
         token = RECORDER.set(recorder)
         try:
             with guard:
@@ -139,6 +171,8 @@ class CpuGraphRunner(GraphRunner):
             RECORDER.reset(token)
         if not recorder.calls:
             raise GraphCaptureUnsupported("the step made no native kernel calls")
+        if not self._buffers:
+            self._buffers = guard.allocated
         program = (Call * len(recorder.calls))(*recorder.calls)
         address, count, names, replay_calls = ctypes.addressof(program), len(recorder.calls), recorder.names, kernels.replay
         kept = (program, recorder.keep, guard.kept, fn, outputs)  # everything the calls' pointers point into
