@@ -144,3 +144,25 @@ def test_smaller_graphs_share_the_largest_ones_buffers(kernels):
     out_small = replay_small()
     assert torch.equal(out_small, F.embedding(small, embedding.weight))
     assert out_small.data_ptr() == out_big.data_ptr()  # the same memory: the big output is overwritten now
+
+
+@pytest.mark.parametrize("arch", ["mistral-sliding", "qwen2-bias", "llama-bias-linear-rope", "qwen3-qk-norm"])
+def test_architectures_replay_their_eager_logprobs(kernels, arch, tmp_path):
+    """Sliding windows, biases, rope scaling through graphs: eager's tokens and logprobs. Qwen3's
+    q/k norms copy the heads out of the fused projection (a torch op): refused, eager, same results."""
+    if not native_bf16_linears(kernels):
+        pytest.skip("no native bf16 linear kernel on this CPU")
+    from model_fixtures import ARCHITECTURES, save_tiny_model
+
+    model_type, overrides = ARCHITECTURES[arch]
+    save_tiny_model(model_type, {**overrides, "max_position_embeddings": 128}, tmp_path, seed=3)
+    rng = random.Random(2)
+    prompts = [{"prompt_token_ids": [rng.randrange(96) for _ in range(rng.randrange(2, 12))]} for _ in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=2) for i in range(6)]
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", max_num_seqs=8, enforce_eager=eager)
+        assert bool(llm.engine.runner.graphs) == (not eager and arch != "qwen3-qk-norm")
+        outputs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in outputs[False]] == [o.token_ids for o in outputs[True]]
+    assert [o.logprobs for o in outputs[False]] == [o.logprobs for o in outputs[True]]
