@@ -179,12 +179,5 @@ int podium_fma_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const b
     return -1;
 }
 
-int podium_fma_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
-                                 const bf16_t *norm_w, float eps, bf16_t *sum_out, int silu, int64_t M,
-                                 const bf16_t *packed, int64_t N, int64_t K, const float *bias, bf16_t *out,
-                                 int64_t out_stride, int num_threads) {
-    (void)x, (void)x_stride, (void)res, (void)res_stride, (void)norm_w, (void)eps, (void)sum_out, (void)silu;
-    (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride, (void)num_threads;
-    return -1;
-}
+DEFINE_FUSED_LINEAR_STUB(podium_fma_fused_linear_bf16)
 #endif

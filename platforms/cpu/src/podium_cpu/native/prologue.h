@@ -68,4 +68,16 @@ static void silu_mul_row(const bf16_t *x, bf16_t *o, int64_t I) {
     }
 }
 
+/* A fused linear's entry (fma_linear.c, amx_linear.c) in a build without the instructions it needs:
+ * the same signature, so the library still binds, and nothing to run (-1) */
+#define DEFINE_FUSED_LINEAR_STUB(NAME)                                                                \
+    int NAME(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride, const bf16_t *norm_w,  \
+             float eps, bf16_t *sum_out, int silu, int64_t M, const bf16_t *packed, int64_t N, int64_t K,   \
+             const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {                     \
+        (void)x, (void)x_stride, (void)res, (void)res_stride, (void)norm_w, (void)eps, (void)sum_out;       \
+        (void)silu, (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride;       \
+        (void)num_threads;                                                                            \
+        return -1;                                                                                    \
+    }
+
 #endif
