@@ -44,6 +44,7 @@ MAX_INT_ARGS = 16
 
 aten = torch.ops.aten
 # ops a captured step may run: they allocate or view memory, nothing a replay would have to redo
+# (aten.empty.memory_format, torch.empty's, goes through _CaptureGuard._empty: shared buffers)
 _ALLOCATING = {aten.empty, aten.empty_strided, aten.arange}
 _VIEWING = {
     aten.view, aten._unsafe_view, aten.alias, aten.as_strided, aten.split_with_sizes, aten.split, aten.slice,
@@ -130,7 +131,6 @@ class _CaptureGuard(TorchDispatchMode):
             raise GraphCaptureUnsupported(f"the step's {func} copies its input, which a replay would not repeat")
         self.kept.extend(t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor))
         return out
-
 
     def _empty(self, size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
         earlier = self.shared[len(self.allocated)] if len(self.allocated) < len(self.shared) else None
