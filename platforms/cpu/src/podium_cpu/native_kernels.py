@@ -217,7 +217,7 @@ def _bind(libs: list[ctypes.CDLL]) -> dict[str, dict]:
         entries[prefix] = {}
         for suffix in suffixes:
             name = f"{prefix}_{suffix}"
-            fn = next((getattr(lib, name) for lib in libs if hasattr(lib, name)), None)
+            fn = _symbol(libs, name)
             if fn is None:
                 raise AttributeError(f"native library lacks {name}")
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -285,9 +285,14 @@ def _load() -> tuple[NativeKernels | None, str]:
     ), ""
 
 
+def _symbol(libs: list[ctypes.CDLL], name: str):
+    """The first library's function ``name``, or None where none has it."""
+    return next((getattr(lib, name) for lib in libs if hasattr(lib, name)), None)
+
+
 def _replay_entry(libs: list[ctypes.CDLL]):
     """graph_replay.c's ``podium_replay(const Call *calls, int64_t n)``."""
-    fn = next((lib.podium_replay for lib in libs if hasattr(lib, "podium_replay")), None)
+    fn = _symbol(libs, "podium_replay")
     if fn is None:
         raise AttributeError("native library lacks podium_replay")
     fn.argtypes, fn.restype = [_PTR, _I64], ctypes.c_int
@@ -296,7 +301,7 @@ def _replay_entry(libs: list[ctypes.CDLL]):
 
 def _ready(libs: list[ctypes.CDLL], name: str) -> int:
     """What the library's ``int name(void)`` answers (-1 where no library has it)."""
-    fn = next((getattr(lib, name) for lib in libs if hasattr(lib, name)), None)
+    fn = _symbol(libs, name)
     if fn is None:
         return -1
     fn.argtypes, fn.restype = [], ctypes.c_int

@@ -40,6 +40,7 @@
 
 #include "bf16.h"
 #include "prologue.h"
+#include "scratch.h"
 
 /* w [N, K] (rows contiguous) -> packed (the layout above), zeros where N or K are padded; threads
  * split the 16-column blocks. Plain C (no AMX needed). A (k, k+1) pair of one column is one 32-bit
@@ -156,19 +157,6 @@ static inline void chunk_pair(const bf16_t *a, int64_t a_stride, int64_t rows, c
             _tile_dpbf16ps(1, 4, 7);
         }
     }
-}
-
-/* The calling thread's scratch of at least `bytes` bytes, kept for its next calls (NULL: no memory) */
-static void *thread_scratch(size_t bytes) {
-    static __thread void *buffer;
-    static __thread size_t capacity;
-    if (bytes > capacity) {
-        void *grown = malloc(bytes);
-        if (!grown) return NULL;
-        free(buffer);
-        buffer = grown, capacity = bytes;
-    }
-    return buffer;
 }
 
 /* out [M, N] (row stride out_stride) = h . w^T + bias, h [M, K] the linear's input: x [M, K] (row

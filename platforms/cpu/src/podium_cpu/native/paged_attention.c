@@ -40,6 +40,7 @@
 #include "bf16.h"
 #include "fast_exp.h"
 #include "rotary.h"
+#include "scratch.h"
 
 typedef struct { /* one layer's call: its strides (elements) and attention parameters */
     int64_t q_token_stride, o_token_stride, k_token_stride, v_token_stride;
@@ -81,21 +82,6 @@ typedef struct { /* one step's batch, the same for every layer */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
 #endif
-
-/* This thread's scratch of at least `bytes` bytes, kept for its next calls (NULL: no memory): a
- * work item's buffers, whose score row grows with the longest span (a captured step's is the
- * block table's whole width), without an allocation per call */
-static float *thread_scratch(size_t bytes) {
-    static __thread float *buffer;
-    static __thread size_t capacity;
-    if (bytes > capacity) {
-        float *grown = (float *)malloc(bytes);
-        if (!grown) return NULL;
-        free(buffer);
-        buffer = grown, capacity = bytes;
-    }
-    return buffer;
-}
 
 /* x[0..n) <- softmax(soft_cap * tanh(x / soft_cap)) (soft_cap <= 0: no cap), in place */
 static void softmax_row(float *restrict x, int64_t n, float soft_cap) {
@@ -442,8 +428,8 @@ int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, con
             }                                                                                         \
             free(k_rot);                                                                              \
         } /* the loop's barrier: every row is written (and every query rotated) before any is read */\
-        float *scratch = items ? thread_scratch(sizeof(float) * (2 * G * D + B * D + G * B + G * span)) \
-                               : NULL;                                                                \
+        const size_t floats = (size_t)(2 * G * D + B * D + G * B + G * span);                        \
+        float *scratch = items ? (float *)thread_scratch(sizeof(float) * floats) : NULL;              \
         if (items && !scratch) failed = 1;                                                            \
         _Pragma("omp for schedule(dynamic, 4)")                                                       \
         for (int64_t it = 0; it < items; it++) {                                                      \

@@ -1,0 +1,23 @@
+/* Per-thread scratch memory that outlives a call: a kernel asks for at least `bytes` bytes and gets
+ * the calling thread's buffer, grown (never shrunk) when a call needs more, so the kernels of a
+ * decode step do not go to the allocator on every call (a large malloc is an mmap, and its first
+ * touch page faults). Each source that includes this has its own buffer per thread. */
+#ifndef PODIUM_SCRATCH_H
+#define PODIUM_SCRATCH_H
+
+#include <stdlib.h>
+
+/* This thread's scratch of at least `bytes` bytes (NULL: no memory); its contents are not kept */
+static inline void *thread_scratch(size_t bytes) {
+    static __thread void *buffer;
+    static __thread size_t capacity;
+    if (bytes > capacity) {
+        void *grown = malloc(bytes);
+        if (!grown) return NULL;
+        free(buffer);
+        buffer = grown, capacity = bytes;
+    }
+    return buffer;
+}
+
+#endif
