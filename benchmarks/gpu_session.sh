@@ -28,7 +28,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/podium_gpu_out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu \
   -e ./platforms/cuda -e ./platforms/rocm 2>&1 | grep -v -i warning | tail -3
 run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
@@ -119,7 +119,9 @@ for s in $steps; do
     *) echo "unknown step $s" ;;
   esac
 done
-# the device tool brings back at most 8 files: keep summary.txt, bundle the rest
-cd "$OUT" && others=$(ls | grep -v -x -e summary.txt -e logs.tar.gz -e triton_cache.tar.xz) && [ -n "$others" ] && \
-  tar czf logs.tar.gz $others && rm -rf $others
+# the device tool brings back at most 8 files: keep summary.txt, bundle the rest (a second run into
+# the same OUT appends to summary.txt and makes a second bundle)
+bundle=logs.tar.gz; [ -e "$OUT/$bundle" ] && bundle=logs_$(date +%s).tar.gz
+cd "$OUT" && others=$(ls | grep -v -x -e summary.txt -e 'logs.*\.tar\.gz' -e triton_cache.tar.xz) && [ -n "$others" ] && \
+  tar czf $bundle $others && rm -rf $others
 exit 0

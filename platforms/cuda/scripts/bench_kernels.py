@@ -39,13 +39,12 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
 
 DECODE_VARIANTS = [CUDA_TUNING.decode, AttentionTiling(16, 64, 4, 3), AttentionTiling(16, 128, 4, 2),
                    AttentionTiling(16, 32, 4, 3)]
-PREFILL_VARIANTS = [CUDA_TUNING.prefill] + [AttentionTiling(*t) for t in (
-    (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3),
-    (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4))]
+PREFILL_VARIANTS = [CUDA_TUNING.prefill] + [AttentionTiling(*t) for t in (  # over both caches (fp8_prefill off)
+    (128, 64, 4, 3), (128, 64, 4, 3, 64), (128, 32, 4, 3), (128, 32, 4, 3, 64), (128, 32, 4, 4, 64), (64, 32, 4, 3, 64))]
 
 
 def tag(t: AttentionTiling) -> str:
-    return f"m{t.block_m}/n{t.block_n}/w{t.num_warps}/s{t.num_stages}"
+    return f"m{t.block_m}/n{t.block_n}/w{t.num_warps}/s{t.num_stages}" + (f"/t{t.table_blocks}" if t.table_blocks else "")
 
 
 def graph_ms(calls, replays: int = 15) -> float:
@@ -223,23 +222,25 @@ def bench_fp8(results: dict, quick: bool) -> None:
 ENGINE_DECODE_BATCH, ENGINE_DECODE_CONTEXTS = 256, (520, 640, 760)  # lengths within +-8 (the 512/256 run's decode steps)
 T = AttentionTiling
 FP8 = torch.float8_e4m3fn
-ENGINE_DECODE_VARIANTS = (  # (label, cache dtype, new-token path, changes to CUDA_TUNING); NOTES.md sessions 10-11
+ENGINE_DECODE_VARIANTS = (  # (label, cache dtype, new-token path, changes to CUDA_TUNING); NOTES.md sessions 10-14
     ("new, default", FP8, True, {}),
-    ("new, 16/32/1/2", FP8, True, {"fp8_decode": T(16, 32, 1, 2)}),
-    ("new, 16/32/1/5", FP8, True, {"fp8_decode": T(16, 32, 1, 5)}),  # two buffers a tile (Triton: from 5 stages)
-    ("new, 16/16/1/3", FP8, True, {"fp8_decode": T(16, 16, 1, 3)}),
-    ("new, 16/32/2/5", FP8, True, {"fp8_decode": T(16, 32, 2, 5)}),
+    ("new, 16/32/1/3 (sessions 10-13)", FP8, True, {"fp8_decode": T(16, 32, 1, 3)}),
     ("new, 16/64/4/2", FP8, True, {"fp8_decode": None}),
+    ("new, 16/16/1/5", FP8, True, {"fp8_decode": T(16, 16, 1, 5)}),
+    # block ids from table entries in registers (table_blocks): copies num_stages - 1 tiles ahead
+    *((f"new, {m}/{n}/{w}/{st}/{tb}", FP8, True, {"fp8_decode": T(m, n, w, st, tb)})
+      for m, n, w, st, tb in ((16, 16, 1, 4, 64), (16, 16, 1, 5, 64), (16, 16, 1, 6, 64), (16, 32, 1, 4, 64))),
     ("cached, default", FP8, False, {}),
+    ("cached, 16/32/1/3", FP8, False, {"fp8_decode": T(16, 32, 1, 3)}),
     ("bf16 new, default", DTYPE, True, {}),
-    ("bf16 new, 16/16/1/5", DTYPE, True, {"decode": T(16, 16, 1, 5)}),
-    ("bf16 new, 16/64/4/5", DTYPE, True, {"decode": T(16, 64, 4, 5)}),
+    ("bf16 new, 16/64/4/2/64", DTYPE, True, {"decode": T(16, 64, 4, 2, 64)}),
+    ("bf16 new, 16/16/1/5/64", DTYPE, True, {"decode": T(16, 16, 1, 5, 64)}),
 )
 
 
 def _env_value(value) -> str:
     if isinstance(value, AttentionTiling):
-        return f"{value.block_m}/{value.block_n}/{value.num_warps}/{value.num_stages}"
+        return f"{value.block_m}/{value.block_n}/{value.num_warps}/{value.num_stages}/{value.table_blocks}"
     return str(int(value)) if isinstance(value, bool) else str(value)
 
 
@@ -412,14 +413,16 @@ def bench_prefill(results: dict, quick: bool) -> None:
             sets = PagedSets(num_seqs, cached + q_len, q_len, rotate=False, cache_dtype=cache_dtype)
             cache = "bf16" if cache_dtype == DTYPE else "fp8"
             for tiling in PREFILL_VARIANTS[: 1 if quick else None]:
+                label = tag(tiling)
                 try:
-                    ms = graph_ms(sets.calls(replace(CUDA_TUNING, prefill=tiling), 1))
+                    ms = graph_ms(sets.calls(replace(CUDA_TUNING, prefill=tiling, fp8_prefill=None), 1))
                 except Exception as error:  # noqa: BLE001 (a tiling may not fit)
-                    print(f"prefill {num_seqs}x{q_len} over {cached} {cache} {tag(tiling)}: {error!r}"[:300], flush=True)
+                    print(f"prefill {num_seqs}x{q_len} over {cached} {cache} {label}: {error!r}"[:300], flush=True)
                     continue
-                rows.append({"seqs": num_seqs, "cached": cached, "q_len": q_len, "cache": cache, "tiling": tag(tiling),
-                             "env": f"prefill={_env_value(tiling)}", "us": ms * 1e3, "TFLOPs": flops / ms / 1e9})
-                print(f"prefill {num_seqs}x{q_len} over {cached:<5} {cache:4s} {tag(tiling)} {ms * 1e3:8.1f} us "
+                rows.append({"seqs": num_seqs, "cached": cached, "q_len": q_len, "cache": cache, "tiling": label,
+                             "env": f"prefill={_env_value(tiling)},fp8_prefill=none",
+                             "us": ms * 1e3, "TFLOPs": flops / ms / 1e9})
+                print(f"prefill {num_seqs}x{q_len} over {cached:<5} {cache:4s} {label} {ms * 1e3:8.1f} us "
                       f"{flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
             del sets
             torch.cuda.empty_cache()

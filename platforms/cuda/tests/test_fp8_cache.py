@@ -134,14 +134,19 @@ def test_attention_over_fp8_cache_matches_reference(case, kernel_device, check_d
     ref = reference_paged_attention(query.cpu().double(), wide[0], wide[1], ref_meta, scale=layer.scale,
                                     sliding_window=window, compute_dtype=torch.float64)
     # bf16 queries: the dots in fp16 (the default) or in bf16; value tiles converted in registers (on
-    # sm89+ GPUs; elsewhere Triton's cast either way) or by Triton's cast
-    for fp16_dot, convert in ((True, True), (False, True), (True, False), (False, False)):
-        tuning = replace(CUDA_TUNING, fp8_dot_in_fp16=fp16_dot, fp8_values_in_registers=convert)
+    # sm89+ GPUs; elsewhere Triton's cast either way) or by Triton's cast; block ids loaded in the loop
+    # or from 4 / 64 table entries in registers
+    for fp16_dot, convert, table in ((True, True, 0), (False, True, 0), (True, False, 0), (False, False, 0),
+                                     (True, True, 4), (True, True, 64)):
+        tilings = {name: replace(getattr(CUDA_TUNING, name) or CUDA_TUNING.decode, table_blocks=table)
+                   for name in ("decode", "prefill", "fp8_decode", "fp8_split_decode", "fp8_prefill")}
+        tuning = replace(CUDA_TUNING, fp8_dot_in_fp16=fp16_dot, fp8_values_in_registers=convert, **tilings)
         out = TritonAttentionBackend(tuning, fp8_flavour="e4m3fn").attend(layer, query, cache, meta)
         whole, worst = relative_error(out, ref)
         assert out.dtype == dtype
         assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], \
-            f"seed {seed}, fp8_dot_in_fp16={fp16_dot}, fp8_values_in_registers={convert}: {whole:.2e} {worst:.2e}"
+            f"seed {seed}, fp8_dot_in_fp16={fp16_dot}, fp8_values_in_registers={convert}, table blocks {table}: " \
+            f"{whole:.2e} {worst:.2e}"
 
 
 @pytest.mark.parametrize("rotary", [False, True], ids=["forward", "forward_rotary"])

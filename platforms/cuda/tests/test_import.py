@@ -78,6 +78,8 @@ def test_tuning_env_overrides_int_bool_and_tiling_fields_or_fails_clearly():
     tilings = tuning_from_env("decode=16/128/8/3, fp8_decode=none", base)
     assert (tilings.decode.block_n, tilings.decode.num_warps, tilings.decode.num_stages) == (128, 8, 3)
     assert tilings.fp8_decode is None and tuning_from_env("fp8_decode=32/64/4/2", base).fp8_decode.block_m == 32
-    for bad in ("decode=3", "decode=none", "decode=16/24/4/2", "fp8_decode=16/32", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps", "reduce_num_warps=4.5"):
+    assert tilings.decode.table_blocks == 0 and tuning_from_env("prefill=64/32/4/3/16", base).prefill.table_blocks == 16
+    for bad in ("decode=3", "decode=none", "decode=16/24/4/2", "fp8_decode=16/32", "prefill=64/32/4/3/48",
+                "prefill=64/32/4/3/16/1", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps", "reduce_num_warps=4.5"):
         with pytest.raises(ValueError, match="PODIUM_CUDA_TUNING"):
             tuning_from_env(bad, base)

@@ -86,6 +86,59 @@ def test_split_decode_matches_reference_and_fills_poisoned_output(
     assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], f"seed {seed} {seq_lens}: {whole:.2e} {worst:.2e}"
 
 
+TABLE_CASES = [CASES[i] for i in (0, 2, 3, 8, 9, 13)] + [  # decode, prefix, boundary, window, window+cap, block 7
+    ("decode", 5, 300, (16, 4), 128, 16, None, None, torch.float32),  # (the interpreter's tl.dot is wrong in bf16)
+]
+
+
+@pytest.mark.parametrize("table_blocks", [4, 64])
+@pytest.mark.parametrize("case", TABLE_CASES, ids=[f"{c[0]}-d{c[4]}-b{c[5]}-w{c[6]}-{str(c[8])[6:]}" for c in TABLE_CASES])
+def test_block_ids_in_registers_match_reference(case, table_blocks, kernel_device, check_dtype, make_batch, make_lengths,
+                                                rel_error):
+    """Block ids from table entries held in registers (``AttentionTiling.table_blocks``):
+    4 entries make every sequence span several chunks (and, at block size 7, tiles that straddle a
+    chunk's first block); decodes also through splits."""
+    from dataclasses import replace
+
+    from podium_cuda.attention import TritonAttentionBackend
+    from podium_cuda.paged_attention import paged_attention
+    from podium_cuda.tuning import CUDA_TUNING
+
+    kind, num_seqs, max_len, heads, head_size, block_size, window, cap, dtype = case
+    check_dtype(dtype)
+    seed = random.randrange(1 << 30)
+    query_lens, seq_lens = make_lengths(random.Random(seed), num_seqs, max_len, kind, block_size)
+    batch = make_batch(query_lens, seq_lens, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
+                       block_size=block_size, dtype=dtype, device=kernel_device, seed=seed)
+    layer = _layer(heads, head_size, window, cap)
+    tuning = replace(CUDA_TUNING, decode=replace(CUDA_TUNING.decode, table_blocks=table_blocks),
+                     prefill=replace(CUDA_TUNING.prefill, table_blocks=table_blocks))
+    ref = _reference(batch, layer)
+    outs = [TritonAttentionBackend(tuning).attend(layer, batch.query, batch.kv_cache, batch.meta)]
+    if max(query_lens) == 1:
+        out = torch.full_like(batch.query, float("nan"))
+        outs.append(paged_attention(
+            batch.query, batch.kv_cache[0], batch.kv_cache[1], batch.meta.query_start_loc, batch.meta.seq_lens,
+            batch.meta.block_tables, scale=layer.scale, max_query_len=1, sliding_window=window, soft_cap=cap,
+            num_splits=4, out=out, tuning=tuning))
+    tol_whole, tol_worst = TOLERANCE[dtype]
+    for out in outs:
+        whole, worst = rel_error(out, ref)
+        assert whole < tol_whole and worst < tol_worst, f"seed {seed} lens {list(zip(query_lens, seq_lens))}: {whole:.2e} {worst:.2e}"
+
+
+def test_table_chunks_cover_whole_tiles():
+    from podium_cuda.paged_attention import _table_chunk
+    from podium_cuda.tuning import AttentionTiling
+
+    assert _table_chunk(0, 32, 16) == (0, 1)
+    assert _table_chunk(64, 32, 16) == (64, 32)  # tiles start on block boundaries: 64 blocks = 32 tiles
+    assert _table_chunk(4, 16, 7) == (4, 1)  # a 16-key tile may touch 3 blocks of 7 from mid-block: 3 usable
+    assert _table_chunk(2, 64, 16) == (0, 1)  # one tile needs 4 entries
+    with pytest.raises(ValueError, match="table_blocks must be 0 or a power of two"):
+        AttentionTiling(16, 32, 1, 3, table_blocks=48)
+
+
 def test_prefill_fills_poisoned_output_and_window_cap(kernel_device, make_batch, rel_error):
     """Every row of a mixed batch is written (output poisoned with NaN first), with window and cap on."""
     from podium_cuda.paged_attention import paged_attention

@@ -87,20 +87,26 @@ def _fp8_tile_to_f16(x, E5M2: tl.constexpr):
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, q_pos, d, d_ok, t_begin, t_end,
-    kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    kv_lo, kv_hi, table, table_regs, table_base,
+    k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TABLE_BLOCKS: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, FP8_V_REGS: tl.constexpr,
 ):
     """Online softmax over key tiles [t_begin, t_end); MASKED applies bounds, causal and window masks.
 
     FP8_V_REGS (fp8 caches): value tiles through ``_fp8_tile_to_f16`` (else Triton's cast, as keys always).
+    TABLE_BLOCKS > 0: the block ids come from ``table_regs``, the block-table entries from
+    ``table_base`` on, held in registers (``_attend_range``); else from ``table`` in the loop.
 
     acc [BLOCK_M, BLOCK_D] fp32, m_i / l_i [BLOCK_M] (base-2 running max and sum); q [BLOCK_M, BLOCK_D].
     """
     for t in range(t_begin, t_end):
         k_pos = kv_lo + t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         k_ok = k_pos < kv_hi
-        if MASKED:
+        if TABLE_BLOCKS > 0:  # block ids from the entries in registers: no load in the address chain
+            entry = tl.minimum(k_pos // KV_BLOCK_SIZE - table_base, TABLE_BLOCKS - 1)
+            block = tl.gather(table_regs, entry, 0).to(tl.int64)
+        elif MASKED:
             block = tl.load(table + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         else:
             block = tl.load(table + k_pos // KV_BLOCK_SIZE).to(tl.int64)
@@ -138,6 +144,42 @@ def _attend_tiles(
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, q_pos, d, d_ok, t_begin, t_end,
+    kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    TABLE_BLOCKS: tl.constexpr, CHUNK_TILES: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, FP8_V_REGS: tl.constexpr,
+):
+    """``_attend_tiles`` over [t_begin, t_end). With TABLE_BLOCKS > 0, in chunks of CHUNK_TILES tiles:
+    each chunk's TABLE_BLOCKS block-table entries are loaded into registers first, so the loop's
+    key / value addresses depend on no load of the loop and Triton's pipeliner can issue each tile's
+    copies ``num_stages - 1`` tiles ahead; with the entries loaded in the loop it issues them one
+    tile ahead whatever the stage count (one buffer a tile, NOTES.md session 11)."""
+    if TABLE_BLOCKS > 0:
+        entries = tl.arange(0, TABLE_BLOCKS)
+        last_block = tl.cdiv(kv_hi, KV_BLOCK_SIZE)  # the sequence's blocks: [0, last_block)
+        for i in range(0, tl.cdiv(t_end - t_begin, CHUNK_TILES)):  # (a range step trips the interpreter)
+            c = t_begin + i * CHUNK_TILES
+            base = (kv_lo + c * BLOCK_N) // KV_BLOCK_SIZE
+            regs = tl.load(table + base + entries, mask=base + entries < last_block, other=0)
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, q_pos, d, d_ok, c, tl.minimum(c + CHUNK_TILES, t_end),
+                kv_lo, kv_hi, table, regs, base,
+                k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+                KV_BLOCK_SIZE, BLOCK_N, MASKED, TABLE_BLOCKS, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
+            )
+    else:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, d, d_ok, t_begin, t_end,
+            kv_lo, kv_hi, table, table, 0,
+            k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
+            KV_BLOCK_SIZE, BLOCK_N, MASKED, 0, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
+        )
     return acc, m_i, l_i
 
 
@@ -202,6 +244,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     NEW_KV: tl.constexpr, HALF: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr, FP8_V_REGS: tl.constexpr,
+    TABLE_BLOCKS: tl.constexpr, CHUNK_TILES: tl.constexpr,
 ):
     if PDL:  # a programmatic dependent launch (pdl.py): resident early, reads only after the wait
         gdc_launch_dependents()
@@ -292,26 +335,26 @@ def paged_attention_kernel(
             )
     if IS_DECODE:  # one masked loop: at one token a row the mask is cheap, and one pipelined loop
         # kept 10% more bandwidth than three on the H200 (see NOTES.md)
-        acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, last_tile,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
+            KV_BLOCK_SIZE, BLOCK_N, True, TABLE_BLOCKS, CHUNK_TILES, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
     else:
-        acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, a,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
+            KV_BLOCK_SIZE, BLOCK_N, True, TABLE_BLOCKS, CHUNK_TILES, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
-        acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_pos, d, d_ok, a, b,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, False, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
+            KV_BLOCK_SIZE, BLOCK_N, False, TABLE_BLOCKS, CHUNK_TILES, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
-        acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_pos, d, d_ok, b, last_tile,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,
-            KV_BLOCK_SIZE, BLOCK_N, True, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
+            KV_BLOCK_SIZE, BLOCK_N, True, TABLE_BLOCKS, CHUNK_TILES, USE_SOFT_CAP, USE_WINDOW, IEEE, FP8_V_REGS,
         )
 
     if not SPLIT:
@@ -365,6 +408,24 @@ def _fp8_convert(tuning: KernelTuning, key_cache: torch.Tensor) -> bool:
     if key_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not nvidia_at_least(key_cache.device, (8, 9)):
         return False
     return tuning.fp8_values_in_registers
+
+
+def _table_chunk(table_blocks: int, block_n: int, kv_block_size: int) -> tuple[int, int]:
+    """(TABLE_BLOCKS, CHUNK_TILES): block-table entries a program holds in registers and the key tiles
+    they cover (a tile may start inside a block unless block_n is a multiple of the block size);
+    (0, 1) when off or when one tile's blocks would not fit."""
+    if table_blocks <= 0:
+        return 0, 1
+    aligned = block_n % kv_block_size == 0  # tiles start at multiples of block_n, so on block boundaries
+
+    def blocks(tiles: int) -> int:  # most blocks `tiles` consecutive tiles touch
+        keys = tiles * block_n
+        return keys // kv_block_size if aligned else (keys + kv_block_size - 2) // kv_block_size + 1
+
+    tiles = table_blocks * kv_block_size // block_n
+    while tiles >= 1 and blocks(tiles) > table_blocks:
+        tiles -= 1
+    return (table_blocks, tiles) if tiles >= 1 else (0, 1)
 
 
 def _launch_shape(tiling: AttentionTiling, group: int, block_d: int) -> tuple[int, int, int]:
@@ -453,11 +514,15 @@ def paged_attention(
         new_tokens = _check_new_tokens(new_tokens, query, key_cache)
     tiling = tuning.decode if is_decode else tuning.prefill
     fp8_convert = _fp8_convert(tuning, key_cache)
-    if is_decode and fp8_convert and tuning.fp8_decode is not None:
-        tiling = tuning.fp8_decode
+    fp8_tiling = tuning.fp8_prefill
+    if is_decode:
+        fp8_tiling = tuning.fp8_split_decode if num_splits > 1 and tuning.fp8_split_decode else tuning.fp8_decode
+    if fp8_convert and fp8_tiling is not None:
+        tiling = fp8_tiling
     block_d = max(next_power_of_2(head_size), 16)  # tl.dot needs K >= 16
     block_m, block_q, num_stages = _launch_shape(tiling, group, block_d)
     num_splits = num_splits if is_decode else 1
+    table_blocks, chunk_tiles = _table_chunk(tiling.table_blocks, tiling.block_n, key_cache.shape[1])
     grid = (num_seqs if is_decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     pdl = tuning.attention_pdl and dependent_launch(query.device)
     if num_splits > 1:
@@ -481,7 +546,7 @@ def paged_attention(
         IS_DECODE=is_decode, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         IEEE=query.dtype == torch.float32, NEW_KV=new_tokens is not None, HALF=max(head_size // 2, 1),
         FP16_DOT=tuning.fp8_dot_in_fp16 and query.dtype == torch.bfloat16 and key_cache.element_size() == 1,
-        PDL=pdl, FP8_V_REGS=fp8_convert, num_warps=tiling.num_warps, num_stages=num_stages, **launch_options(pdl),
+        PDL=pdl, FP8_V_REGS=fp8_convert, TABLE_BLOCKS=table_blocks, CHUNK_TILES=chunk_tiles, num_warps=tiling.num_warps, num_stages=num_stages, **launch_options(pdl),
     )
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](

@@ -17,18 +17,26 @@ class AttentionTiling:
 
     block_m rows of a program = query tokens x the query heads sharing one KV head (GQA group);
     block_n keys are read per loop iteration (independent of the cache's block size).
+    table_blocks > 0: a program holds that many block-table entries in registers (a power of two)
+    and takes each key tile's block ids from them, so the tile copies' addresses depend on no load
+    of the loop and Triton's pipeliner issues them num_stages - 1 tiles ahead; 0: each tile loads
+    its block ids in the loop, which costs a pipeline stage (one tile ahead at 2-4 stages, NOTES.md
+    sessions 11 and 14).
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    table_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"AttentionTiling.{name} must be a power of two, got {value}")
+        if self.table_blocks < 0 or self.table_blocks & (self.table_blocks - 1):
+            raise ValueError(f"AttentionTiling.table_blocks must be 0 or a power of two, got {self.table_blocks}")
         if self.block_m < 16 or self.block_n < 16:
             raise ValueError(f"block_m and block_n must be >= 16 (tensor-core tiles), got {self.block_m}, {self.block_n}")
         if self.num_stages < 1:
@@ -59,7 +67,11 @@ class SplitPolicy:
 class KernelTuning:
     """Every launch parameter of podium_cuda's kernels."""
 
-    prefill: AttentionTiling = AttentionTiling(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    # H200, 8B shape, bf16 cache (NOTES.md session 14): 16 x 512 new 167.7 us against 201.8 for
+    # 128/64/4/3 (190.3 at 128/32/4/3 without the table in registers), 2 x 512 over a 4,096 prefix
+    # 224.3 against 226.9, 4 x 2048 472.2 against 501.5; 128/64/4/3/64 is 60-75% slower (two buffers
+    # of 64-key bf16 tiles: fewer programs fit)
+    prefill: AttentionTiling = AttentionTiling(block_m=128, block_n=32, num_warps=4, num_stages=3, table_blocks=64)
     decode: AttentionTiling = AttentionTiling(block_m=16, block_n=64, num_warps=4, num_stages=2)
     split: SplitPolicy = field(default_factory=SplitPolicy)
     reduce_num_warps: int = 4
@@ -97,8 +109,22 @@ class KernelTuning:
     # stored and attended in the kernel; batch 256 at 520 / 640 / 760 context, NOTES.md session 10):
     # 91.9 / 108.9 / 124.8 us against 121.5 / 140.6 / 156.8 for session 9's launch (16/64/4/2, the new
     # token after the loop), 118 / 137 / 150 at 16/64/4/2 and 126 / 150 / 172 at 16/32/2/2 (the new
-    # token first); end to end 256 x 512/256 fp8 10,765 / 10,787 out tok/s against 10,379 / 10,415
-    fp8_decode: AttentionTiling | None = AttentionTiling(block_m=16, block_n=32, num_warps=1, num_stages=3)
+    # token first); end to end 256 x 512/256 fp8 10,765 / 10,787 out tok/s against 10,379 / 10,415.
+    # Session 14: with the block ids in registers (table_blocks) the 16-key tiles get four buffers at
+    # five stages (20.5 KB, 158 registers): 87.1 / 103.8 / 120.2 us against 91.5 / 109.4 / 124.4 for
+    # 16/32/1/3 (whose two buffers at 28.7 KB let only seven programs share a multiprocessor)
+    fp8_decode: AttentionTiling | None = AttentionTiling(block_m=16, block_n=16, num_warps=1, num_stages=5, table_blocks=64)
+    # ... and when the keys are split over programs (small batches, plan_splits; None: ``fp8_decode``).
+    # A split holds as few as 64 keys, four 16-key tiles: all pipeline prologue at five stages. H200,
+    # 8B batch-1 decode at 512 context, fp8 cache (session 14): 4.30 ms a token at 16/32/1/3, 4.65
+    # with 16/16/1/5/64
+    fp8_split_decode: AttentionTiling | None = AttentionTiling(block_m=16, block_n=32, num_warps=1, num_stages=3)
+    # the prefill tiling over an fp8 cache with fp8_values_in_registers (None: ``prefill``). H200 (session
+    # 14): 16 x 512 202.3 us against 203.3 without the table in registers, 2 x 512 over a 4,096 prefix
+    # 246.9 against 258.7, 4 x 2048 548.9 against 556.7 (bf16's 128/32/4/3/64 here: 198.8 / 271.8 /
+    # 580.0). End to end 256 x 512/256 with the fp8 decode above: 11,230 / 11,245 out tok/s against
+    # 11,177 / 11,195 with sessions 10-13's tilings, one machine, alternated
+    fp8_prefill: AttentionTiling | None = AttentionTiling(block_m=128, block_n=64, num_warps=4, num_stages=3, table_blocks=64)
     # mixed steps starting with at least this many decodes launch the decode kernel for them and the
     # prefill kernel for the rest (attention.decode_prefix); 0: one prefill launch for every row.
     # H200, 16 x 512 prefill + 16 / 64 / 128 / 240 decodes, bf16: 225 / 294 / 381 / 527 us in one
@@ -117,16 +143,16 @@ class KernelTuning:
     attention_pdl: bool = True
 
 
-TUNING_ENV = "PODIUM_CUDA_TUNING"  # "field=value,...": int / bool fields of KernelTuning, tilings as m/n/w/s
+TUNING_ENV = "PODIUM_CUDA_TUNING"  # "field=value,...": int / bool fields of KernelTuning, tilings as m/n/w/s[/t]
 
 
 def _tiling_value(name: str, text: str, optional: bool) -> AttentionTiling | None:
-    """``block_m/block_n/num_warps/num_stages`` (e.g. 16/32/2/2), or none for an optional tiling."""
+    """``block_m/block_n/num_warps/num_stages[/table_blocks]`` (e.g. 16/32/2/2), or none for an optional tiling."""
     if optional and text == "none":
         return None
     parts = text.split("/")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"{TUNING_ENV}: {name} takes block_m/block_n/num_warps/num_stages"
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{TUNING_ENV}: {name} takes block_m/block_n/num_warps/num_stages[/table_blocks]"
                          f"{' or none' if optional else ''}, got {text!r}")
     try:
         return AttentionTiling(*map(int, parts))

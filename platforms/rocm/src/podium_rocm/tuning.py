@@ -61,7 +61,7 @@ ROCM_TUNING = KernelTuning(
     gemv_pdl=False,
     attention_pdl=False,
     # the fp8 tile converts are NVIDIA PTX (sm89+); the ROCm backend lists no fp8 cache anyway
-    # (fp8_decode, the tiling of that path, then never applies)
+    # (fp8_decode, fp8_split_decode and fp8_prefill, the tilings of that path, then never apply)
     fp8_values_in_registers=False,
     # mixed steps' decodes in the decode launch were timed on the H200 only: one launch here
     mixed_decode_min=0,
