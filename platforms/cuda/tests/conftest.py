@@ -2,7 +2,7 @@
 
 Without a GPU they can still run through Triton's interpreter on CPU tensors, for developing
 kernels on a machine with no accelerator: ``TRITON_INTERPRET=1 pytest platforms/cuda/tests``
-in an environment that has triton installed (the ``kernel_device`` fixture then yields "cpu").
+in an environment that has triton and numpy < 2.4 installed (the ``kernel_device`` fixture then yields "cpu").
 Tests that need the real device (graphs, timing) use the ``gpu`` fixture and skip there.
 """
 

@@ -10,7 +10,7 @@ conformance kit too (the kit reads the switch at startup, so set it on the comma
 ``bash platforms/rocm/scripts/device_run.sh -x`` does that in one device call (platforms/rocm/NOTES.md).
 
 Without a GPU the kernels can still run through Triton's CPU interpreter, for developing on a
-machine with no accelerator: ``TRITON_INTERPRET=1 pytest platforms/rocm/tests`` where triton is
+machine with no accelerator: ``TRITON_INTERPRET=1 pytest platforms/rocm/tests`` where triton (and numpy < 2.4) is
 installed (tests that need the real device, graphs or compiled kernels, skip there; so does bf16,
 which the interpreter computes wrongly).
 """

@@ -30,8 +30,21 @@ def kernel_device() -> str:
     return "cpu" if interpreting() else "cuda"
 
 
+def check_interpreter_numpy() -> None:
+    """Triton 3.6's interpreter turns scalars loaded in a kernel into one-element arrays and converts
+    them with ``int()`` (e.g. in ``range``), which numpy 2.4 made an error: every kernel with such a
+    loop would fail with "only 0-dimensional arrays can be converted". Say so once instead."""
+    import numpy
+
+    if interpreting() and tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4):
+        raise pytest.UsageError(f"TRITON_INTERPRET=1 needs numpy < 2.4 (found {numpy.__version__}): Triton's "
+                                "interpreter converts one-element arrays to ints; pip install 'numpy<2.4'")
+
+
 def skip_cuda_marked_without_gpu(items) -> None:
     """For ``pytest_collection_modifyitems``: skip ``cuda``-marked items with neither GPU nor interpreter."""
+    if any(item.get_closest_marker("cuda") is not None for item in items):
+        check_interpreter_numpy()
     if torch.cuda.is_available() or interpreting():
         return
     skip = pytest.mark.skip(reason="needs a GPU (torch.cuda.is_available() is False)")
