@@ -10,7 +10,9 @@ group. Row r is token ``r // group``, head ``kv_head * group + r % group``::
 
 The program walks its keys ``block_n`` at a time through the block table (``block_n`` is free of
 the cache's block size), with causal / sliding-window masks, an optional soft-cap, and an online
-softmax in base 2. Prefill tiles split their keys into masked edges and an unmasked middle;
+softmax in base 2. With a tiling's ``table_blocks`` it first loads that many block-table entries
+into registers and takes each tile's block ids from them (in chunks for longer contexts), so that
+Triton's pipeliner multi-buffers the key / value tiles (``_attend_range``). Prefill tiles split their keys into masked edges and an unmasked middle;
 decodes use one masked loop (faster on the H200, see platforms/cuda/NOTES.md). Pure-decode steps take one tile per sequence (no search) and may split each
 sequence's keys over ``num_splits`` programs (flash-decoding); a second kernel merges the splits.
 A pure-decode step may also hand over its own keys and values unrotated (``NewTokens``): every
