@@ -42,7 +42,8 @@ def check_interpreter_numpy() -> None:
 
 
 def skip_cuda_marked_without_gpu(items) -> None:
-    """For ``pytest_collection_modifyitems``: skip ``cuda``-marked items with neither GPU nor interpreter."""
+    """For ``pytest_collection_modifyitems``: skip ``cuda``-marked items with neither GPU nor interpreter
+    (and stop with the reason where the interpreter cannot run them, ``check_interpreter_numpy``)."""
     if any(item.get_closest_marker("cuda") is not None for item in items):
         check_interpreter_numpy()
     if torch.cuda.is_available() or interpreting():
