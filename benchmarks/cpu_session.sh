@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the CPU tables need (issue 5 and 9), in one sequential session on a quiet machine:
+# Every CPU row of docs/performance.md, in one sequential run on a quiet machine:
 #
 #   bash benchmarks/cpu_session.sh RESULTS_DIR
 #
@@ -12,11 +12,10 @@
 #                              fastest dtype on a CPU without native bf16), no --compare, the order swapped every pair
 #   summary.md, summary.json   the tables (printed at the end too); logs/ holds every step's output
 #
-# (a) and (c) alternate, REPEATS times (medians in the summary): PEERS.md allows 10-15% noise on short
-# runs. A step that fails is logged and reported; the rest still run. Sizes come from the variables
+# (a) and (c) alternate, REPEATS times (medians in the summary): allow 10-15% noise on short runs. A step that fails is logged and reported; the rest still run. Sizes come from the variables
 # below (smoke test: NUM_PROMPTS=4 OUTPUT_LEN=8 FIXED_PROMPTS=2 FIXED_IN=16 FIXED_OUT=8
 # SHAREGPT_PROMPTS=2 STARTUP_RUNS=1 REPEATS=1 VLLM_EAGER=1). Needs `make install` (.venv) and, for (c),
-# vLLM's CPU build in $VLLM_VENV (installed here per PEERS.md when missing, ~4 min; INSTALL_VLLM=0: skip).
+# vLLM's CPU build in $VLLM_VENV (installed here as docs/bench.md says when missing, ~4 min; INSTALL_VLLM=0: skip).
 set -uo pipefail
 
 OUT=${1:?usage: bash benchmarks/cpu_session.sh RESULTS_DIR}
@@ -46,8 +45,8 @@ PY=$REPO/.venv/bin/python
 PODIUM=$REPO/.venv/bin/podium
 # Every engine runs in the environment a user's would: no OMP_WAIT_POLICY unless the caller sets one.
 # (PASSIVE, which `make test` sets so that engines sharing two cores do not starve each other, puts
-# OpenMP's workers to sleep between parallel regions: 2026-12-02 on this Xeon it took vLLM-CPU's bf16
-# run from 713 to 499 out tok/s and Podium's eager one from ~980 to ~640; sessions before 13 set it.)
+# OpenMP's workers to sleep between parallel regions, which costs both engines 30-40% of their
+# throughput: both open one parallel region per kernel.)
 
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
@@ -151,7 +150,7 @@ if [ "$VLLM_OK" = 1 ]; then
     done
 fi
 
-# --- (b) issue 5's table: fixed 512 / 128 and sharegpt-like, Podium vs transformers ---------------
+# --- (b) fixed 512 / 128 and sharegpt-like, Podium vs transformers ---------------
 if [ "$B_STEPS" = 1 ]; then
 step b_fixed "$PODIUM" bench throughput --model "$MODEL" --dtype "$B_DTYPE" --dataset random --num-prompts "$FIXED_PROMPTS" \
     --input-len "$FIXED_IN" --output-len "$FIXED_OUT" --compare hf --hf-batch-size "$HF_BATCH" \

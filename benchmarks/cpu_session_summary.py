@@ -134,7 +134,7 @@ def main() -> int:
     report = ["# CPU session", "", "```", env, "```", "",
               "## SmolLM2-135M, same request file for every engine (greedy, EOS ignored)", "", *same, "",
               "## Best against best: Podium's fastest dtype against vLLM-CPU's, alternated pairs", "", *best, "",
-              f"## Issue 5: Podium vs transformers ({args.b_dtype})", "", *fixed, "",
+              f"## Fixed and sharegpt-like workloads: Podium vs transformers ({args.b_dtype})", "", *fixed, "",
               "## Podium startup, LLM(model) load to ready", "", *boot, "",
               f"Failed steps: {', '.join(failed) if failed else 'none'}"]
     print("\n".join(report))

@@ -3,7 +3,7 @@
 # transformers), prove the CUDA engine correct, run the GPU benchmarks. Logs go under $OUT.
 #   bash benchmarks/gpu_session.sh [STEP ...]     (from the repo root; default: every step)
 # Steps: engine_tests engine_tests_rocm kernel_tests rocm_tests tp_fixed_8b tp_fixed_8b_sync tp_async_ab tp_sharegpt_8b step_profile_8b
-#        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep fused_tests argmax_bench
+#        latency_8b latency_1b tp_cold_log profile_bs1_1b profile_bs1_8b decode_sweep fused_tests
 #        graph_gaps_1 graph_gaps_256 graph_gaps_256_fp8 tp_8b (the fixed 8B run without --compare) rotary_tests (rotary / KV write / graph tests, CUDA and ROCm)
 # STEP_B: STEP again with the environment AB_ENV adds (an A/B in one call), e.g.
 #   AB_ENV="PODIUM_CUDA_TUNING=decode_rotary_in_attention=0" bash benchmarks/gpu_session.sh latency_8b latency_8b_B
@@ -15,8 +15,8 @@
 # mixed_kernels: mixed-step attention, one launch or decodes apart (bench_kernels' mixed section). prefill_kernels: prefill
 # tilings over bf16 and fp8 caches (bench_kernels' prefill section); the fastest fp8 one at 16 x 512 goes to
 # /tmp/podium_best_prefill_env.
-# fp8 KV cache: fp8_tests, fp8_kernels (bench_kernels' fp8 section), tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8); gemv_sweep
-# (benchmarks/gemv_fused_sweep.py); triton_cache_out tars ~/.triton into $OUT (its own file, 16 MiB at most comes
+# fp8 KV cache: fp8_tests, fp8_kernels (bench_kernels' fp8 section), tp_8b_fp8, latency_8b_fp8, step_profile_8b_fp8 (--kv-cache-dtype fp8);
+# triton_cache_out tars ~/.triton into $OUT (its own file, 16 MiB at most comes
 # back) for the next call to carry as .triton_cache.tar.xz. gemv_tests: the batch-1 GEMV and the kit's op checks on cuda;
 # cuda_quick_tests: GEMV, KV write / one-kernel decode, fused ops, graph replay (not the long attention sweep).
 # run_timeline_8b_fp8: the fp8 512/256 run's SM clock and power by step kind (NVML), then the whole run's GPU timeline
@@ -52,7 +52,6 @@ for s in $steps; do
     engine_tests_rocm) run_step $s 240 $pre env PODIUM_ROCM_FORCE_ON_CUDA=1 PODIUM_TEST_GPU_DEVICE=rocm \
       python3 -m pytest tests/test_engine_cuda.py -q -p no:cacheprovider -rfE ;;
     fused_tests) run_step $s 200 $pre python3 -m pytest platforms/cuda/tests/test_fused_ops.py -q -p no:cacheprovider -rfE ;;
-    argmax_bench) run_step $s 120 $pre python3 benchmarks/argmax_gpu.py ;;
     graph_gaps_1) TAIL=30 run_step $s 150 $pre python3 benchmarks/graph_gaps.py --sizes 1 --trace-dir "$OUT" ;;
     graph_gaps_256) TAIL=30 run_step $s 200 $pre python3 benchmarks/graph_gaps.py --sizes 256 --trace-dir "$OUT" ;;
     graph_gaps_256_fp8) TAIL=30 run_step $s 200 $pre python3 benchmarks/graph_gaps.py --sizes 256 --trace-dir "$OUT" \
@@ -87,7 +86,6 @@ for s in $steps; do
       platforms/cuda/tests/test_paged_attention.py -k "new_tokens or attention_over_fp8 or graph_replay or mixed or split" \
       -q -p no:cacheprovider -rfE ;;
     fp8_tests) run_step $s 300 $pre python3 -m pytest platforms/cuda/tests/test_fp8_cache.py -q -p no:cacheprovider -rfE ;;
-    gemv_sweep) TAIL=60 run_step $s 240 $pre python3 benchmarks/gemv_fused_sweep.py --out "$OUT/$s.json" ;;
     triton_cache_out) tar cJf "$OUT/triton_cache.tar.xz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton_cache.tar.xz" ;;
     rotary_tests) run_step $s 300 $pre bash -c "python3 -m pytest platforms/cuda/tests/test_kv_write.py \
       platforms/cuda/tests/test_fused_ops.py platforms/cuda/tests/test_graph_replay.py -q -p no:cacheprovider -rfE && \

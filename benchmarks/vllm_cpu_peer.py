@@ -1,4 +1,4 @@
-"""vLLM's CPU build on a Podium request file: load-to-ready time and offline throughput (see PEERS.md).
+"""vLLM's CPU build on a Podium request file: load-to-ready time and offline throughput (docs/bench.md, "Peers").
 
 Nothing here imports podium. ``convert`` needs transformers 5 and ``gguf`` (Podium's environment has
 both; vLLM's lacks ``gguf``), ``run`` runs in vLLM's own environment:

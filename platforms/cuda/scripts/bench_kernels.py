@@ -222,9 +222,9 @@ def bench_fp8(results: dict, quick: bool) -> None:
 ENGINE_DECODE_BATCH, ENGINE_DECODE_CONTEXTS = 256, (520, 640, 760)  # lengths within +-8 (the 512/256 run's decode steps)
 T = AttentionTiling
 FP8 = torch.float8_e4m3fn
-ENGINE_DECODE_VARIANTS = (  # (label, cache dtype, new-token path, changes to CUDA_TUNING); NOTES.md sessions 10-14
+ENGINE_DECODE_VARIANTS = (  # (label, cache dtype, new-token path, changes to CUDA_TUNING)
     ("new, default", FP8, True, {}),
-    ("new, 16/32/1/3 (sessions 10-13)", FP8, True, {"fp8_decode": T(16, 32, 1, 3)}),
+    ("new, 16/32/1/3 (one warp, ids in the loop)", FP8, True, {"fp8_decode": T(16, 32, 1, 3)}),
     ("new, 16/64/4/2", FP8, True, {"fp8_decode": None}),
     ("new, 16/16/1/5", FP8, True, {"fp8_decode": T(16, 16, 1, 5)}),
     # block ids from table entries in registers (table_blocks): copies num_stages - 1 tiles ahead
