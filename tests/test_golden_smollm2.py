@@ -66,7 +66,7 @@ def test_fp8_kv_cache_follows_transformers_with_fp8_rounded_keys_and_values(hf_m
 
     Not token for token: a 1-ulp float32 difference before a rounding moves a value by a whole fp8
     step, so the two drift apart like transformers against itself with K/V scaled by 1 + 1e-6
-    before rounding (measured once in session 7 with a throwaway script: mean |logprob difference|
+    before rounding (measured once with a throwaway script: mean |logprob difference|
     0.020, median 0.009; this test's pair: 0.019 / 0.008).
     Unrounded transformers is over twice as far (median 0.022): the check tells the caches apart."""
     from transformers.models.llama import modeling_llama

@@ -246,8 +246,8 @@ ARGMAX_CHUNK = 4096  # columns a program (8 KB of bf16): 32 programs a row for a
 def argmax(logits: torch.Tensor, tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
     """logits [B, V] -> int64 [B], the first index of each row's maximum (NaN counts as the maximum).
 
-    torch's argmax reduces a row in one block (27-36 us for a 128k row on the H200, the whole of a
-    batch-1 step's sampling); here a row is split over V / 4096 programs, then merged.
+    torch's argmax reduces a row in one block (for a 128k row, the whole of a batch-1 step's
+    sampling time); here a row is split over V / 4096 programs, then merged.
     """
     if logits.dim() != 2:
         raise ValueError(f"argmax: logits must be [rows, vocab], got {list(logits.shape)}")

@@ -7,9 +7,9 @@ elementwise and reducing with ``tl.sum`` (no ``tl.dot``: nothing to pad to 16 ro
 prologue recomputes the row's sum of squares in every program (the row is K elements, in L2), so
 no program waits on another; program 0 also writes ``x + residual``.
 
-Measured on the H200 (``benchmarks/gemv_fused_sweep.py``, NOTES.md session 7): at 1 row faster than
-"separate Triton kernel + cuBLAS" on all 19 Llama-3.2-1B / 3.1-8B (shape, prologue) pairs, median
-0.88x; a tie at 2 rows and a loss at 4, so only 1-row calls take it (``KernelTuning.gemv_batch1``).
+On the H200, at 1 row it is faster than "separate Triton kernel + cuBLAS" on every Llama-3.2-1B /
+3.1-8B (shape, prologue) pair; at 2 rows it ties and at 4 it loses (register pressure), so only 1-row
+calls take it (``KernelTuning.gemv_batch1``).
 Every value is rounded where ``fused_ops``' separate kernels round theirs, so a fused call equals
 "that kernel, then a linear" up to the order of the fp32 sums.
 """

@@ -13,7 +13,7 @@ the cache's block size), with causal / sliding-window masks, an optional soft-ca
 softmax in base 2. With a tiling's ``table_blocks`` it first loads that many block-table entries
 into registers and takes each tile's block ids from them (in chunks for longer contexts), so that
 Triton's pipeliner multi-buffers the key / value tiles (``_attend_range``). Prefill tiles split their keys into masked edges and an unmasked middle;
-decodes use one masked loop (faster on the H200, see platforms/cuda/NOTES.md). Pure-decode steps take one tile per sequence (no search) and may split each
+decodes use one masked loop (faster on the H200, see platforms/cuda/DESIGN.md). Pure-decode steps take one tile per sequence (no search) and may split each
 sequence's keys over ``num_splits`` programs (flash-decoding); a second kernel merges the splits.
 A pure-decode step may also hand over its own keys and values unrotated (``NewTokens``): every
 program rotates its query rows; the program of split 0 rotates the new key, stores key and value at
@@ -161,7 +161,7 @@ def _attend_range(
     each chunk's TABLE_BLOCKS block-table entries are loaded into registers first, so the loop's
     key / value addresses depend on no load of the loop and Triton's pipeliner can issue each tile's
     copies ``num_stages - 1`` tiles ahead; with the entries loaded in the loop it issues them one
-    tile ahead whatever the stage count (one buffer a tile, NOTES.md session 11)."""
+    tile ahead whatever the stage count (one buffer a tile)."""
     if TABLE_BLOCKS > 0:
         entries = tl.arange(0, TABLE_BLOCKS)
         last_block = tl.cdiv(kv_hi, KV_BLOCK_SIZE)  # the sequence's blocks: [0, last_block)
@@ -326,7 +326,7 @@ def paged_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if NEW_KV:  # the new token's column first: its rotary inputs and unrotated query die before the loop
-        # (sm90, 16/64/4/2 fp8: 128 -> 108 registers a thread; 3% faster than after the loop, NOTES.md)
+        # (sm90, 16/64/4/2 fp8: 128 -> 108 registers a thread, so more programs fit a multiprocessor)
         if split == 0:
             slot = tl.load(slot_ptr + q_start).to(tl.int64)
             acc, m_i, l_i = _attend_new_token(
@@ -336,7 +336,7 @@ def paged_attention_kernel(
                 KV_BLOCK_SIZE, HALF, USE_SOFT_CAP,
             )
     if IS_DECODE:  # one masked loop: at one token a row the mask is cheap, and one pipelined loop
-        # kept 10% more bandwidth than three on the H200 (see NOTES.md)
+        # keeps its shared-memory buffers (and so programs a multiprocessor) where three would split them
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, q_pos, d, d_ok, first_tile, last_tile,
             kv_lo, kv_hi, table, k_base, v_base, stride_kb, stride_ks, stride_vb, stride_vs, scale, soft_cap, window,

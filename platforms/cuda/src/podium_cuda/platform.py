@@ -13,9 +13,8 @@ from podium_plugin_api.ops import REFERENCE_OPS
 from .tuning import CUDA_TUNING, FUSED_OPS_ENV, KernelTuning, fused_ops_from_env
 
 # No cuBLAS workspace by default. Without one cuBLAS picks GEMM kernels that do not split K into a
-# second reduction kernel: on the H200 batch-1 decode of the Llama-3.1-8B shape went from 4.66 to
-# 4.52 ms per token (the step's 64 split-K reduces and their launch gaps gone), and the 256 x 512/256
-# throughput run did not move (10,364 vs 10,342 out tok/s; platforms/cuda/NOTES.md, session 4).
+# second reduction kernel: on the H200 batch-1 decode of the Llama-3.1-8B shape got ~3% faster (the
+# step's 64 split-K reduces and their launch gaps gone), and batch-256 throughput did not move.
 # torch reads the variable when it creates the process's first cuBLAS workspace, so it is set when
 # the platform is made, before any model runs; a value the user set is kept. Not on ROCm builds.
 CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"

@@ -2,7 +2,7 @@
 
 Nothing here imports triton. ``KernelTuning`` is plain data; the kernels' launchers read it, and
 ``TritonAttentionBackend(tuning=...)`` / ``custom_ops(tuning)`` take a replacement. The values in
-``CUDA_TUNING`` were chosen by timing on an H200 (platforms/cuda/NOTES.md has the numbers).
+``CUDA_TUNING`` were chosen by timing on an H200 (platforms/cuda/DESIGN.md says why each one).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ class AttentionTiling:
     table_blocks > 0: a program holds that many block-table entries in registers (a power of two)
     and takes each key tile's block ids from them, so the tile copies' addresses depend on no load
     of the loop and Triton's pipeliner issues them num_stages - 1 tiles ahead; 0: each tile loads
-    its block ids in the loop, which costs a pipeline stage (one tile ahead at 2-4 stages, NOTES.md
-    sessions 11 and 14).
+    its block ids in the loop, which costs a pipeline stage (the copies then run one tile ahead with
+    one buffer at 2-4 stages).
     """
 
     block_m: int
@@ -67,10 +67,9 @@ class SplitPolicy:
 class KernelTuning:
     """Every launch parameter of podium_cuda's kernels."""
 
-    # H200, 8B shape, bf16 cache (NOTES.md session 14): 16 x 512 new 167.7 us against 201.8 for
-    # 128/64/4/3 (190.3 at 128/32/4/3 without the table in registers), 2 x 512 over a 4,096 prefix
-    # 224.3 against 226.9, 4 x 2048 472.2 against 501.5; 128/64/4/3/64 is 60-75% slower (two buffers
-    # of 64-key bf16 tiles: fewer programs fit)
+    # bf16 cache: 32-key tiles with the block ids in registers were the fastest at every 8B prefill
+    # shape on the H200 (fresh prompts, a prefix over cached context, long prompts); 64-key tiles
+    # with the table need two buffers of 64-key bf16 tiles, so fewer programs fit and it is far slower
     prefill: AttentionTiling = AttentionTiling(block_m=128, block_n=32, num_warps=4, num_stages=3, table_blocks=64)
     decode: AttentionTiling = AttentionTiling(block_m=16, block_n=64, num_warps=4, num_stages=2)
     split: SplitPolicy = field(default_factory=SplitPolicy)
@@ -79,9 +78,9 @@ class KernelTuning:
     elementwise_num_warps: int = 4  # rms_norm, rotary, silu_and_mul
     max_head_size: int = 256  # larger heads fall back to the pure-torch reference
     # fused ops the platform installs: those that beat the torch reference on the device (H200, bf16,
-    # Llama-3.1-8B shapes, 1..8192 tokens: each fused op was 2-18x faster in graph replay and eager)
-    # argmax (greedy sampling over V / 4096 programs a row): 3.3 against torch's 26 us at batch 1
-    # in a graph, 42 against 46 at 256; batch-1 8B decode 4.61 -> 4.58 ms a token (NOTES.md session 6)
+    # Llama-3.1-8B shapes, 1..8192 tokens, in graph replay and eager)
+    # argmax (greedy sampling over V / 4096 programs a row): faster than torch's one-block reduction
+    # inside a graph at batch 1 and 256, which sped up batch-1 decode
     # rms_norm_linear / silu_and_mul_linear (API 1.5): the batch-1 GEMV below, else the fused norm / SiLU
     # then the linear
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
@@ -91,54 +90,47 @@ class KernelTuning:
     decode_rotary_in_attention: bool = True
     # an fp8 cache under bf16 queries: the attention dots run in fp16, q clamped to its range (bf16
     # -> fp16 is exact there, e4m3/e5m2 -> fp16 always: one convert a pair, where -> bf16 adds one an
-    # element). The sm90 PTX of the decode kernel: 161 converts instead of 265 (bf16 cache: 51).
-    # H200 A/B (session 8, 256 x 512/256, 8B shape): 9,996 and 10,023 out tok/s against 9,617 and
-    # 9,608 with bf16 dots
+    # element). The sm90 PTX of the decode kernel: 161 converts instead of 265 (bf16 cache: 51);
+    # the 8B 256 x 512/256 run with an fp8 cache is ~4% faster so on the H200
     fp8_dot_in_fp16: bool = True
     # fp8 caches (NVIDIA sm89+): attention converts value tiles to fp16 in the registers they load
     # into, then feeds them to the MMA through shared memory as a bf16 tile goes (ldmatrix). Triton's
     # own cast comes after the shared-memory load instead, where a [keys, head] tile (keys not
-    # contiguous) takes one 8-bit load an element: 64 of the decode loop's 100 shared loads. H200,
-    # decode at batch 256 x 640: bf16 cache 159 us, fp8 175 us with Triton's cast, 122 us so; keys
-    # converted so too: 160 us (NOTES.md session 9). Keys keep Triton's cast.
+    # contiguous) takes one 8-bit load an element: 64 of the decode loop's 100 shared loads. With it
+    # fp8 decode attention went from slower than a bf16 cache's to ~25% faster on the H200; keys
+    # converted the same way lost that again (their tile is contiguous already): keys keep Triton's cast.
     fp8_values_in_registers: bool = True
-    # the decode tiling over an fp8 cache with fp8_values_in_registers (None: ``decode``). One warp a
-    # program: with 20.6 KB of shared memory and 180 registers a thread, eight programs share a
+    # the decode tiling over an fp8 cache with fp8_values_in_registers (None: ``decode``). The fp8
+    # decode loop is latency-bound, so small programs win: at one warp a program, eight share a
     # multiprocessor (two per scheduler's 16K registers; four at 16/64/4/2) and keep that many KV
-    # tiles in flight (Nsight Compute, NOTES.md session 11). H200, the 8B engine's decode launch (new tokens rotated,
-    # stored and attended in the kernel; batch 256 at 520 / 640 / 760 context, NOTES.md session 10):
-    # 91.9 / 108.9 / 124.8 us against 121.5 / 140.6 / 156.8 for session 9's launch (16/64/4/2, the new
-    # token after the loop), 118 / 137 / 150 at 16/64/4/2 and 126 / 150 / 172 at 16/32/2/2 (the new
-    # token first); end to end 256 x 512/256 fp8 10,765 / 10,787 out tok/s against 10,379 / 10,415.
-    # Session 14: with the block ids in registers (table_blocks) the 16-key tiles get four buffers at
-    # five stages (20.5 KB, 158 registers): 87.1 / 103.8 / 120.2 us against 91.5 / 109.4 / 124.4 for
-    # 16/32/1/3 (whose two buffers at 28.7 KB let only seven programs share a multiprocessor)
+    # tiles in flight, ~20% faster than 16/64/4/2 on the 8B engine's batch-256 decode launch. With
+    # the block ids in registers (table_blocks) 16-key tiles get four buffers at five stages (20.5 KB,
+    # 158 registers), a few percent faster again than 16/32/1/3 (whose two buffers at 28.7 KB let
+    # only seven programs share a multiprocessor)
     fp8_decode: AttentionTiling | None = AttentionTiling(block_m=16, block_n=16, num_warps=1, num_stages=5, table_blocks=64)
     # ... and when the keys are split over programs (small batches, plan_splits; None: ``fp8_decode``).
-    # A split holds as few as 64 keys, four 16-key tiles: all pipeline prologue at five stages. H200,
-    # 8B batch-1 decode at 512 context, fp8 cache (session 14): 4.30 ms a token at 16/32/1/3, 4.65
-    # with 16/16/1/5/64
+    # A split holds as few as 64 keys, four 16-key tiles: all pipeline prologue at five stages, which
+    # made batch-1 fp8 decode ~8% slower with 16/16/1/5/64 than with this tiling
     fp8_split_decode: AttentionTiling | None = AttentionTiling(block_m=16, block_n=32, num_warps=1, num_stages=3)
-    # the prefill tiling over an fp8 cache with fp8_values_in_registers (None: ``prefill``). H200 (session
-    # 14): 16 x 512 202.3 us against 203.3 without the table in registers, 2 x 512 over a 4,096 prefix
-    # 246.9 against 258.7, 4 x 2048 548.9 against 556.7 (bf16's 128/32/4/3/64 here: 198.8 / 271.8 /
-    # 580.0). End to end 256 x 512/256 with the fp8 decode above: 11,230 / 11,245 out tok/s against
-    # 11,177 / 11,195 with sessions 10-13's tilings, one machine, alternated
+    # the prefill tiling over an fp8 cache with fp8_values_in_registers (None: ``prefill``). Over fp8
+    # the 64-key tiles stay the fastest (fp8 tiles are half the bytes, so two buffers still fit); the
+    # table in registers gains most over a cached prefix. bf16's 128/32/4/3/64 is slower here except
+    # on short fresh prompts
     fp8_prefill: AttentionTiling | None = AttentionTiling(block_m=128, block_n=64, num_warps=4, num_stages=3, table_blocks=64)
     # mixed steps starting with at least this many decodes launch the decode kernel for them and the
     # prefill kernel for the rest (attention.decode_prefix); 0: one prefill launch for every row.
-    # H200, 16 x 512 prefill + 16 / 64 / 128 / 240 decodes, bf16: 225 / 294 / 381 / 527 us in one
-    # launch, 230 / 256 / 297 / 367 us split (so not at 16). The decode launch's variant is built by
-    # the startup profile step, whose batch starts with decodes (engine.profile_batch). 256 x 512/256
-    # fp8 end to end (NOTES.md session 10): 10,831 / 10,849 out tok/s against 10,765 / 10,787 without
+    # In one launch each decode holds a prefill tile for its one token: behind a 16 x 512 prefill the
+    # split saves up to ~30% of the step's attention at 240 decodes and loses a little at 16. The
+    # decode launch's variant is built by the startup profile step, whose batch starts with decodes
+    # (engine.profile_batch), so no variant compiles while serving
     mixed_decode_min: int = 32
     # one-row bf16/fp16 linears (batch-1 decode) as a Triton GEMV (gemv.py), with the norm or SiLU-mul
-    # before them in its prologue: faster than separate kernel + cuBLAS at every 1B/8B shape, median
-    # 0.88x (benchmarks/gemv_fused_sweep.py); False: cuBLAS
+    # before them in its prologue: faster than separate kernel + cuBLAS at every 1B/8B shape at one
+    # row (ties at two, loses at four: batch 1 only); False: cuBLAS
     gemv_batch1: bool = True
     # programmatic dependent launches (pdl.py, NVIDIA sm90+ only) of the GEMV, whose first weight
-    # tile loads while the kernel before it finishes (H200 batch-1 decode: 1B 0.94 -> 0.90-0.91 ms,
-    # 8B 4.32 -> 4.18 ms, NOTES.md session 8), and of the attention kernel and its split merge
+    # tile loads while the kernel before it finishes (batch-1 decode's small GEMVs are latency-bound),
+    # and of the attention kernel and its split merge
     gemv_pdl: bool = True
     attention_pdl: bool = True
 

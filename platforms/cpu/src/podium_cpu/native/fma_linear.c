@@ -14,10 +14,9 @@
  * row block keeping ROWS x 2 accumulators of 8 lanes (12 of the 16 ymm registers) over all K: per k
  * one 32-byte weight load and two unpacks (the panel widened in registers), ROWS broadcasts,
  * 2 * ROWS FMAs. A decode step's batch is one chunk, so the weights stream from memory once per
- * call. Measured on AMD Zen 3 (benchmarks/fma_linear_ab.sh, BENCHMARKS.md session 6) against
- * widening each panel once per item into a float32 scratch: 1-19% faster at 32 rows (lm_head
- * even), 5-7% at 1,536, 2.2x at 1 row (no panel pass for one row). The earlier in-loop widening (zero-extend + shift: two more instructions a half) had been
- * slower; 4-row blocks and blocking K were slower too. Register blocks write their sums to the
+ * call. On AMD Zen 3 this is faster than widening each panel once per item into a float32 scratch
+ * at every row count, most at 1 row (no panel pass for one row). The earlier in-loop widening
+ * (zero-extend + shift: two more instructions a half) had been slower; 4-row blocks and blocking K were slower too. Register blocks write their sums to the
  * item's [rows][16] scratch and the rounding follows all of them: with the sums of one block in a
  * 6 x 16 local, GCC 12 kept a weight vector in memory and reloaded it in each of its 6 FMAs.
  *

@@ -22,8 +22,7 @@
  * attends (one ctypes call, one OpenMP region per layer). Tiles are scattered, so each is asked
  * for ahead of its use: key tiles into L1 PREFETCH_AHEAD blocks ahead of the scores, value tiles
  * into L2 during the scores and into L1 V_AHEAD blocks ahead of the weighted sum (without the last,
- * 69% of the sum's samples waited on its value loads; bf16 at 32 x 112 / 512: -19% / -35%,
- * BENCHMARKS.md session 11).
+ * most of the sum's time went to waiting on its value loads, more so at longer contexts).
  *
  * The caller (attention.py) validates every shape, stride, dtype and index range: this code
  * trusts its arguments. Compiled on first use with the system C compiler and cached
