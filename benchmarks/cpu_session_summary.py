@@ -121,7 +121,7 @@ def main() -> int:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--failed", default="", help="names of steps that failed (listed in the summary)")
     parser.add_argument("--dtypes", default="bfloat16 float32")
-    parser.add_argument("--b-dtype", default="bfloat16", help="the dtype of the issue-5 runs (for the heading)")
+    parser.add_argument("--b-dtype", default="bfloat16", help="the dtype of the fixed and sharegpt-like runs (for the heading)")
     parser.add_argument("--best", default="bfloat16 float32", help="the dtypes of the (e) pairs: Podium's, vLLM's")
     args = parser.parse_args()
     dtypes = args.dtypes.split()

@@ -19,7 +19,7 @@ and other tenants of a shared machine out.
 
 Everything warms up first (4 tokens per prompt); then each round runs offline, then every mode,
 one at a time. The best round of each counts (a noisy machine slows runs, never speeds them up);
-medians are shown too. The issue asks the server to keep >= 90% of offline tok/s.
+medians are shown too. The target: the server keeps >= 90% of offline tok/s.
 
 Run it on a quiet machine. On a loaded one "tok/s" also measures how the kernel shares the cores
 (a server's several processes and threads can get a larger share than the offline run's two),
