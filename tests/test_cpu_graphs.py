@@ -6,6 +6,10 @@ padded rows); greedy generation through graphs gives the eager engine's tokens a
 bucket while sequences finish and the batch shrinks, and frees every block; a step with an op
 outside the native kernels is refused at capture (the engine stays eager) instead of replaying
 wrongly; the embedding kernel is F.embedding's lookup.
+
+Whether an engine captures depends on the kernels its CPU runs the linears on, so the tests ask the
+engine (``linear_kernels``) instead of guessing from CPU flags: bf16 linears on the native AMX or
+FMA kernel are captured; on oneDNN (AVX-512 without AMX) the step is refused and stays eager.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from podium import LLM, SamplingParams
 from podium_cpu import CpuPlatform
 from podium_cpu.embedding import NativeEmbedding
 from podium_cpu.graphs import MAX_GRAPH_BATCH, CpuGraphRunner, capturing
+from podium_cpu.linear_packing import NativeLinear, PackedLinear
 from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import GraphCaptureUnsupported
 from podium_plugin_api.testing.attention_checks import check_graph_capture
@@ -34,8 +39,22 @@ def kernels():
     return loaded
 
 
-def native_bf16_linears(kernels) -> bool:
-    return bool(kernels.amx_linear or kernels.fma_linear)
+def linear_kernels(llm) -> set[str]:
+    """The kernels the engine packed its model's linears for: "amx", "fma" (native) or "onednn"."""
+    return {m.kind if isinstance(m, NativeLinear) else "onednn"
+            for m in llm.engine.model.modules() if isinstance(m, (NativeLinear, PackedLinear))}
+
+
+def captures(llm) -> bool:
+    """Whether this engine's decode step can be captured: every linear on a native kernel."""
+    kinds = linear_kernels(llm)
+    return bool(kinds) and kinds <= {"amx", "fma"}
+
+
+def skip_unless_captured(llm) -> None:
+    if not captures(llm):
+        pytest.skip(f"bf16 linears run on {sorted(linear_kernels(llm))} here, not a native kernel: no graphs "
+                    "to compare (test_engine_captures_decode_buckets_up_to_the_limit checks the refusal)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -49,14 +68,20 @@ def test_captured_attention_replays_equal_eager_forwards(kernels, dtype):
 
 @pytest.fixture(scope="module")
 def bf16_llm(kernels):
-    if not native_bf16_linears(kernels):
-        pytest.skip("no native bf16 linear kernel on this CPU (no AMX, no AVX2 + FMA): nothing to capture")
     return LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=256, max_num_seqs=32)
 
 
 def test_engine_captures_decode_buckets_up_to_the_limit(bf16_llm):
+    """Native linears: every bucket up to max_num_seqs is captured. oneDNN linears (a torch op):
+    the capture is refused, no graph is kept, and the engine still generates."""
     graphs = bf16_llm.engine.runner.graphs
-    assert sorted(graphs) == [1, 2, 4, 8, 16, 24, 32]  # max_num_seqs 32, under MAX_GRAPH_BATCH
+    assert linear_kernels(bf16_llm)  # the platform packed the model's bf16 linears for some kernel
+    if captures(bf16_llm):
+        assert sorted(graphs) == [1, 2, 4, 8, 16, 24, 32]  # max_num_seqs 32, under MAX_GRAPH_BATCH
+    else:
+        assert graphs == {}
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        assert len(bf16_llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
     assert not capturing()
 
 
@@ -65,6 +90,7 @@ def test_graphs_give_the_eager_engines_tokens_and_logprobs(bf16_llm):
     """Batches of 1 to 29 decodes (every bucket up to 32, padded rows included), sequences finishing
     at different lengths so the batch shrinks through the buckets: the same tokens as eager and the
     same top-3 logprobs to the bit (the replayed logits are the eager ones), every block free after."""
+    skip_unless_captured(bf16_llm)
     eager = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=256, max_num_seqs=32,
                 enforce_eager=True)
     assert not eager.engine.runner.graphs
@@ -108,9 +134,8 @@ def test_a_step_with_a_torch_op_is_refused_not_replayed(kernels):
 
 def test_graphs_stop_at_the_runners_limit(kernels):
     """max_num_seqs 100 would add a 100-row graph; the runner's max_batch_size stops the buckets at 64."""
-    if not native_bf16_linears(kernels):
-        pytest.skip("no native bf16 linear kernel on this CPU")
     llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=128, max_num_seqs=100)
+    skip_unless_captured(llm)
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4, 8, 16, 24, 32, 48, MAX_GRAPH_BATCH]
 
 
@@ -148,9 +173,8 @@ def test_smaller_graphs_share_the_largest_ones_buffers(kernels):
 @pytest.mark.parametrize("arch", ["mistral-sliding", "qwen2-bias", "llama-bias-linear-rope", "qwen3-qk-norm"])
 def test_architectures_replay_their_eager_logprobs(kernels, arch, tmp_path):
     """Sliding windows, biases, rope scaling through graphs: eager's tokens and logprobs. Qwen3's
-    q/k norms copy the heads out of the fused projection (a torch op): refused, eager, same results."""
-    if not native_bf16_linears(kernels):
-        pytest.skip("no native bf16 linear kernel on this CPU")
+    q/k norms copy the heads out of the fused projection (a torch op): refused, eager, same results.
+    Where the linears run on oneDNN every architecture is refused: eager twice, same results."""
     from model_fixtures import ARCHITECTURES, save_tiny_model
 
     model_type, overrides = ARCHITECTURES[arch]
@@ -161,7 +185,7 @@ def test_architectures_replay_their_eager_logprobs(kernels, arch, tmp_path):
     outputs = {}
     for eager in (True, False):
         llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", max_num_seqs=8, enforce_eager=eager)
-        assert bool(llm.engine.runner.graphs) == (not eager and arch != "qwen3-qk-norm")
+        assert bool(llm.engine.runner.graphs) == (not eager and arch != "qwen3-qk-norm" and captures(llm))
         outputs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in outputs[False]] == [o.token_ids for o in outputs[True]]
     assert [o.logprobs for o in outputs[False]] == [o.logprobs for o in outputs[True]]
