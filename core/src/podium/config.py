@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
+
+from .explicit_fields import remembers_explicit_fields, with_fallbacks
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # what the paged KV cache stores: "auto" = the model's dtype; "fp8" = "fp8_e4m3" = the platform's
 # e4m3 flavour (Capabilities.fp8), "fp8_e5m2" the 5-bit-exponent one; unit scale (vLLM's names)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# the order the scheduler admits waiting requests in: arrival, or (priority, arrival), lower first
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# where sampling defaults come from: the model's generation_config.json ("auto"), none ("vllm", as
+# vLLM's own defaults, or "none"), or a folder holding a generation_config.json
+GENERATION_CONFIG_SOURCES = ("auto", "vllm", "none")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -29,8 +36,12 @@ def parse_size(value: int | str) -> int:
     return size
 
 
+@remembers_explicit_fields
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every field left unset (None counts as unset) may take a platform's suggestion
+    (``with_defaults``); a field the caller set keeps its value, even one equal to the default."""
+
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None  # a folder with a tokenizer, if not the model's own
     device: str | None = None  # platform name; None: $PODIUM_DEVICE or the best available
@@ -50,6 +61,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0
     served_model_name: str | None = None
+    generation_config: str = "auto"  # see GENERATION_CONFIG_SOURCES
+    scheduling_policy: str = "fcfs"  # see SCHEDULING_POLICIES
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,22 +83,17 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be {', '.join(GENERATION_CONFIG_SOURCES)} or a folder holding "
+                             f"generation_config.json, got {self.generation_config!r}")
 
     @property
     def token_budget(self) -> int:
         return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
 
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from keyword arguments, rejecting unknown names with the list of known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
-        return cls(**kwargs)
-
     def with_defaults(self, defaults: dict[str, Any]) -> EngineConfig:
-        """Fill fields left at their default with a platform's suggestions (a new object)."""
-        base = EngineConfig()
-        updates = {k: v for k, v in defaults.items() if k in {f.name for f in fields(self)} and getattr(self, k) == getattr(base, k)}
-        return replace(self, **updates) if updates else self
+        """Fill the fields the caller left unset with a platform's suggestions (a new object)."""
+        return with_fallbacks(self, defaults)

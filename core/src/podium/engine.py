@@ -23,6 +23,8 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,15 +34,18 @@ from podium_plugin_api.ops import build_op_table
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .discovery import build_plugin_manager, select_platform
+from .engine_args import engine_config
+from .explicit_fields import with_fallbacks
 from .kv_cache import (
     dtype_name,
     kv_cache_bytes,
     kv_cache_spec,
+    kv_sizing_note,
     num_kv_blocks,
     profile_activation_bytes,
     resolve_kv_cache_dtype,
 )
-from .loader import resolve_model
+from .loader import resolve_model, sampling_defaults
 from .model_runner import LaunchedStep, ModelRunner, StepResult, grad_off
 from .models.context import ForwardContext
 from .models.registry import build_model, init_random_weights
@@ -97,16 +102,23 @@ def profile_batch(token_budget: int, max_num_seqs: int, max_model_len: int, bloc
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         timer = StartupTimer()  # see podium.startup for the stages
-        config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        config = config if config is not None else engine_config(**kwargs)
         entry = select_platform(config.device)
         self.platform = platform = entry.platform
         self.platform_name = entry.name
         self.config = config = config.with_defaults(platform.config_defaults())
+        note = kv_sizing_note(config, platform)
+        if note:
+            logger.warning("%s", note)
         pm, _ = build_plugin_manager()
-        timer.lap("platform")
+        timer.lap("platform", detail=entry.name)
         source = resolve_model(config.model, config.tokenizer)
-        timer.lap("config", inner=source.load_seconds)
+        timer.lap("config", inner=source.load_seconds, detail=source.description)
         self.source, self.tokenizer = source, source.tokenizer
+        self.sampling_defaults = sampling_defaults(config.generation_config, source)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from generation_config.json (generation_config=%s; a request's own "
+                        "values win): %s", config.generation_config, self.sampling_defaults)
         self.model_name = config.served_model_name or config.model
         self.max_model_len = self._max_model_len(config, source.max_model_len)
         self.dtype = self._resolve_dtype(config.dtype, platform)
@@ -120,22 +132,22 @@ class LLMEngine:
         extra_archs: dict = {}
         for archs in pm.hook.podium_model_architectures():
             extra_archs.update(archs or {})
-        timer.lap("custom_ops")
+        timer.lap("custom_ops", detail=f"{len(overrides)} platform ops")
         self.ops = build_op_table(overrides)  # the reference ops with the platform's overrides
         self.model = build_model(source.hf_config, self.ops, self.dtype, self.device, extra_archs)
-        timer.lap("model_build")
+        timer.lap("model_build", detail=dtype_name(self.dtype))
         weights = source.weights()
         if weights is None:
             init_random_weights(self.model, config.seed)
         else:
             self.model.load_weights(weights)
         self.model = platform.prepare_model(self.model.eval())  # device-specific transformations
-        timer.lap("weights")
+        timer.lap("weights", detail="random" if weights is None else "")
         self._build_cache_and_runner(source)
-        timer.lap("kv_cache")
+        timer.lap("kv_cache", detail=f"{self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens")
         if platform.capabilities().graph_capture and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs)
-        timer.lap("graph_capture")
+        timer.lap("graph_capture", detail=self._graphs_detail())
         self.startup_seconds = timer.finish()
         logger.info("%s (model %s on %s)", format_startup(self.startup_seconds), self.model_name, self.platform_name)
         self.processor = OutputProcessor(self.tokenizer, source.eos_token_ids, self.max_model_len)
@@ -145,6 +157,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
 
     # -- setup ---------------------------------------------------------------------------------
+    def _graphs_detail(self) -> str:
+        if self.config.enforce_eager:
+            return "off: enforce_eager"
+        if not self.platform.capabilities().graph_capture:
+            return f"none: {self.platform_name} captures no graphs"
+        sizes = sorted(self.runner.graphs)
+        return f"batch sizes {', '.join(map(str, sizes))}" if sizes else "none: steps run eagerly"
+
     @staticmethod
     def _max_model_len(config: EngineConfig, model_len: int) -> int:
         if config.max_model_len is None:
@@ -175,7 +195,8 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB", blocks, config.block_size,
                     self.kv_capacity_tokens, dtype_name(spec.dtype), blocks * spec.bytes_per_block / 2**30)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len,
+                                   config.scheduling_policy)
         vocab = source.hf_config.vocab_size
         sample_on = torch.device("cpu") if platform.capabilities().static_shapes else self.device
         self.sampler = Sampler(vocab, sample_on, ops=self.ops if sample_on == self.device else None,
@@ -225,9 +246,13 @@ class LLMEngine:
 
         ``output_kind`` says what ``step()`` reports for it (see ``output_processor``): "cumulative"
         (the whole output each step), "delta" (what is new each step) or "final" (once, finished).
-        ``final_only=True`` is the older spelling of ``output_kind="final"``.
+        ``final_only=True`` is the older spelling of ``output_kind="final"``. ``priority`` orders
+        admission under ``scheduling_policy="priority"`` (lower first; ignored under "fcfs").
+        Sampling fields ``params`` leaves unset take the model's generation defaults.
         """
         params = params or SamplingParams()
+        if self.sampling_defaults:
+            params = with_fallbacks(params, self.sampling_defaults)
         if final_only:
             output_kind = "final"
         if output_kind not in OUTPUT_KINDS:
@@ -391,10 +416,31 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name!r} has no chat template; use completions with a plain prompt")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template, or ``chat_template`` (a
+        template's text or a file holding one); ``tools`` and ``template_kwargs`` are the template's
+        variables (a template that uses no such variable ignores them)."""
+        template = read_chat_template(chat_template)
+        if self.tokenizer is None or not (template or getattr(self.tokenizer, "chat_template", None)):
+            raise ValueError(f"model {self.model_name!r} has no chat template; pass chat_template= or use "
+                             "completions with a plain prompt")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message: set add_generation_prompt=False")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                 chat_template=template, tools=tools,
+                                                 continue_final_message=continue_final_message, **template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+def read_chat_template(template: str | None) -> str | None:
+    """A chat template given as its text or as a file holding it (vLLM takes both)."""
+    if template is None or "{" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template {template!r} is neither a Jinja template nor a readable file")
+    return path.read_text()

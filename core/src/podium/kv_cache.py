@@ -14,6 +14,7 @@ import torch
 from podium_plugin_api import AttentionBackend, KVCacheSpec, Platform, fp8_dtypes
 
 from .config import EngineConfig, parse_size
+from .explicit_fields import explicit_fields
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -89,6 +90,22 @@ def kv_cache_bytes(config: EngineConfig, platform: Platform, activation_bytes: i
             )
         return budget
     return parse_size(config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY)
+
+
+def kv_sizing_note(config: EngineConfig, platform: Platform) -> str:
+    """Why a gpu_memory_utilization the user set changes nothing here ("" when it is used)."""
+    if "gpu_memory_utilization" not in explicit_fields(config):
+        return ""
+    if config.num_kv_blocks is not None:
+        why = f"num_kv_blocks={config.num_kv_blocks} sets the KV cache's size"
+    elif not platform.capabilities().kv_cache_from_free_memory:
+        why = (f"platform {platform.name!r} does not size the KV cache from a fraction of free memory; it takes "
+               f"kv_cache_memory_bytes (now {config.kv_cache_memory or 'its default'})")
+    elif config.kv_cache_memory is not None:
+        why = f"kv_cache_memory_bytes={config.kv_cache_memory} sets the KV cache's size"
+    else:
+        return ""
+    return f"gpu_memory_utilization={config.gpu_memory_utilization} is ignored: {why}"
 
 
 def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, nbytes: int, max_model_len: int) -> int:

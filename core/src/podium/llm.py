@@ -4,46 +4,62 @@
     llm = LLM("smollm2-135m-instruct")
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
+
+``LLM(model, **kwargs)`` takes ``EngineConfig``'s fields and vLLM's engine arguments
+(``podium.engine_args``: accepted, ignored with a warning, or refused with the reason). Prompts
+are strings, ``TextPrompt`` / ``TokensPrompt`` dicts or lists of these (``podium.inputs``).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from .config import DEFAULT_MODEL, EngineConfig
+from .config import DEFAULT_MODEL
 from .engine import LLMEngine
+from .engine_args import engine_config
+from .inputs import PromptType, parse_prompts
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-
-Prompt = str | dict[str, Any]
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self.engine = LLMEngine(engine_config(model=model, **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (what a request that sets nothing gets)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or ``{"prompt_token_ids": [...]}``); outputs in input order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        params = self._params_for(len(prompts), sampling_params)
+        """Generate for every prompt; outputs in input order. ``priority`` (one per prompt, lower
+        first) orders admission when the engine runs ``scheduling_policy="priority"``."""
+        if lora_request is not None:
+            raise ValueError("lora_request: Podium does not serve LoRA adapters yet")
+        inputs = parse_prompts(prompts)
+        params = self._params_for(len(inputs), sampling_params)
+        if priority is not None and len(priority) != len(inputs):
+            raise ValueError(f"got {len(priority)} priorities for {len(inputs)} prompts; give one per prompt")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(inputs, params)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, self._prompt_input(prompt), p, output_kind="final")
+                self.engine.add_request(rid, prompt, p, output_kind="final",
+                                        priority=0 if priority is None else int(priority[i]))
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -53,15 +69,24 @@ class LLM:
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template
+        (``chat_template``: another template, as text or a file; ``tools`` and ``chat_template_kwargs``
+        go to the template, which renders them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(c, add_generation_prompt)}
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
+            c, add_generation_prompt, chat_template=chat_template, tools=tools,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))}
+            for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     @staticmethod
     def _params_for(count: int, params) -> list[SamplingParams]:
@@ -72,16 +97,6 @@ class LLM:
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one or one per prompt")
         return list(params)
-
-    @staticmethod
-    def _prompt_input(prompt: Prompt) -> str | list[int]:
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {type(prompt).__name__}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -5,9 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .explicit_fields import remembers_explicit_fields
 
+
+@remembers_explicit_fields
 @dataclass
 class SamplingParams:
+    """Fields the caller leaves unset (or None) may take the model's generation_config.json defaults
+    (``EngineConfig.generation_config``): temperature, top_p, top_k, min_p, repetition_penalty and
+    max_tokens (its max_new_tokens)."""
+
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0

@@ -27,9 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .config import SCHEDULING_POLICIES as POLICIES
 from .request import Sequence, SequenceStatus
-
-POLICIES = ("fcfs", "priority")
 
 
 @dataclass(init=False, slots=True)

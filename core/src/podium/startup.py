@@ -19,26 +19,36 @@ measures them in fresh processes, with this breakdown.
 
 from __future__ import annotations
 
+import logging
 import time
+
+logger = logging.getLogger("podium.engine")
 
 STAGES = ("platform", "config", "tokenizer", "custom_ops", "model_build", "weights", "kv_cache", "graph_capture")
 
 
 class StartupTimer:
-    """Laps of a stopwatch, named by stage: ``lap("weights")`` ends the stage running since the last lap."""
+    """Laps of a stopwatch, named by stage: ``lap("weights")`` ends the stage running since the last lap.
+
+    Each lap is logged at info level as it ends (``startup weights  0.81 s  (...)``), so a slow start
+    shows where it is while it happens; ``finish`` gives the table for the total line."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(STAGES, 0.0)
         self._start = self._last = time.perf_counter()
 
-    def lap(self, stage: str, inner: dict[str, float] | None = None) -> None:
-        """End ``stage``; ``inner`` stages timed inside it (by whoever ran them) are carved out of it."""
+    def lap(self, stage: str, inner: dict[str, float] | None = None, detail: str = "") -> None:
+        """End ``stage``; ``inner`` stages timed inside it (by whoever ran them) are carved out of it.
+        ``detail`` says what the stage chose or built, for the log."""
         now = time.perf_counter()
         carved = 0.0
         for name, seconds in (inner or {}).items():
             self._add(name, seconds)
+            _log(name, seconds)
             carved += seconds
-        self._add(stage, max(0.0, now - self._last - carved))
+        seconds = max(0.0, now - self._last - carved)
+        self._add(stage, seconds)
+        _log(stage, seconds, detail)
         self._last = now
 
     def _add(self, stage: str, seconds: float) -> None:
@@ -49,6 +59,10 @@ class StartupTimer:
     def finish(self) -> dict[str, float]:
         """The stages and their ``total`` (the time since the timer started)."""
         return {**self.seconds, "total": time.perf_counter() - self._start}
+
+
+def _log(stage: str, seconds: float, detail: str = "") -> None:
+    logger.info("startup %-13s %6.2f s%s", stage, seconds, f"  ({detail})" if detail else "")
 
 
 def format_startup(seconds: dict[str, float]) -> str:

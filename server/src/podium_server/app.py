@@ -22,6 +22,7 @@ from . import __version__
 from .async_engine import AsyncEngine
 from .errors import APIError, install_error_handlers, logger
 from .logprobs import TokenText
+from .logs import configure_logging
 from .metrics import ServerMetrics
 from .middleware import GuardMiddleware
 from .process_engine import ProcessEngine
@@ -34,16 +35,19 @@ from .settings import ServerSettings
 from .thread_engine import ThreadEngine
 
 
-def build_engine(settings: ServerSettings) -> Any:
+def build_engine(settings: ServerSettings, own_process: bool = False) -> Any:
+    """The engine; in its own process (spawned: no logging set up) its log lines go to stderr too."""
     from podium.engine import LLMEngine
 
+    if own_process:
+        configure_logging(settings.log_level)
     return LLMEngine(settings.engine)
 
 
 def launch_engine(settings: ServerSettings) -> AsyncEngine:
     """The engine of ``settings``, built and ready to start (blocking: loads the model)."""
     if settings.engine_mode == "process":
-        return ProcessEngine.launch(functools.partial(build_engine, settings))
+        return ProcessEngine.launch(functools.partial(build_engine, settings, own_process=True))
     return ThreadEngine(build_engine(settings))
 
 
@@ -106,13 +110,13 @@ def _add_routes(app: FastAPI) -> None:
 
     async def models(request: Request) -> ModelList:
         ctx = ctx_of(request)
-        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.model_name, max_model_len=ctx.max_model_len)])
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.engine.info.model, max_model_len=ctx.max_model_len)])
 
     async def model(request: Request, model_id: str) -> ModelCard:
         ctx = ctx_of(request)
         if model_id != ctx.model_name and model_id not in ctx.model_aliases:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-        return ModelCard(id=model_id, root=ctx.model_name, max_model_len=ctx.max_model_len)
+        return ModelCard(id=model_id, root=ctx.engine.info.model, max_model_len=ctx.max_model_len)
 
     async def health(request: Request) -> Response:
         engine = ctx_of(request).engine

@@ -149,8 +149,9 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests (event loop) ----------------------------------------------------------------
-    async def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request and wait until the engine took it; the engine's ValueError comes back here."""
+    async def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Queue a request and wait until the engine took it; the engine's ValueError comes back here.
+        ``priority`` orders admission when the engine runs ``scheduling_policy="priority"`` (lower first)."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
         if request_id in self._streams or request_id in self._pending:
@@ -159,7 +160,7 @@ class AsyncEngine:
         accepted = self._loop.create_future()
         self._pending[request_id] = accepted
         self._streams[request_id] = stream
-        self._send(Add(request_id, prompt, params))
+        self._send(Add(request_id, prompt, params, priority))
         try:
             await accepted
         except BaseException:

@@ -30,6 +30,7 @@ class Add:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    priority: int = 0  # admission order under scheduling_policy="priority" (lower first)
 
 
 @dataclass
@@ -109,7 +110,8 @@ class EngineLoop:
     def _apply(self, command: Any) -> bool:
         if isinstance(command, Add):
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params)
+                self.engine.add_request(command.request_id, command.prompt, command.params,
+                                        priority=command.priority)
             except Exception as exc:  # a bad request is that request's problem, never the loop's
                 self._answers.append((command.request_id, exc))
             else:

@@ -99,18 +99,19 @@ class ServingBase:
     @staticmethod
     def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        # the fields a request leaves unset (None) stay unset, so the model's generation_config.json
+        # defaults fill them in the engine (EngineConfig.generation_config)
+        unset_is_default = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                            "min_p": req.min_p, "repetition_penalty": req.repetition_penalty}
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()} or None, seed=req.seed,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens)
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                **{k: v for k, v in unset_is_default.items() if v is not None})
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.rotary import scaled_context_length
-from .source import ModelSource, WeightStream, config_dtype, generation_defaults, token_id_list
+from .source import ModelSource, WeightStream, config_dtype, generation_defaults, read_generation_config, token_id_list
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -84,16 +84,6 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
 
 
-def _generation_config(folder: Path) -> dict[str, Any]:
-    file = folder / "generation_config.json"
-    if not file.exists():
-        return {}
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"cannot read {file}: {error}") from None
-
-
 def load_folder(folder: Path, tokenizer: Any | None = None) -> ModelSource:
     """``folder`` as a ModelSource; ``tokenizer`` replaces the folder's own if given."""
     config = load_config(folder)
@@ -104,7 +94,7 @@ def load_folder(folder: Path, tokenizer: Any | None = None) -> ModelSource:
             f"{folder} holds a quantized checkpoint ({method}); Podium loads float safetensors or GGUF files"
         )
     files, fmt = weight_files(folder)
-    generation = _generation_config(folder)
+    generation = read_generation_config(folder)
     started = time.perf_counter()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
     tokenizer_seconds = time.perf_counter() - started

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +78,31 @@ def generation_defaults(generation_config: dict) -> dict[str, Any]:
     """Sampling defaults a model's generation_config.json sets, as SamplingParams field names."""
     return {ours: generation_config[theirs] for theirs, ours in _GENERATION_KEYS.items()
             if generation_config.get(theirs) is not None}
+
+
+def read_generation_config(folder: Path) -> dict[str, Any]:
+    """A folder's generation_config.json as a dict ({} when there is none)."""
+    file = folder / "generation_config.json"
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"cannot read {file}: {error}") from None
+
+
+def sampling_defaults(setting: str, source: ModelSource) -> dict[str, Any]:
+    """The sampling defaults ``EngineConfig.generation_config`` asks for: the model's own ("auto"),
+    none ("vllm", "none"), or those of the generation_config.json in the folder ``setting``."""
+    if setting == "auto":
+        return dict(source.generation_defaults)
+    if setting in ("vllm", "none"):
+        return {}
+    folder = Path(setting).expanduser()
+    if not (folder / "generation_config.json").is_file():
+        raise ValueError(f"generation_config={setting!r}: not auto, vllm or none, and not a folder holding "
+                         "generation_config.json")
+    return generation_defaults(read_generation_config(folder))
 
 
 def token_id_list(*values: int | Iterable[int] | None) -> list[int]:
