@@ -4,11 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.podium-installed
-DISTS := -e ./plugin_api -e "./core[gguf]" -e ./server -e ./platforms/cpu -e ./platforms/cuda -e ./platforms/rocm -e ./platforms/tpu
+DISTS := -e ./plugin_api -e ./core -e ./server -e ./bench -e ./platforms/cpu -e ./platforms/cuda -e ./platforms/rocm -e ./platforms/tpu
 
 .PHONY: serve test lint install clean
 
-$(STAMP): pyproject.toml plugin_api/pyproject.toml core/pyproject.toml server/pyproject.toml platforms/*/pyproject.toml
+$(STAMP): pyproject.toml plugin_api/pyproject.toml core/pyproject.toml server/pyproject.toml bench/pyproject.toml platforms/*/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0
@@ -23,7 +23,7 @@ serve: $(STAMP)
 	$(VENV)/bin/podium serve $(MODEL)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check plugin_api core server platforms examples tests
+	$(VENV)/bin/ruff check plugin_api core server bench platforms examples tests
 	$(VENV)/bin/lint-imports
 
 # OMP_WAIT_POLICY=PASSIVE: the tests run servers and engines side by side on few cores, where

@@ -14,8 +14,8 @@ import argparse
 import json
 import sys
 
-from podium.bench.datasets import DatasetSpec, build_requests, summarize
-from podium.bench.tokenizers import token_space_for
+from podium_bench.datasets import DatasetSpec, build_requests, summarize
+from podium_bench.tokenizers import token_space_for
 
 
 def main() -> int:

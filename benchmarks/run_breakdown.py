@@ -20,8 +20,8 @@ import time
 
 from decode_breakdown import wrap  # benchmarks/ is the script's folder, first on sys.path
 
-from podium.bench.backends import EngineOptions, podium_backend, target_of
-from podium.bench.datasets import DatasetSpec, build_requests
+from podium_bench.backends import EngineOptions, podium_backend, target_of
+from podium_bench.datasets import DatasetSpec, build_requests
 
 
 def main() -> None:

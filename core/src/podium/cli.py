@@ -1,9 +1,10 @@
 """The ``podium`` command line.
 
-Subcommands come from the core (``platforms``, ``generate``, ``bench``) and from other
-distributions through the ``podium.commands`` entry-point group (``podium-server`` adds
-``serve``), so the core never imports the server. An entry point names a function
-``register(subparsers)`` that adds its parser and sets ``func`` to its handler.
+Subcommands come from the core (``platforms``) and from other distributions through the
+``podium.commands`` entry-point group (``podium-server`` adds ``serve``, ``podium-bench`` adds
+``bench``), so the core imports neither. An entry point names a function ``register(subparsers)``
+that adds its parser and sets ``func`` to its handler. The engine's flags, which ``serve`` and
+``bench`` share, are defined once in ``podium.engine_flags``.
 """
 
 from __future__ import annotations
@@ -15,27 +16,27 @@ from importlib import import_module
 from importlib.metadata import entry_points
 
 COMMAND_GROUP = "podium.commands"
-CORE_COMMANDS = ("podium.commands.platforms", "podium.commands.generate", "podium.commands.bench")
+CORE_COMMANDS = ("podium.commands.platforms",)
+# commands other distributions add: name -> (help, distribution, how to install it)
+OPTIONAL_COMMANDS = {
+    "serve": ("serve an OpenAI-compatible API", "podium-server", "pip install ./server"),
+    "bench": ("benchmark throughput, latency or a running server", "podium-bench", "pip install ./bench"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="podium", description="Podium LLM inference engine")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in CORE_COMMANDS:
-        try:
-            module = import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        module.register(subparsers)
+        import_module(module_name).register(subparsers)
     for ep in entry_points(group=COMMAND_GROUP):
         if ep.name not in subparsers.choices:
             ep.load()(subparsers)
-    if "serve" not in subparsers.choices:
-        serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible API (needs podium-server)")
-        serve.set_defaults(func=lambda args: _missing("podium-server", "pip install ./server"))
-        serve.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, (help, dist, fix) in OPTIONAL_COMMANDS.items():
+        if name not in subparsers.choices:
+            missing = subparsers.add_parser(name, help=f"{help} (needs {dist})")
+            missing.set_defaults(func=lambda args, dist=dist, fix=fix: _missing(dist, fix))
+            missing.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 

@@ -7,9 +7,14 @@ the prompts: the server counts the tokens it actually saw and reports them in it
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from podium.config import DEFAULT_MODEL
+
 from .datasets import TokenSpace
+
+logger = logging.getLogger(__name__)
 
 UNBOUNDED_CONTEXT = 1 << 20  # when nothing says how long the context is, the server will tell
 
@@ -36,3 +41,20 @@ def _from_tokenizer_folder(name: str, max_model_len: int | None, cause: Exceptio
     model_len = getattr(tokenizer, "model_max_length", None) or UNBOUNDED_CONTEXT
     length = min(max_model_len or UNBOUNDED_CONTEXT, int(min(model_len, UNBOUNDED_CONTEXT)))
     return TokenSpace.build(len(tokenizer), length, tokenizer)
+
+
+def token_space_for_served(tokenizer: str | None, served: list[str], max_model_len: int | None = None) -> TokenSpace:
+    """``--tokenizer`` if given; else the first of the served model's names that resolves here (a
+    server started on a local folder, file or shape name); else the embedded model's, with a
+    warning (prompt lengths then follow another vocabulary: the server's usage still counts right)."""
+    if tokenizer is not None:
+        return token_space_for(tokenizer, max_model_len)
+    failures = []
+    for name in served:
+        try:
+            return token_space_for(name, max_model_len)
+        except (ValueError, OSError) as exc:
+            failures.append(f"{name!r}: {exc}")
+    logger.warning("no tokenizer for the served model here (%s); the prompts use %s's vocabulary: pass --tokenizer",
+                   "; ".join(failures) or "no name", DEFAULT_MODEL)
+    return token_space_for(DEFAULT_MODEL, max_model_len)

@@ -35,7 +35,7 @@ def run_throughput(options: EngineOptions, spec: DatasetSpec, backends: list[str
         results["podium"] = backend.run(requests, progress)
         _check_counts(results["podium"], requests)
         backend = None
-        free_memory()
+        free_memory(target.platform)
     if "hf" in backends:
         target = target or target_without_engine(options)
         requests = requests or build_requests(spec, target.space)
@@ -45,12 +45,12 @@ def run_throughput(options: EngineOptions, spec: DatasetSpec, backends: list[str
         _log("transformers: timing the run")
         results["hf"] = backend.run(requests, progress)
         backend = None
-        free_memory()
+        free_memory(target.platform)
     payload = {
         "command": "throughput",
-        "environment": environment(target.platform_name),
+        "environment": environment(target.platform_name, target.platform),
         "config": {
-            **{k: v for k, v in vars(options).items()},
+            **options.as_dict(),
             "resolved_dtype": str(target.dtype).replace("torch.", ""),
             "resolved_device": str(target.device),
             "dataset": vars(spec),

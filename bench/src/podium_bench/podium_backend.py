@@ -22,11 +22,11 @@ class PodiumBackend:
         self.detokenize = detokenize and self.engine.tokenizer is not None
 
     @classmethod
-    def create(cls, model: str, detokenize: bool = True, **engine_kwargs: Any) -> PodiumBackend:
-        """Build ``LLM(model, **engine_kwargs)``; options left at None keep the engine's defaults."""
+    def create(cls, detokenize: bool = True, **engine_kwargs: Any) -> PodiumBackend:
+        """Build ``LLM(**engine_kwargs)`` (the model among them); what is not given keeps the engine's defaults."""
         from podium.llm import LLM
 
-        return cls(LLM(model, **{k: v for k, v in engine_kwargs.items() if v is not None}), detokenize)
+        return cls(LLM(**engine_kwargs), detokenize)
 
     def token_space(self) -> TokenSpace:
         source = self.engine.source

@@ -10,6 +10,9 @@ Definitions (those of vLLM's ``vllm bench``, so results compare across engines):
   requests (a chunk with several tokens is one gap, as a client sees it).
 - Throughput: successful requests, output tokens, and input + output tokens per second of the
   benchmark's wall-clock duration. Failed requests count in no throughput or latency.
+- Goodput (with service-level objectives in ms for any of ttft, tpot, e2el): the successful
+  requests that meet every objective given, per second (a request with one output token has a
+  TPOT of 0).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
 
 @dataclass
@@ -67,8 +71,35 @@ def distribution_ms(values_s: list[float], percentiles=(99,)) -> dict[str, float
     return out
 
 
-def serve_metrics(timings: list[RequestTiming], duration_s: float, percentiles=(99,)) -> dict:
-    """vLLM ``bench serve``'s summary of a run that took ``duration_s`` seconds of wall clock."""
+def meets_slos(timing: RequestTiming, slos_ms: dict[str, float]) -> bool:
+    """Whether a successful request meets every objective in ``slos_ms`` (metric -> ms)."""
+    values = {"ttft": timing.ttft, "tpot": timing.tpot or 0.0, "e2el": timing.e2el}
+    return all(values[name] is not None and values[name] * 1000.0 <= slo for name, slo in slos_ms.items())
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
+    """``["ttft:500", "tpot:50"]`` (vLLM's ``--goodput``) -> ``{"ttft": 500.0, "tpot": 50.0}``."""
+    if not items:
+        return None
+    slos: dict[str, float] = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in GOODPUT_METRICS or not value:
+            raise ValueError(f"--goodput takes KEY:MILLISECONDS with KEY one of {', '.join(GOODPUT_METRICS)}; "
+                             f"got {item!r}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+        if slos[name] < 0:
+            raise ValueError(f"--goodput {item!r}: an objective must be >= 0 ms")
+    return slos
+
+
+def serve_metrics(timings: list[RequestTiming], duration_s: float, percentiles=(99,),
+                  goodput: dict[str, float] | None = None) -> dict:
+    """vLLM ``bench serve``'s summary of a run that took ``duration_s`` seconds of wall clock;
+    with ``goodput`` (SLOs in ms), ``request_goodput`` too."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     ok = [t for t in timings if t.success]
@@ -84,6 +115,8 @@ def serve_metrics(timings: list[RequestTiming], duration_s: float, percentiles=(
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
     }
+    if goodput:
+        result["request_goodput"] = sum(meets_slos(t, goodput) for t in ok) / duration_s
     samples = {
         "ttft": [t.ttft for t in ok if t.ttft is not None],
         "tpot": [t.tpot for t in ok if t.tpot is not None],

@@ -29,7 +29,7 @@ def test_throughput_compare_hf_json(tiny_config, tmp_path, capsys):
     result = json.loads(out.read_text())
     env = result["environment"]
     assert env["machine"]["cpu"] and env["torch_version"] and env["platform"] and env["date"].startswith("20")
-    assert env["podium_platform"] == "cpu" and isinstance(env["machine"]["gpus"], list)
+    assert env["podium_platform"] == "cpu" and env["machine"]["device"]  # what the platform found
     assert result["dataset_stats"]["total_input_tokens"] == 64
     for name in ("podium", "hf"):
         r = result["results"][name]

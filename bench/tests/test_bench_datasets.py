@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from podium.bench.datasets import DatasetSpec, TokenSpace, build_requests, summarize
+from podium_bench.datasets import DatasetSpec, TokenSpace, build_requests, summarize
 
 SPECIALS = {0, 1, 2, 100}
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from podium.bench.metrics import (
+from podium_bench.metrics import (
     RequestTiming,
     ThroughputResult,
     distribution_ms,

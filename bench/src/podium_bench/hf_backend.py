@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,13 +100,6 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
     return built.eval()
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu" and hasattr(torch, "xpu"):
-        torch.xpu.synchronize(device)
-
-
 def left_padded(batch: list[BenchRequest], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids and attention_mask, both [B, longest prompt], prompts aligned to the right."""
     width = max(r.input_len for r in batch)
@@ -123,10 +117,13 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, device: torch.device, batch_size: int = 64,
-                 pad_token_id: int = 0, eos_token_id: int | None = None) -> None:
+                 pad_token_id: int = 0, eos_token_id: int | None = None,
+                 synchronize: Callable[[], None] = lambda: None) -> None:
+        """``synchronize``: waits for the device (the platform's ``synchronize``), so a timed batch has ended."""
         if batch_size < 1:
             raise ValueError(f"--hf-batch-size must be >= 1, got {batch_size}")
         self.model, self.device, self.batch_size = model, device, batch_size
+        self.synchronize = synchronize
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id if eos_token_id is not None else _first_eos(model)
 
@@ -143,7 +140,7 @@ class HFBackend:
         config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, use_cache=True)
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # [B, width + new]
-        synchronize(self.device)
+        self.synchronize()
         if out.shape[1] - ids.shape[1] != new_tokens:
             raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens per row, expected {new_tokens}")
         return out[:, ids.shape[1]:]

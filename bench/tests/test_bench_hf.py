@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from podium.bench.datasets import BenchRequest, DatasetSpec, TokenSpace, build_requests
-from podium.bench.hf_backend import HFBackend, gguf_path, left_padded, load_hf_model
+from podium_bench.datasets import BenchRequest, DatasetSpec, TokenSpace, build_requests
+from podium_bench.hf_backend import HFBackend, gguf_path, left_padded, load_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import httpx
 import numpy as np
 import pytest
 
-from podium.bench.datasets import BenchRequest
-from podium.bench.serve import ServeOptions, arrival_delays, run_requests, summarize_serve
-from podium.bench.serve_client import PayloadOptions, api_url, build_payload, carries_tokens, parse_sse_line
+from podium_bench.datasets import BenchRequest
+from podium_bench.serve import ServeOptions, arrival_delays, run_requests, summarize_serve
+from podium_bench.serve_client import PayloadOptions, api_url, build_payload, carries_tokens, parse_sse_line
 
 CHUNK_GAP = 0.02
 
@@ -167,7 +167,7 @@ def test_helpers():
 def test_token_space_for_a_config_and_an_unknown_name(tmp_path):
     from transformers import LlamaConfig
 
-    from podium.bench.tokenizers import token_space_for
+    from podium_bench.tokenizers import token_space_for
 
     LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 max_position_embeddings=200, eos_token_id=2, bos_token_id=1).save_pretrained(tmp_path)

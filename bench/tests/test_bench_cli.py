@@ -5,7 +5,7 @@ import math
 import pytest
 
 from podium.cli import build_parser, main
-from podium.commands.bench import dataset_spec, engine_options, parse_percentiles, set_threads, throughput_backends
+from podium_bench.cli import dataset_spec, engine_options, parse_percentiles, set_threads, throughput_backends
 
 
 def parse(*argv):
@@ -17,21 +17,25 @@ def test_throughput_flags():
                  "--output-len", "8", "--compare", "hf", "--json-out", "out.json", "--dtype", "bfloat16",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--enforce-eager", "--seed", "3",
                  "--hf-batch-size", "16", "--no-enable-prefix-caching")
-    spec = dataset_spec(args)
-    assert (spec.name, spec.num_prompts, spec.input_len, spec.output_len, spec.seed) == ("random", 4, 16, 8, 3)
     opts = engine_options(args)
-    assert opts.model == "cfg/config.json" and opts.dtype == "bfloat16" and opts.max_num_seqs == 8
-    assert opts.max_num_batched_tokens == 512 and opts.enforce_eager and opts.seed == 3
-    assert opts.enable_prefix_caching is False
-    assert opts.engine_kwargs()["max_model_len"] is None
-    assert opts.engine_kwargs()["kv_cache_dtype"] == "auto"
-    assert engine_options(parse("throughput", "--kv-cache-dtype", "fp8")).engine_kwargs()["kv_cache_dtype"] == "fp8"
+    spec = dataset_spec(args, opts.config.seed)
+    assert (spec.name, spec.num_prompts, spec.input_len, spec.output_len, spec.seed) == ("random", 4, 16, 8, 3)
+    config = opts.config
+    assert config.model == "cfg/config.json" and config.dtype == "bfloat16" and config.max_num_seqs == 8
+    assert config.max_num_batched_tokens == 512 and config.enforce_eager and config.seed == 3
+    assert config.enable_prefix_caching is False
+    # only the flags given reach LLM(...): the rest keep the engine's (and the platform's) defaults
+    assert opts.kwargs == {"model": "cfg/config.json", "dtype": "bfloat16", "max_num_seqs": 8,
+                           "max_num_batched_tokens": 512, "enforce_eager": True, "seed": 3,
+                           "enable_prefix_caching": False}
+    assert engine_options(parse("throughput", "--kv-cache-dtype", "fp8")).kwargs == {"kv_cache_dtype": "fp8"}
     assert throughput_backends(args) == ["podium", "hf"] and args.hf_batch_size == 16 and args.json_out == "out.json"
 
 
 def test_throughput_defaults_and_backends():
     args = parse("throughput")
-    assert args.model == "smollm2-135m-instruct" and args.hf_batch_size == 64 and args.dtype == "auto"
+    config = engine_options(args).config
+    assert config.model == "smollm2-135m-instruct" and args.hf_batch_size == 64 and config.dtype == "auto"
     assert throughput_backends(args) == ["podium"] and args.threads is None
     assert parse("throughput", "--threads", "1").threads == 1
     with pytest.raises(ValueError, match="--threads"):
@@ -39,9 +43,9 @@ def test_throughput_defaults_and_backends():
     assert throughput_backends(parse("throughput", "--backend", "hf")) == ["hf"]
     with pytest.raises(ValueError, match="--compare"):
         throughput_backends(parse("throughput", "--backend", "hf", "--compare", "hf"))
-    assert dataset_spec(parse("throughput", "--dataset-path", "p.jsonl")).name == "file"
+    assert dataset_spec(parse("throughput", "--dataset-path", "p.jsonl"), 0).name == "file"
     spec = dataset_spec(parse("throughput", "--dataset", "prefix-repetition", "--prefix-len", "64",
-                              "--suffix-len", "8", "--num-prefixes", "2"))
+                              "--suffix-len", "8", "--num-prefixes", "2"), 0)
     assert (spec.name, spec.prefix_len, spec.suffix_len, spec.num_prefixes) == ("prefix-repetition", 64, 8, 2)
     with pytest.raises(SystemExit):
         parse("throughput", "--dataset", "nope")

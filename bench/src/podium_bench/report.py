@@ -21,19 +21,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def gpu_names() -> list[str]:
+def device_description(device_platform) -> str | None:
+    """What a Podium platform found here (its availability reason: ``1 x NVIDIA H200``, ...), or None."""
+    if device_platform is None:
+        return None
     try:
-        import torch
-
-        if torch.cuda.is_available():
-            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return device_platform.availability().reason or device_platform.name
     except Exception:  # a broken driver must not break the report
-        pass
-    return []
+        return device_platform.name
 
 
-def environment(podium_platform: str | None = None) -> dict:
-    """Everything a reader needs to know about where a number was measured."""
+def environment(podium_platform: str | None = None, device_platform=None) -> dict:
+    """Everything a reader needs to know about where a number was measured (``device_platform``:
+    the podium_plugin_api Platform that ran it, if any)."""
     import torch
 
     try:
@@ -50,7 +50,7 @@ def environment(podium_platform: str | None = None) -> dict:
             "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "gpus": gpu_names(),
+            "device": device_description(device_platform),
             "arch": platform.machine(),
         },
         "platform": platform.platform(),
@@ -69,6 +69,16 @@ def write_json(path: str | Path, payload: dict) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     return path
+
+
+def result_path(args, command: str, model: str) -> Path | None:
+    """Where ``--save-result`` (or ``--result-filename``) writes, vLLM's way: ``--result-dir`` /
+    ``--result-filename``, else ``COMMAND-MODEL-YYYYMMDD-HHMMSS.json``; None when not asked."""
+    if not (args.save_result or args.result_filename):
+        return None
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = args.result_filename or f"{command}-{Path(model).name or 'model'}-{stamp}.json"
+    return Path(args.result_dir or ".") / name
 
 
 def format_rows(title: str, rows: list[tuple[str, object]], width: int = 50) -> str:

@@ -46,7 +46,7 @@ def run_latency(options: EngineOptions, backend_name: str = "podium", batch_size
     if input_len + output_len > target.space.max_model_len:
         raise ValueError(f"--input-len {input_len} + --output-len {output_len} exceeds the context of "
                          f"{target.space.max_model_len}")
-    base_seed = options.seed * 10_000
+    base_seed = options.config.seed * 10_000
     for i in range(num_warmup):
         _time_iteration(backend, target.space, batch_size, input_len, output_len, base_seed + 5_000 + i)
     prefill, full = [], []
@@ -55,11 +55,11 @@ def run_latency(options: EngineOptions, backend_name: str = "podium", batch_size
         prefill.append(p)
         full.append(f)
     backend = None
-    free_memory()
+    free_memory(target.platform)
     return {
         "command": "latency",
-        "environment": environment(target.platform_name),
-        "config": {**vars(options), "backend": backend_name, "input_len": input_len,
+        "environment": environment(target.platform_name, target.platform),
+        "config": {**options.as_dict(), "backend": backend_name, "input_len": input_len,
                    "resolved_dtype": str(target.dtype).replace("torch.", ""), "resolved_device": str(target.device)},
         "results": latency_summary(prefill, full, output_len, batch_size),
     }
