@@ -17,7 +17,8 @@ Rules of thumb behind them:
   2 for kernels with a single GEMM and 1 for kernels that fuse two GEMMs (attention: QK^T, then PV)
   or none. A second stage of the K and V tiles would also take the whole LDS at head size 128
   (2 stages x (64 x 128 keys + 64 x 128 values) x 2 bytes = 64 KiB), leaving one program per CU.
-- Occupancy on AMD is steered with ``waves_per_eu`` (a VGPR budget hint), not by shared memory.
+- Occupancy on AMD is steered with ``waves_per_eu`` (a VGPR budget hint), not by shared memory;
+  podium-cuda's launchers pass only ``num_warps``/``num_stages``, so no such hint is set.
 """
 
 from __future__ import annotations
@@ -66,18 +67,6 @@ ROCM_TUNING = KernelTuning(
     # mixed steps' decodes in the decode launch were timed on the H200 only: one launch here
     mixed_decode_min=0,
 )
-
-# AMD-only Triton launch options for the attention launches (CDNA3). NOT APPLIED YET: podium_cuda's
-# launchers pass only num_warps/num_stages (the change they need is described in the ROCm section
-# of the README). They must reach Triton only on a HIP device: NVIDIA's Triton rejects options its
-# backend does not define ("Keyword argument waves_per_eu was specified but unrecognised").
-# matrix_instr_nonkdim 16: 16x16 MFMA tiles, which AMD recommends for attention; waves_per_eu 2
-# matches the register budget worked out for the prefill tile above; decode leaves occupancy to
-# the compiler (no hint).
-AMD_LAUNCH_OPTIONS: dict[str, dict[str, int]] = {
-    "prefill": {"waves_per_eu": 2, "matrix_instr_nonkdim": 16},
-    "decode": {"matrix_instr_nonkdim": 16},
-}
 
 
 def tuning_for(device: RocmDevice) -> KernelTuning:
