@@ -185,3 +185,11 @@ def test_serve_flags_and_aliases_reach_the_engine_config():
         cli.settings_from_args(parser.parse_args(["serve", "a.gguf", "--model", "b.gguf"]))
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
         cli.settings_from_args(parser.parse_args(["serve", "--tensor-parallel-size", "2"]))
+
+
+def test_the_vllm_guide_names_every_argument_and_flag():
+    import pathlib
+
+    guide = (pathlib.Path(__file__).parents[1] / "docs" / "vllm.md").read_text()
+    vllm_names = [*ROWS, *(flag.names()[0][2:].replace("-", "_") for flag in ENGINE_FLAGS)]
+    assert [name for name in vllm_names if f"`{name}`" not in guide] == []
