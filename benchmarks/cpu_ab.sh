@@ -12,7 +12,7 @@ TREE=$(mktemp -d)/base
 git worktree add -f --detach "$TREE" "$BASE" > /dev/null 2>&1 || { echo "no revision $BASE" >&2; exit 1; }
 trap 'git worktree remove --force "$TREE"' EXIT
 SRC=""
-for d in core plugin_api server platforms/cpu platforms/cuda platforms/rocm platforms/tpu; do SRC="$SRC:$TREE/$d/src"; done
+for d in core plugin_api server bench platforms/cpu platforms/cuda platforms/rocm platforms/tpu; do SRC="$SRC:$TREE/$d/src"; done
 REQUESTS=$(mktemp --suffix .jsonl)
 .venv/bin/python benchmarks/export_requests.py --out "$REQUESTS" --model smollm2-135m-instruct --num-prompts 32 \
     --input-len 48 --output-len 128 > /dev/null 2>&1 || exit 1

@@ -39,7 +39,8 @@ def main() -> None:
 
         pack = cpu_platform.pack_linear_layers
         cpu_platform.pack_linear_layers = lambda model, *amx: pack(model)
-    options = EngineOptions(model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
+    given = {"model": args.model, "dtype": args.dtype, "max_num_batched_tokens": args.max_num_batched_tokens}
+    options = EngineOptions({k: v for k, v in given.items() if v is not None})
     backend = podium_backend(options)
     spec = DatasetSpec(name="random", num_prompts=args.num_prompts, input_len=args.input_len,
                        output_len=args.output_len)
