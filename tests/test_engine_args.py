@@ -160,6 +160,9 @@ def test_serve_and_bench_share_one_engine_flag_definition():
     for alias in ("--no-prefix-caching", "--kv-cache-memory", "--num-kv-blocks"):  # today's names still work
         assert alias in names
     assert "--kv-cache-memory-bytes" in serve.format_help()  # argparse formats every help string
+    for action in serve._actions:  # the server's own flags too: help and default on every one
+        if not isinstance(action, argparse._HelpAction) and not action.help.startswith("the same as --no-"):
+            assert "(default: " in action.help, action.option_strings or action.dest
     for entries in flags.values():
         for options, default, text in entries:
             assert default is None  # unset unless typed: platform suggestions fill the rest

@@ -166,7 +166,10 @@ def test_priority_policy_admits_lower_values_first(tiny):
     assert _finish_order(priority, [5, 0, 1, 0]) == ["r1", "r3", "r2", "r0"]  # ties: arrival order
     fcfs = LLM(tiny, device="cpu", max_num_seqs=1)
     assert fcfs.engine.config.scheduling_policy == "fcfs"
-    assert _finish_order(fcfs, [5, 0, 1, 0]) == ["r0", "r1", "r2", "r3"]
+    assert _finish_order(fcfs, [0, 0, 0, 0]) == ["r0", "r1", "r2", "r3"]
+    with pytest.raises(ValueError, match=r"priority=5 needs scheduling_policy='priority'.*runs fcfs"):
+        fcfs.engine.add_request("x", [1, 2], GREEDY, priority=5)  # as vLLM: refused, not silently ignored
+    assert not fcfs.engine.has_unfinished_requests()
 
 
 def test_llm_generate_priority_keeps_output_order(tiny):

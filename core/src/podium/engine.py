@@ -247,9 +247,12 @@ class LLMEngine:
         ``output_kind`` says what ``step()`` reports for it (see ``output_processor``): "cumulative"
         (the whole output each step), "delta" (what is new each step) or "final" (once, finished).
         ``final_only=True`` is the older spelling of ``output_kind="final"``. ``priority`` orders
-        admission under ``scheduling_policy="priority"`` (lower first; ignored under "fcfs").
-        Sampling fields ``params`` leaves unset take the model's generation defaults.
+        admission under ``scheduling_policy="priority"`` (lower first); under "fcfs" only 0 is taken,
+        as in vLLM. Sampling fields ``params`` leaves unset take the model's generation defaults.
         """
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
+                             f"this engine runs {self.config.scheduling_policy}")
         params = params or SamplingParams()
         if self.sampling_defaults:
             params = with_fallbacks(params, self.sampling_defaults)
