@@ -40,6 +40,13 @@ ARCHITECTURES = {
     "qwen2-sliding-layers": ("qwen2", {"tie_word_embeddings": False, "use_sliding_window": True, "sliding_window": 6,
                                        "max_window_layers": 1}),
     "qwen3-qk-norm": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    "mixtral-moe": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+                                "sliding_window": 7}),
+    "qwen2-moe-shared": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+                                       "shared_expert_intermediate_size": 56, "mlp_only_layers": [1],
+                                       "norm_topk_prob": False, "tie_word_embeddings": False}),
+    "qwen3-moe-top8": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 8, "moe_intermediate_size": 40,
+                                     "norm_topk_prob": True, "head_dim": 32, "decoder_sparse_step": 2}),
 }
 
 

@@ -25,6 +25,7 @@ _EXPORTS = {
     "KVCacheSpec": ".metadata",
     "RotaryInputs": ".metadata",
     "fp8_dtypes": ".metadata",
+    "MoEExperts": ".moe",
     "Availability": ".platform",
     "Capabilities": ".platform",
     "GraphCaptureUnsupported": ".platform",

@@ -11,6 +11,9 @@ or whatever the platform's ``prepare_model`` made of it) and must equal calling 
 elementwise op's result. Where a platform does not override them, ``build_op_table`` composes them
 from the table's own ``rms_norm`` / ``fused_add_rms_norm`` / ``silu_and_mul``, so a platform that
 overrides only those loses nothing.
+
+``fused_moe`` (API 1.7) is a mixture-of-experts layer's expert computation over the routed tokens;
+its reference and the expert-weight layout live in ``podium_plugin_api.moe``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .moe import fused_moe
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,6 +136,7 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "argmax": argmax,
     "rms_norm_linear": rms_norm_linear,
     "silu_and_mul_linear": silu_and_mul_linear,
+    "fused_moe": fused_moe,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

@@ -7,7 +7,7 @@ anything else is refused at discovery with an error naming the plugin and both v
 
 from __future__ import annotations
 
-API_VERSION = "1.6.0"
+API_VERSION = "1.7.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

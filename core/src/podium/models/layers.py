@@ -41,14 +41,25 @@ class RMSNorm(nn.Module):
         return self.rms_norm_linear(x, residual, self.weight, self.eps, linear)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up merged into one projection."""
+def gelu_tanh_and_mul_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> linear(gelu_tanh(gate) * up): GeGLU (Gemma's ``gelu_pytorch_tanh``)."""
+    gate, up = x.chunk(2, dim=-1)
+    return linear(torch.nn.functional.gelu(gate, approximate="tanh") * up)
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: Ops) -> None:
+
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up merged into one projection; act SiLU or GELU-tanh."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: Ops, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"MLP activation {activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.silu_and_mul_linear = ops["silu_and_mul_linear"]
+        self.act_and_mul_linear = ops["silu_and_mul_linear"] if activation == "silu" else gelu_tanh_and_mul_linear
         size = intermediate_size
         self.merged_shards = {"gate_proj": ("gate_up_proj", 0, size), "up_proj": ("gate_up_proj", size, size)}
 
@@ -56,8 +67,14 @@ class GatedMLP(nn.Module):
         return self.down(self.gate_up_proj(x))  # [T, hidden] -> [T, 2I] -> [T, hidden]
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] -> down(silu(gate) * up) [T, hidden]: one op, which a platform may fuse."""
-        return self.silu_and_mul_linear(gate_up, self.down_proj)
+        """[T, 2I] -> down(act(gate) * up) [T, hidden]: one op, which a platform may fuse."""
+        return self.act_and_mul_linear(gate_up, self.down_proj)
+
+    def forward_normed(self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """(self(norm(hidden + residual)), hidden + residual), the norm run with gate_up as one op
+        (``rms_norm_linear``), which a platform may fuse: the decoder layer's MLP half."""
+        gate_up, residual = norm.then(self.gate_up_proj, hidden, residual)
+        return self.down(gate_up), residual
 
 
 def layer_sliding_window(config, layer_index: int) -> int | None:

@@ -14,7 +14,7 @@ Parameter names follow Hugging Face (``model.layers.N.self_attn...``), except th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -27,17 +27,29 @@ from .rotary import RotaryEmbedding
 from .weights import load_hf_weights
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm attention then pre-norm MLP; the residual stream is carried through fused add-norms."""
+def dense_mlp(config, layer_index: int, ops: Ops) -> nn.Module:
+    """The Llama family's MLP: gated SiLU, bias from ``mlp_bias``."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), ops)
 
-    def __init__(self, config, layer_index: int, ops: Ops, attention_options: dict) -> None:
+
+MlpFactory = Callable[[object, int, Ops], nn.Module]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP; the residual stream is carried through fused add-norms.
+
+    The MLP is any module with ``forward_normed(norm, hidden, residual)``: a dense ``GatedMLP`` or
+    a mixture of experts (``moe.SparseMoeBlock``), built by the model class's ``build_mlp``.
+    """
+
+    def __init__(self, config, layer_index: int, ops: Ops, attention_options: dict,
+                 build_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
         self.self_attn = Attention(config, layer_index, ops, **attention_options)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
-        mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, mlp_bias, ops)
+        self.mlp = build_mlp(config, layer_index, ops)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryInputs, ctx: ForwardContext
@@ -46,21 +58,20 @@ class DecoderLayer(nn.Module):
         # platform may fuse (a batch-1 GEMV with the norm in its prologue)
         qkv, residual = self.input_layernorm.then(self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn.attend(qkv, rotary, ctx)
-        gate_up, residual = self.post_attention_layernorm.then(self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp.down(gate_up), residual
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
 
 
 class DecoderStack(nn.Module):
     """Embedding, decoder layers, final norm: HF's ``model.*`` submodule."""
 
-    def __init__(self, config, ops: Ops, attention_options: dict) -> None:
+    def __init__(self, config, ops: Ops, attention_options: dict, build_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         # built with its weight (uninitialized; the loader fills it): nn.Embedding's own init on the
         # meta device imports torch._dynamo for its normal_ decomposition, ~0.5 s of startup
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, ops, attention_options) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, ops, attention_options, build_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config, ops["rotary_embedding"])
@@ -81,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, ops: Ops) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, ops, self.attention_options(config))
+        self.model = DecoderStack(config, ops, self.attention_options(config), self.build_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.reset_buffers()
@@ -100,6 +111,8 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(config) -> dict:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    build_mlp = staticmethod(dense_mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

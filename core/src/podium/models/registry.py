@@ -1,6 +1,6 @@
 """Architecture name -> model class, model construction and random initialization.
 
-Built-in classes cover the Llama family; a plugin adds or replaces classes through the
+Built-in classes cover the Llama family, its mixture-of-experts relatives, Gemma 2/3 and Phi-3; a plugin adds or replaces classes through the
 ``podium_model_architectures`` hook (the engine calls it and passes the merged dict as ``extra``).
 A model class is constructed as ``cls(hf_config, ops)``. It is built on the ``meta`` device
 (no memory, no initialization), then materialized on the target device uninitialized: weights
@@ -16,17 +16,22 @@ import torch
 from torch import nn
 
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 BUILTIN_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 # configs without ``architectures`` (built from GGUF metadata or by hand) fall back to model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def supported_architectures(extra: dict[str, Callable] | None = None) -> dict[str, Callable]:

@@ -1,10 +1,18 @@
-"""Copying Hugging Face checkpoint tensors into a model whose projections may be merged.
+"""Copying Hugging Face checkpoint tensors into a model whose parameters may merge several of them.
 
-A module that merges projections declares ``merged_shards = {hf_leaf: (param_leaf, start, size)}``:
-``model.layers.3.self_attn.k_proj.weight`` then lands in rows ``start : start + size`` of
-``model.layers.3.self_attn.qkv_proj.weight`` (and the same for ``.bias``). Every other name is
-copied into the parameter of the same name. Every parameter must be filled completely, and every
-checkpoint tensor must be used: anything else is an error that names the tensors.
+A checkpoint tensor lands in the parameter of the same name, or in a *piece* of a merged one. A
+module declares its pieces in one of two ways:
+
+- ``merged_shards = {hf_leaf: (param_leaf, start, size)}`` (merged projections):
+  ``model.layers.3.self_attn.k_proj.weight`` lands in rows ``start : start + size`` of
+  ``model.layers.3.self_attn.qkv_proj.weight`` (the same for ``.bias``);
+- ``checkpoint_pieces() -> {relative_hf_name: (relative_param_name, index)}`` (stacked experts):
+  ``index`` is ``(expert,)`` for a whole ``[expert]`` slice or ``(expert, start, size)`` for rows
+  ``start : start + size`` of it, e.g. ``3.gate_proj.weight`` -> ``("gate_up_proj", (3, 0, I))``.
+
+A merged parameter may also come whole under its own name (Phi-3's ``qkv_proj``, transformers 5's
+stacked ``experts.gate_up_proj``). Every parameter must be filled completely (whole, or every
+piece) and every checkpoint tensor must be used: anything else is an error that names the tensors.
 """
 
 from __future__ import annotations
@@ -16,11 +24,38 @@ from torch import nn
 
 _SHOWN = 12  # names listed in an error message before "... and N more"
 
+Piece = tuple[int, ...] | None  # None: the whole parameter
+
 
 def _listing(names: Iterable[str]) -> str:
     names = sorted(names)
     more = f" ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
     return ", ".join(names[:_SHOWN]) + more
+
+
+def _module_pieces(path: str, module: nn.Module, params: dict) -> dict[str, tuple[str, Piece]]:
+    """{checkpoint name: (parameter name, piece)} that ``module`` (at ``path``) declares."""
+    prefix = f"{path}." if path else ""
+    pieces: dict[str, tuple[str, Piece]] = {}
+    for hf_leaf, (target, start, size) in getattr(module, "merged_shards", {}).items():
+        for leaf in ("weight", "bias"):
+            if f"{prefix}{target}.{leaf}" in params:
+                pieces[f"{prefix}{hf_leaf}.{leaf}"] = (f"{prefix}{target}.{leaf}", (start, size))
+    declared = getattr(module, "checkpoint_pieces", None)
+    if callable(declared):
+        for hf_name, (target, index) in declared().items():
+            pieces[prefix + hf_name] = (prefix + target, tuple(index))
+    return pieces
+
+
+def piece_of(param: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The view of ``param`` a piece names: whole, rows ``(start, size)``, ``(expert,)`` or ``(expert, start, size)``."""
+    if piece is None:
+        return param
+    if len(piece) == 2:
+        return param.narrow(0, piece[0], piece[1])
+    expert = param[piece[0]]
+    return expert if len(piece) == 1 else expert.narrow(0, piece[1], piece[2])
 
 
 class WeightLoader:
@@ -30,71 +65,49 @@ class WeightLoader:
         self.model = model
         self.params = dict(model.named_parameters())
         self.ignore = tuple(ignore)  # name suffixes to skip (rotary buffers, a tied lm_head)
-        self.expected = {name: self._row_ranges(name) for name in self.params}
+        self.pieces: dict[str, tuple[str, Piece]] = {}
+        for path, module in model.named_modules():
+            self.pieces.update(_module_pieces(path, module, self.params))
+        self.expected: dict[str, dict[Piece, str]] = {name: {} for name in self.params}
+        for hf_name, (name, piece) in self.pieces.items():
+            self.expected[name][piece] = hf_name
+        for name, pieces in self.expected.items():
+            if not pieces:  # a plain parameter: one piece, the whole of it
+                pieces[None] = name
         self.filled: dict[str, set] = {name: set() for name in self.params}
         self.unexpected: list[str] = []
-
-    def _row_ranges(self, name: str) -> dict:
-        """The pieces a parameter is made of, by row range (None: whole), with their checkpoint names."""
-        module_path, _, param_leaf = name.rpartition(".")
-        owner_path, _, leaf = module_path.rpartition(".")
-        owner = self.model.get_submodule(owner_path) if owner_path else self.model
-        shards = getattr(owner, "merged_shards", {})
-        pieces = {
-            (start, size): f"{owner_path}.{hf_leaf}.{param_leaf}"
-            for hf_leaf, (target, start, size) in shards.items()
-            if target == leaf
-        }
-        return pieces or {None: name}
-
-    def _target(self, hf_name: str) -> tuple[str, tuple[int, int] | None]:
-        """(parameter name, row range or None) for one checkpoint name; KeyError if it has none."""
-        if hf_name in self.params:
-            return hf_name, None
-        module_path, _, param_leaf = hf_name.rpartition(".")
-        owner_path, _, leaf = module_path.rpartition(".")
-        try:
-            owner = self.model.get_submodule(owner_path)
-        except AttributeError:
-            raise KeyError(hf_name) from None
-        shard = getattr(owner, "merged_shards", {}).get(leaf)
-        if shard is None:
-            raise KeyError(hf_name)
-        target, start, size = shard
-        name = f"{owner_path}.{target}.{param_leaf}"
-        if name not in self.params:
-            raise KeyError(hf_name)
-        return name, (start, size)
 
     def load(self, hf_name: str, tensor: torch.Tensor) -> None:
         if hf_name.endswith(self.ignore):
             return
-        try:
-            name, rows = self._target(hf_name)
-        except KeyError:
+        name, piece = (hf_name, None) if hf_name in self.params else self.pieces.get(hf_name, (None, None))
+        if name is None:
             self.unexpected.append(hf_name)
             return
-        param = self.params[name]
-        dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
+        dest = piece_of(self.params[name].data, piece)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"weight {hf_name!r} has shape {tuple(tensor.shape)}, but the model expects {tuple(dest.shape)} "
                 f"(parameter {name!r}); the checkpoint does not match its config.json"
             )
         dest.copy_(tensor)
-        self.filled[name].add(rows)
+        self.filled[name].add(piece)
+
+    def _missing(self) -> list[str]:
+        return [
+            hf_name
+            for name, pieces in self.expected.items()
+            if None not in self.filled[name]  # loaded whole
+            for piece, hf_name in pieces.items()
+            if piece not in self.filled[name]
+        ]
 
     def finish(self) -> None:
         """Raise ValueError naming unexpected checkpoint tensors or parameters left unfilled."""
         problems = []
         if self.unexpected:
             problems.append(f"{len(self.unexpected)} unexpected weight(s) in the checkpoint: {_listing(self.unexpected)}")
-        missing = [
-            hf_name
-            for name, pieces in self.expected.items()
-            for rows, hf_name in pieces.items()
-            if rows not in self.filled[name]
-        ]
+        missing = self._missing()
         if missing:
             problems.append(f"{len(missing)} parameter(s) missing from the checkpoint: {_listing(missing)}")
         if problems:

@@ -14,6 +14,7 @@
   and one OpenMP region instead of two. Other linears: the op above, then the linear.
 - top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
   row are sorted instead of the whole vocabulary.
+- fused_moe (API 1.7): tokens grouped by expert, every expert on packed linears (``moe``).
 Anything outside what a native op handles (other dtypes, odd strides) goes to the reference.
 """
 
@@ -26,6 +27,7 @@ import torch
 
 from podium_plugin_api import ops as reference
 
+from . import moe
 from .linear_packing import AmxLinear, FmaLinear
 from .native_kernels import NativeKernels
 
@@ -33,7 +35,8 @@ PREFILTER_MAX_FRACTION = 8  # the pre-filter pays when max(top_k) is at most voc
 
 
 def cpu_ops(kernels: NativeKernels | None) -> dict[str, Callable]:
-    ops: dict[str, Callable] = {"top_k_top_p": top_k_top_p}
+    silu_linear = reference.silu_and_mul_linear if kernels is None else partial(silu_and_mul_linear, kernels)
+    ops: dict[str, Callable] = {"top_k_top_p": top_k_top_p, "fused_moe": partial(moe.fused_moe, silu_linear)}
     if kernels is not None:
         ops.update(
             rms_norm=partial(rms_norm, kernels),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
 from .ipex_support import ipex_status
 from .linear_packing import pack_linear_layers
+from .moe import pack_experts
 from .native_kernels import compiler_found, load_kernels
 
 ATTENTION_ENV = "PODIUM_CPU_ATTENTION"
@@ -96,16 +98,18 @@ class CpuPlatform(Platform):
         return cpu_ops(load_kernels()[0])
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Called once the weights are loaded: pack bf16 linear weights for the native AMX kernel
-        where it runs, else for oneDNN, else for the native FMA kernel; embeddings to the native
-        lookup. Returns the model."""
+        """Called once the weights are loaded: pack bf16 linear weights (experts' too) for the native
+        AMX kernel where it runs, else for oneDNN, else for the native FMA kernel; embeddings to the
+        native lookup. Returns the model."""
         kernels = load_kernels()[0]
-        if kernels is None:
-            pack_linear_layers(model)
-        else:
+        pack = pack_linear_layers
+        if kernels is not None:
             bf16 = torch.bfloat16
-            pack_linear_layers(model, kernels.amx_linear.get(bf16), kernels.amx_pack.get(bf16),
-                               kernels.fma_linear.get(bf16), kernels.fma_pack.get(bf16))
+            pack = partial(pack_linear_layers, amx_kernel=kernels.amx_linear.get(bf16), amx_pack=kernels.amx_pack.get(bf16),
+                           fma_kernel=kernels.fma_linear.get(bf16), fma_pack=kernels.fma_pack.get(bf16))
+        pack(model)
+        pack_experts(model, pack)  # mixture-of-experts weights: the same packed linears, per expert
+        if kernels is not None:
             native_embeddings(model, kernels)
         return model
 

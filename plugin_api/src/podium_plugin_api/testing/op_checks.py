@@ -5,7 +5,8 @@ the same numbers in float64 on the CPU. ``top_k_top_p`` is compared by the set o
 keeps and their values, since which tokens survive is what sampling depends on; ``argmax`` by
 exact equality (ties and NaNs included). The norm/SiLU + linear ops (API 1.5) run at 1, 2 and 7
 rows, with and without a bias and a residual: a platform may take a different kernel for a
-batch-1 decode row than for a prefill chunk, and both must be right.
+batch-1 decode row than for a prefill chunk, and both must be right. ``fused_moe`` (API 1.7) runs
+at 1 and 7 tokens, top-1 and top-2 of 4 experts, with an expert no token picks and an id of -1.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..moe import MoEExperts
 from ..ops import REFERENCE_OPS
 from .report import ConformanceError, check_close, dtype_name, guarded
 
 T, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, MAX_POS = 7, 96, 4, 2, 32, 64
 OUT_FEATURES = 40  # the projection of the *_linear ops: not a multiple of a kernel's usual tile
 LINEAR_ROWS = (1, 2, T)
+NUM_EXPERTS, EXPERT_SIZE = 4, 24
 
 
 def _linear(in_features: int, bias: bool, dtype: torch.dtype, gen: torch.Generator) -> nn.Linear:
@@ -47,7 +50,21 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
     if name == "silu_and_mul_linear":
         return [(torch.randn(rows, 2 * HIDDEN, generator=gen).to(dtype), _linear(HIDDEN, bias, dtype, gen))
                 for rows in LINEAR_ROWS for bias in (False, True)]
+    if name == "fused_moe":
+        return [_moe_case(rows, top_k, dtype, gen) for rows in (1, T) for top_k in (1, 2)]
     return [op_inputs(name, dtype, gen)]
+
+
+def _moe_case(rows: int, top_k: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
+    """Random experts (expert 3 never chosen) and routing; the last assignment of row 0 is -1."""
+    experts = MoEExperts(NUM_EXPERTS, HIDDEN, EXPERT_SIZE)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) / HIDDEN**0.5)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) / EXPERT_SIZE**0.5)
+    scores = torch.rand(rows, NUM_EXPERTS - 1, generator=gen)
+    weights, ids = scores.softmax(-1).topk(top_k, dim=-1)
+    ids[0, -1] = -1
+    return torch.randn(rows, HIDDEN, generator=gen).to(dtype), experts.requires_grad_(False).to(dtype), weights, ids
 
 
 def op_inputs(name: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
@@ -128,6 +145,8 @@ def _describe(a: Any) -> str:
         return str(list(a.shape))
     if isinstance(a, nn.Linear):
         return f"Linear({a.in_features}, {a.out_features}, bias={a.bias is not None})"
+    if isinstance(a, MoEExperts):
+        return f"MoEExperts({a.extra_repr()})"
     return repr(a)
 
 
