@@ -29,6 +29,12 @@ TINY = {
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+# prompts stay within original_max_position_embeddings: short factors (tests/test_rope.py decodes past it)
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.5, 3.0, 6.0, 9.0],
+                 "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+
 # name -> (model_type, config overrides); each exercises one architecture feature
 ARCHITECTURES = {
     "llama3-rope-untied": ("llama", {"rope_theta": 10000.0, "rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": False}),
@@ -47,6 +53,15 @@ ARCHITECTURES = {
                                        "norm_topk_prob": False, "tie_word_embeddings": False}),
     "qwen3-moe-top8": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 8, "moe_intermediate_size": 40,
                                      "norm_topk_prob": True, "head_dim": 32, "decoder_sparse_step": 2}),
+    "gemma2-softcap": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 20, "sliding_window": 5,
+                                  "attn_logit_softcapping": 2.0, "final_logit_softcapping": 1.5}),
+    "gemma3-local-global": ("gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 20, "sliding_window": 5,
+                                            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                            "rope_parameters": GEMMA3_ROPE}),
+    "phi3-longrope-partial": ("phi3", {"pad_token_id": 0, "original_max_position_embeddings": 64, "sliding_window": 9,
+                                       "rope_parameters": PHI3_LONGROPE}),
+    "qwen2-yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                 "original_max_position_embeddings": 32}}),
 }
 
 

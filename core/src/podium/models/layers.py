@@ -16,7 +16,7 @@ from torch import nn
 from podium_plugin_api import AttentionLayerSpec, RotaryInputs
 
 from .context import ForwardContext
-from .rotary import head_dim_of
+from .rotary import head_dim_of, rotate_partial
 
 Ops = dict[str, Callable]
 
@@ -98,10 +98,17 @@ def layer_sliding_window(config, layer_index: int) -> int | None:
 
 
 class Attention(nn.Module):
-    """Self-attention with merged q|k|v, optional per-head q/k RMSNorm, rotary, paged KV via the backend."""
+    """Self-attention with merged q|k|v, optional per-head q/k RMSNorm, rotary, paged KV via the backend.
+
+    ``scale`` (default head_dim ** -0.5) and ``soft_cap`` (scores -> cap * tanh(scores / cap)) go to
+    the backend in the layer's spec; ``norm`` is the q/k norm's class (Gemma's adds 1 to its weight).
+    A rotary cache narrower than the head (``partial_rotary_factor``) rotates the leading dimensions
+    here and hands the backend rotated q/k (``forward``); a full-width one goes to ``forward_rotary``.
+    """
 
     def __init__(
-        self, config, layer_index: int, ops: Ops, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self, config, layer_index: int, ops: Ops, *, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+        scale: float | None = None, soft_cap: float | None = None, norm: type[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -117,14 +124,16 @@ class Attention(nn.Module):
             "k_proj": ("qkv_proj", q_size, kv_size),
             "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
         }
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        norm = norm or RMSNorm
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps, ops) if qk_norm else None
         self.spec = AttentionLayerSpec(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_dim,
-            scale=self.head_dim**-0.5,
+            scale=self.head_dim**-0.5 if scale is None else float(scale),
             sliding_window=layer_sliding_window(config, layer_index),
+            soft_cap=None if soft_cap is None else float(soft_cap),
         )
 
     def forward(self, x: torch.Tensor, rotary: RotaryInputs, ctx: ForwardContext) -> torch.Tensor:
@@ -138,6 +147,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)  # norm over D, per head
             k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
-        # rotary on q and k, the cache write and attention: the backend may do all three in one pass
-        out = ctx.backend.forward_rotary(self.spec, q, k, v, ctx.kv_caches[self.layer_index], ctx.meta, rotary)  # [T, H, D]
+        cache = ctx.kv_caches[self.layer_index]
+        if rotary.cos_sin_cache.shape[1] != self.head_dim:  # partial rotary: leading dimensions only
+            q, k = rotate_partial(rotary, q, k)
+            out = ctx.backend.forward(self.spec, q, k, v, cache, ctx.meta)  # [T, H, D]
+        else:  # rotary on q and k, the cache write and attention: the backend may do all three in one pass
+            out = ctx.backend.forward_rotary(self.spec, q, k, v, cache, ctx.meta, rotary)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))  # [T, hidden]

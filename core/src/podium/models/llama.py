@@ -92,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, ops: Ops) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, ops, self.attention_options(config), self.build_mlp)
+        self.model = self.build_stack(config, ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.reset_buffers()
@@ -113,6 +113,10 @@ class LlamaForCausalLM(nn.Module):
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
     build_mlp = staticmethod(dense_mlp)
+
+    def build_stack(self, config, ops: Ops) -> nn.Module:
+        """HF's ``model.*`` submodule: embedding, layers, final norm."""
+        return DecoderStack(config, ops, self.attention_options(config), self.build_mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
