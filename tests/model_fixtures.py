@@ -194,42 +194,91 @@ def write_gguf(path, arch: str, metadata: dict, tensors: list[tuple[str, np.ndar
     writer.close()
 
 
-# HF name part -> GGUF name part (llama.cpp's naming, written out here independently of the loader)
-HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+def _gguf_arch(arch: str):
+    import gguf
+
+    return {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+            "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+            "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}[arch]
+
+
+def _gguf_tensors(hf_model, arch: str) -> list[tuple[str, np.ndarray, None]]:
+    """The model's tensors as llama.cpp's converter writes them: gguf-py's name map, Q/K interleaved
+    for llama, experts stacked per projection, Gemma norms as 1 + weight, vector shared-expert gates."""
+    import gguf
+
+    config = hf_model.config
+    names = gguf.get_tensor_name_map(_gguf_arch(arch), config.num_hidden_layers)
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    tensors = []
+    for name, value in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        value = value.float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H] -> ffn_gate_exps, ffn_up_exps [E, I, H]
+            prefix = names.get_name(name.replace("gate_up_proj", "down_proj")).replace("down_exps", "{}_exps")
+            half = value.shape[1] // 2
+            tensors += [(prefix.format("gate") + ".weight", value[:, :half]), (prefix.format("up") + ".weight", value[:, half:])]
+            continue
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {name}")
+        if not name.endswith((".weight", ".bias")):  # transformers 5's stacked experts: a bare parameter
+            gguf_name += ".weight"
+        part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
+        if arch == "llama" and part in heads:
+            value = llama_cpp_permute(value, heads[part])
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            value = value + 1
+        if part == "ffn_gate_inp_shexp":
+            value = value.reshape(-1)
+        tensors.append((gguf_name, value))
+    return [(name, np.ascontiguousarray(value), None) for name, value in tensors]
+
+
+def _gguf_metadata(config, arch: str) -> dict:
+    """llama.cpp's metadata for ``config``, including each architecture's own keys."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    meta = {"block_count": config.num_hidden_layers, "context_length": config.max_position_embeddings,
+            "embedding_length": config.hidden_size, "feed_forward_length": config.intermediate_size,
+            "attention.head_count": config.num_attention_heads, "attention.head_count_kv": config.num_key_value_heads,
+            "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps), "rope.freq_base": float(rope["rope_theta"]),
+            "attention.key_length": head_dim, "vocab_size": config.vocab_size}
+    if rope.get("rope_type") == "linear":
+        meta.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])})
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        meta.update({"expert_count": experts, "expert_used_count": config.num_experts_per_tok})
+    if arch in ("qwen2moe", "qwen3moe"):
+        meta["expert_feed_forward_length"] = config.moe_intermediate_size
+    if arch == "qwen2moe":
+        meta["expert_shared_feed_forward_length"] = config.shared_expert_intermediate_size
+    if arch in ("gemma2", "gemma3"):
+        meta["attention.sliding_window"] = config.sliding_window
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, key, None):
+                meta[key] = float(getattr(config, key))
+    if arch == "gemma3":
+        meta["rope.freq_base_swa"] = float(config.rope_parameters["sliding_attention"]["rope_theta"])
+        meta["attention.sliding_window_pattern"] = config.layer_types.index("full_attention") + 1
+    if arch == "phi3":
+        del meta["attention.key_length"]
+        meta["rope.dimension_count"] = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        meta["rope.scaling.original_context_length"] = config.original_max_position_embeddings
+        if config.sliding_window:
+            meta["attention.sliding_window"] = config.sliding_window
+    return {f"{arch}.{key}": value for key, value in meta.items()}
 
 
 def export_gguf(hf_model, arch: str, path, extra: list | tuple = ()) -> None:
     """Write a transformers model as an all-F32 GGUF the way llama.cpp's converter lays it out."""
-    config = hf_model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    tensors = []
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    for name, value in hf_model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        parts = name.split(".")
-        if parts[1] == "layers":
-            part = HF_TO_GGUF[".".join(parts[3:-1])]
-            gguf_name = f"blk.{parts[2]}.{part}.{parts[-1]}"
-        else:
-            part = None
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
-        value = value.float().numpy()
-        if arch == "llama" and part in heads:
-            value = llama_cpp_permute(value, heads[part])
-        tensors.append((gguf_name, np.ascontiguousarray(value), None))
-    meta = {f"{arch}.block_count": config.num_hidden_layers, f"{arch}.context_length": config.max_position_embeddings,
-            f"{arch}.embedding_length": config.hidden_size, f"{arch}.feed_forward_length": config.intermediate_size,
-            f"{arch}.attention.head_count": config.num_attention_heads,
-            f"{arch}.attention.head_count_kv": config.num_key_value_heads,
-            f"{arch}.attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
-            f"{arch}.rope.freq_base": float(config.rope_parameters["rope_theta"]),
-            f"{arch}.attention.key_length": head_dim, f"{arch}.vocab_size": config.vocab_size}
-    write_gguf(path, arch, meta, tensors + list(extra))
+    extra = list(extra)
+    rope = hf_model.config.rope_parameters
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors are tensors
+        extra += [("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32), None),
+                  ("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32), None)]
+    write_gguf(path, arch, _gguf_metadata(hf_model.config, arch), _gguf_tensors(hf_model, arch) + extra)
 
 
 def teacher_forced_gaps(hf_model, prompts: list[list[int]], outs) -> torch.Tensor:

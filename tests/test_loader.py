@@ -348,12 +348,28 @@ def test_not_a_gguf_file_is_an_error(tmp_path):
         resolve_model(str(path))
 
 
-@pytest.mark.parametrize("variant, arch", [("llama2-tied", "llama"), ("qwen2-bias", "qwen2"),
-                                           ("qwen3-qk-norm", "qwen3")])
-def test_gguf_of_each_architecture_matches_transformers(tmp_path, variant, arch):
-    """Q/K rows are un-permuted for llama files only; Qwen files are stored in HF order."""
+# what GGUF metadata cannot say is set to what llama.cpp assumes: no window on llama files, every layer
+# sparse, Gemma's attention scale from the head size
+GGUF_VARIANTS = {
+    "llama2-tied": ("llama", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "mixtral-moe": ("llama", {"sliding_window": None}),
+    "qwen2-moe-shared": ("qwen2moe", {"mlp_only_layers": []}),
+    "qwen3-moe-top8": ("qwen3moe", {"decoder_sparse_step": 1}),
+    "gemma2-softcap": ("gemma2", {"query_pre_attn_scalar": 16}),
+    "gemma3-local-global": ("gemma3", {"query_pre_attn_scalar": 16}),
+    "phi3-longrope-partial": ("phi3", {}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_VARIANTS))
+def test_gguf_of_each_architecture_matches_transformers(tmp_path, variant):
+    """Q/K rows are un-permuted for llama files only; experts unstacked; Gemma norms less 1; Phi-3's
+    rotary size and longrope factors from the file."""
+    arch, fixes = GGUF_VARIANTS[variant]
     model_type, overrides = ARCHITECTURES[variant]
-    hf_model = save_tiny_model(model_type, overrides, tmp_path / "hf")
+    hf_model = save_tiny_model(model_type, {**overrides, **fixes}, tmp_path / "hf")
     export_gguf(hf_model, arch, tmp_path / "model.gguf")
     source, model = load_podium(tmp_path / "model.gguf")
     assert source.hf_config.architectures == [type(hf_model).__name__]

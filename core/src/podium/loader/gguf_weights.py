@@ -9,6 +9,15 @@ architecture files (Llama, Mistral, SmolLM2) so that each head's two rotary halv
 
 ``unpermute_rows`` undoes it: view a head's rows as [D/2, 2], swap to [2, D/2]. Qwen2/Qwen3
 files are written in HF order and are left alone.
+
+Per architecture (llama.cpp's converter, undone here):
+- experts: ``ffn_{gate,up,down}_exps`` hold every expert stacked ([E, I, H] / [E, H, I]); each
+  expert's slice becomes ``mlp.experts.N.{gate,up,down}_proj.weight``; the router is ``ffn_gate_inp``,
+  Qwen2-MoE's shared expert ``ffn_*_shexp`` and its gate ``ffn_gate_inp_shexp`` (a vector: [1, H] here);
+- gemma2/gemma3: norms are stored as ``1 + weight`` (Gemma's norm scales by that): 1 is subtracted;
+  ``ffn_norm`` is the pre-feedforward norm there, ``post_attention_norm`` / ``post_ffw_norm`` the others;
+- phi3: the merged ``attn_qkv`` and ``ffn_up`` (gate rows then up rows) are Podium's own merged
+  projections; its longrope factor tensors belong to the config.
 """
 
 from __future__ import annotations
@@ -47,20 +56,42 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's rope scaling divisors: consumed by the config, not a weight
+CONFIG_TENSORS = (ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight")
 PERMUTED_ARCHITECTURES = ("llama",)
+NORM_PLUS_ONE_ARCHITECTURES = ("gemma2", "gemma3")
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a GGUF tensor; ValueError if it has none."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face parameter name of a GGUF tensor (stacked experts: ``...experts.{}.gate_proj.weight``,
+    to format with each expert's index); ValueError if it has none."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_PATTERN.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
+    if match:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the Llama-family models")
+        names = {**_BLOCK_NAMES, **_MOE_NAMES, **_ARCH_NAMES.get(arch, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
+        if part in _STACKED_EXPERTS:
+            return f"model.layers.{layer}.mlp.experts.{{}}.{_STACKED_EXPERTS[part]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in {arch!r} models")
 
 
 def type_name(ggml_type: int) -> str:
@@ -106,26 +137,34 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the file as (HF name, tensor), Q/K rows restored to HF order where needed."""
-    unknown = [name for name in gguf.tensors if name != ROPE_FREQS and not _maps(name)]
+    """Every weight of the file as (HF name, tensor), restored to HF's conventions (module docstring)."""
+    arch = gguf.architecture
+    unknown = [name for name in gguf.tensors if name not in CONFIG_TENSORS and not _maps(name, arch)]
     if unknown:
         raise ValueError(f"GGUF file {gguf.path} has tensors Podium does not know: {', '.join(unknown[:12])}")
-    permuted = gguf.architecture in PERMUTED_ARCHITECTURES
+    permuted = arch in PERMUTED_ARCHITECTURES
     for name, info in gguf.tensors.items():
-        if name == ROPE_FREQS:
+        if name in CONFIG_TENSORS:
             continue
-        target = hf_name(name)
+        target = hf_name(name, arch)
         tensor = dequantize(gguf, info)
         if permuted and target.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = unpermute_rows(tensor, num_heads)
         elif permuted and target.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = unpermute_rows(tensor, num_kv_heads)
-        yield target, tensor
+        elif arch in NORM_PLUS_ONE_ARCHITECTURES and target.endswith("norm.weight"):
+            tensor = tensor - 1
+        elif target.endswith("shared_expert_gate.weight"):
+            tensor = tensor.reshape(1, -1)  # [H] -> [1, H]
+        if "{}" in target:  # stacked experts [E, ...]: one tensor per expert
+            yield from ((target.format(expert), tensor[expert]) for expert in range(tensor.shape[0]))
+        else:
+            yield target, tensor
 
 
-def _maps(gguf_name: str) -> bool:
+def _maps(gguf_name: str, arch: str) -> bool:
     try:
-        hf_name(gguf_name)
+        hf_name(gguf_name, arch)
     except ValueError:
         return False
     return True
