@@ -140,8 +140,8 @@ class CudaPlatform(Platform):
         """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""
         kernels = op_kernels()
         names = fused_ops_from_env(os.environ.get(FUSED_OPS_ENV), CUDA_TUNING.fused_ops, kernels)
-        # only ops this plugin API knows (argmax came in 1.3, the *_linear ops in 1.5; podium-cuda
-        # runs on any 1.x)
+        # only ops this plugin API knows (argmax came in 1.3, the *_linear ops in 1.5, fused_moe in 1.7;
+        # podium-cuda runs on any 1.x)
         return {name: kernels[name] for name in names if name in REFERENCE_OPS}
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -158,5 +158,6 @@ def op_kernels() -> dict:
     """Every Triton op podium-cuda has, by op name (which are installed is the tuning's choice)."""
     from .fused_ops import FUSED_OPS  # triton is imported here, not before
     from .gemv import GEMV_OPS
+    from .moe import fused_moe
 
-    return {**FUSED_OPS, **GEMV_OPS}
+    return {**FUSED_OPS, **GEMV_OPS, "fused_moe": fused_moe}

@@ -83,8 +83,10 @@ class KernelTuning:
     # inside a graph at batch 1 and 256, which sped up batch-1 decode
     # rms_norm_linear / silu_and_mul_linear (API 1.5): the batch-1 GEMV below, else the fused norm / SiLU
     # then the linear
+    # fused_moe (API 1.7): the grouped Triton GEMMs (moe.py); the reference's per-expert loop reads
+    # expert counts on the host, which a CUDA graph cannot capture
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
-                                  "rms_norm_linear", "silu_and_mul_linear")
+                                  "rms_norm_linear", "silu_and_mul_linear", "fused_moe")
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
