@@ -44,6 +44,15 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def alternated(first, second, args: tuple, repeats: int, pairs: int) -> tuple[float, float]:
+    """Median ms of ``first(*args)`` and ``second(*args)``, timed in alternation ``pairs`` times."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(pairs):
+        for fn, out in zip((first, second), times):
+            out.append(timed(lambda fn=fn: fn(*args), repeats) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b")
@@ -65,12 +74,7 @@ def main() -> None:
         weights, ids = torch.randn(tokens, num_experts).softmax(-1).topk(top_k, dim=-1)
         want, got = reference(x, experts, weights, ids), platform_op(x, experts, weights, ids)
         error = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-        repeats = max(1, 64 // tokens)
-        ref_times, ours = [], []
-        for _ in range(args.pairs):
-            ref_times.append(timed(lambda: reference(x, experts, weights, ids), repeats))
-            ours.append(timed(lambda: platform_op(x, experts, weights, ids), repeats))
-        ref_ms, our_ms = statistics.median(ref_times) * 1e3, statistics.median(ours) * 1e3
+        ref_ms, our_ms = alternated(reference, platform_op, (x, experts, weights, ids), max(1, 64 // tokens), args.pairs)
         print(f"tokens {tokens:5d}: reference {ref_ms:9.3f} ms  platform {our_ms:9.3f} ms  "
               f"ratio {ref_ms / our_ms:5.2f}x  (max relative difference {error:.1e})")
 

@@ -79,37 +79,41 @@ def traffic(shape: str, ids: torch.Tensor, tokens: int, element: int) -> tuple[f
     return weight_bytes + activation_bytes, 6.0 * tokens * top_k * hidden * inter
 
 
+def measure(shape: str, experts: MoEExperts, tokens: int, args) -> None:
+    """One token count: correctness, the default tiling's time and rates, the reference, the sweep."""
+    num_experts, top_k, hidden, _ = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(experts.gate_up_proj.dtype)
+    weights, ids = torch.randn(tokens, num_experts, device="cuda", generator=gen).softmax(-1).topk(top_k, dim=-1)
+    got, want = fused_moe(x, experts, weights, ids), reference(x, experts, weights, ids)
+    error = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    status = "OK" if error < 2e-2 else "MISMATCH"
+    tiling = moe_tiling(tokens * top_k, num_experts)
+    kernel_ms = graph_time_ms(lambda: fused_moe(x, experts, weights, ids))
+    ref_ms = float("nan")
+    if tokens <= args.reference_max_tokens:
+        ref_ms = eager_time_ms(lambda: reference(x, experts, weights, ids))
+    nbytes, flops = traffic(shape, ids, tokens, x.element_size())
+    tbs, tflops = nbytes / kernel_ms / 1e9, flops / kernel_ms / 1e9
+    print(f"tokens {tokens:5d}: {status} (relative error {error:.1e}); kernel {kernel_ms * 1e3:9.1f} us "
+          f"[{tiling.block_m}/{tiling.block_n}/{tiling.block_k}/{tiling.num_warps}/{tiling.num_stages}]  "
+          f"{tbs:5.2f} TB/s ({100 * tbs / args.peak_tbs:4.1f}% of {args.peak_tbs})  "
+          f"{tflops:6.1f} TFLOP/s ({100 * tflops / args.peak_tflops:4.1f}% of {args.peak_tflops:.0f})  "
+          f"reference {ref_ms * 1e3:10.1f} us ({ref_ms / kernel_ms:6.1f}x)")
+    if args.sweep:
+        timings = {t: graph_time_ms(lambda t=t: fused_moe(x, experts, weights, ids, tiling=t), 20) for t in SWEEP}
+        best = min(timings, key=timings.get)
+        print(f"    sweep: best {best.block_m}/{best.block_n}/{best.block_k}/{best.num_warps}/{best.num_stages} "
+              f"{timings[best] * 1e3:.1f} us; " + ", ".join(f"{t.block_m}/{t.block_n}/{t.num_warps}/{t.num_stages}:"
+                                                         f"{ms * 1e3:.0f}" for t, ms in timings.items()))
+
+
 def run_shape(shape: str, tokens_list: list[int], args) -> None:
     num_experts, top_k, hidden, inter = SHAPES[shape]
-    dtype = getattr(torch, args.dtype)
-    experts = experts_for(shape, dtype)
+    experts = experts_for(shape, getattr(torch, args.dtype))
     print(f"== {shape} ({num_experts} experts, top {top_k}, {hidden} x {inter}, {args.dtype})")
     for tokens in tokens_list:
-        gen = torch.Generator(device="cuda").manual_seed(tokens)
-        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dtype)
-        weights, ids = torch.randn(tokens, num_experts, device="cuda", generator=gen).softmax(-1).topk(top_k, dim=-1)
-        got = fused_moe(x, experts, weights, ids)
-        want = reference(x, experts, weights, ids)
-        error = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-        status = "OK" if error < 2e-2 else "MISMATCH"
-        tiling = moe_tiling(tokens * top_k, num_experts)
-        kernel_ms = graph_time_ms(lambda: fused_moe(x, experts, weights, ids))
-        ref_ms = eager_time_ms(lambda: reference(x, experts, weights, ids)) if tokens <= args.reference_max_tokens else float("nan")
-        nbytes, flops = traffic(shape, ids, tokens, x.element_size())
-        tbs, tflops = nbytes / kernel_ms / 1e9, flops / kernel_ms / 1e9
-        print(f"tokens {tokens:5d}: {status} (relative error {error:.1e}); kernel {kernel_ms * 1e3:9.1f} us "
-              f"[{tiling.block_m}/{tiling.block_n}/{tiling.block_k}/{tiling.num_warps}/{tiling.num_stages}]  "
-              f"{tbs:5.2f} TB/s ({100 * tbs / args.peak_tbs:4.1f}% of {args.peak_tbs})  "
-              f"{tflops:6.1f} TFLOP/s ({100 * tflops / args.peak_tflops:4.1f}% of {args.peak_tflops:.0f})  "
-              f"reference {ref_ms * 1e3:10.1f} us ({ref_ms / kernel_ms:6.1f}x)")
-        if args.sweep:
-            timings = {t: graph_time_ms(lambda t=t: fused_moe(x, experts, weights, ids, tiling=t), 20) for t in SWEEP}
-            best = min(timings, key=timings.get)
-            print(f"    sweep: best {best.block_m}/{best.block_n}/{best.block_k}/{best.num_warps}/{best.num_stages} "
-                  f"{timings[best] * 1e3:.1f} us; " + ", ".join(f"{t.block_m}/{t.block_n}/{t.num_warps}/{t.num_stages}:"
-                                                             f"{ms * 1e3:.0f}" for t, ms in timings.items()))
-    del experts
-    torch.cuda.empty_cache()
+        measure(shape, experts, tokens, args)
 
 
 def main() -> None:
