@@ -53,8 +53,10 @@ ROCM_TUNING = KernelTuning(
     elementwise_num_warps=2,
     max_head_size=256,
     # Each fused op replaces several torch elementwise kernels (each a full pass over HBM) with
-    # one pass; that gain does not depend on the vendor. Not timed on AMD.
-    fused_ops=("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"),
+    # one pass; that gain does not depend on the vendor. Not timed on AMD. fused_moe: the reference's
+    # per-expert loop reads counts on the host, which a HIP graph cannot capture (Triton's grouped
+    # GEMMs with CUDA's tilings; not timed on AMD either)
+    fused_ops=("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe"),
     # the batch-1 GEMV (podium_cuda.gemv) was tuned on the H200's 132 SMs; not timed on AMD, so hipBLAS
     gemv_batch1=False,
     # programmatic dependent launch is an NVIDIA sm90 feature (pdl.py); off here, also when the ROCm
