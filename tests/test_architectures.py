@@ -37,7 +37,7 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_prefix_hits(name, devi
     first = [shared + torch.randint(1, 96, (n,), generator=gen).tolist() for n in (3, 7)] + [[5, 17, 2]]
     second = [shared + torch.randint(1, 96, (n,), generator=gen).tolist() for n in (1, 12)]
     llm = LLM(str(tmp_path), dtype="float32", device=device, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
-              max_model_len=64, enforce_eager=device == "cpu")
+              max_model_len=64, num_kv_blocks=96, enforce_eager=device == "cpu")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompts in (first, second):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

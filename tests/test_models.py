@@ -191,3 +191,16 @@ def test_norms_and_silu_reach_the_projections_through_the_fusable_ops():
     untouched = FlatBatchRunner(plain, config, BLOCK_SIZE).step({0: [3, 1, 4], 1: [5]})
     assert torch.equal(logits[1.0][0], untouched[0]) and torch.equal(logits[1.0][1], untouched[1])
     assert not torch.allclose(logits[0.5][1], untouched[1])  # the ops' outputs are what the layers use
+
+
+def test_stacked_expert_checkpoints_load_like_per_expert_ones(tiny):
+    """transformers 5 keeps experts stacked (``mlp.experts.gate_up_proj`` [E, 2I, H]); its state_dict,
+    loaded as a checkpoint, gives the model save_pretrained's per-expert tensors gave."""
+    hf_model, model, config = tiny
+    state = hf_model.state_dict()
+    if not any(name.endswith("experts.gate_up_proj") for name in state):
+        pytest.skip("not a mixture-of-experts model")
+    fresh = build_model(config, build_op_table(), torch.float32, "cpu")
+    fresh.load_weights(state.items())
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(ours, theirs), name
