@@ -17,6 +17,11 @@ writing into a block other sequences may be reading. Unreferenced cached blocks 
 fresh block is needed and the free pool is empty; then the least recently freed one is evicted.
 A sequence frees its blocks tail first, so a prefix's head outlives its tail.
 
+KV events (for a router that tracks which prefixes a replica holds): after ``enable_events()``
+every hash registered in the cache is reported as ``("stored", hash)`` and every hash evicted as
+``("evicted", hash)``, in the order they happen; ``take_events()`` hands them over. Off (the
+default), recording costs one ``is None`` check per registered or evicted block.
+
 Invariants: ``ref[b]`` == the number of block tables holding ``b``; free + evictable + in use ==
 all blocks, disjoint; when every sequence is freed, free + evictable == ``num_blocks``.
 """
@@ -29,6 +34,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence as TokenSequence
 
 from .request import Sequence
+
+# The name and version of ``hash_block_tokens``'s scheme, as a server reports it to a router that
+# recomputes the hashes (podium_router.hashing): change both together, and this name with them.
+BLOCK_HASH_SCHEME = "podium-blake2b128-chain/1"
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: TokenSequence[int],
@@ -66,6 +75,7 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from the cache
         self.num_evictions = 0
+        self._events: list[tuple[str, int]] | None = None  # recorded only after enable_events()
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -101,6 +111,22 @@ class BlockManager:
     def evictable_block_ids(self) -> list[int]:
         """Unreferenced cached blocks, in eviction order (least recently freed first)."""
         return list(self._evictable)
+
+    # ---- KV events -----------------------------------------------------------------------------
+
+    def enable_events(self) -> list[int]:
+        """Start recording stored/evicted events; returns the hashes cached now (the starting state)."""
+        if self._events is None:
+            self._events = []
+        return list(self._cached)
+
+    def take_events(self) -> list[tuple[str, int]]:
+        """The events recorded since the last call, oldest first (empty when recording is off)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     # ---- scheduling a waiting sequence ---------------------------------------------------------
 
@@ -174,6 +200,8 @@ class BlockManager:
             if block_hash not in self._cached:
                 self._cached[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
+                if self._events is not None:
+                    self._events.append(("stored", block_hash))
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s references, tail first, and clear its table. Its hashes stay (its
@@ -200,8 +228,11 @@ class BlockManager:
         if self._free:
             return self._free.popleft()
         block_id, _ = self._evictable.popitem(last=False)
-        del self._cached[self._block_hash[block_id]]
+        block_hash = self._block_hash[block_id]
+        del self._cached[block_hash]
         self._block_hash[block_id] = None
+        if self._events is not None:
+            self._events.append(("evicted", block_hash))
         self.num_evictions += 1
         return block_id
 

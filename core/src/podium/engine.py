@@ -31,7 +31,7 @@ import torch
 from podium_plugin_api import AttentionMetadata
 from podium_plugin_api.ops import build_op_table
 
-from .block_manager import BlockManager
+from .block_manager import BLOCK_HASH_SCHEME, BlockManager
 from .config import EngineConfig
 from .discovery import build_plugin_manager, select_platform
 from .engine_args import engine_config
@@ -73,6 +73,12 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # the router's inputs (podium_server.replica): work ahead of a new request and the decode load,
+    # in tokens; cumulative prompt tokens computed and the step seconds they took (its prefill rate)
+    queued_tokens: int = 0
+    running_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
 
 
 def context_error(max_model_len: int, prompt_len: int) -> str:
@@ -155,6 +161,8 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
+        self._prefill_tokens = 0  # prompt (not decode) tokens computed, over the engine's life
+        self._prefill_seconds = 0.0  # their share of the steps' wall time
 
     # -- setup ---------------------------------------------------------------------------------
     def _graphs_detail(self) -> str:
@@ -301,6 +309,7 @@ class LLMEngine:
         for a single-sample request, builds its report while its state is still in cache. With
         async scheduling the tokens reported are those of the step launched by the previous call.
         """
+        started = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
@@ -332,7 +341,17 @@ class LLMEngine:
                 for seq_id, entries in launched.prompt_logprobs.items():
                     self._add_prompt_logprobs(seq_id, entries, plan)
                 self._take_tokens(launched, None, outputs, several)
+            self._count_prefill(plan, time.perf_counter() - started)
         return self._collect(several, outputs)
+
+    def _count_prefill(self, plan, seconds: float) -> None:
+        """Book the step's prompt tokens and their share of its time (by token count): the replica's
+        measured prefill rate. A step of decodes only (one token each) books nothing."""
+        if plan.num_batched_tokens == len(plan.scheduled):
+            return
+        prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
+        self._prefill_tokens += prompt
+        self._prefill_seconds += seconds * prompt / plan.num_batched_tokens
 
     def _can_defer(self, plan) -> bool:
         seqs = []
@@ -417,7 +436,26 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            queued_tokens=self.scheduler.queued_tokens(),
+            running_tokens=self.scheduler.running_tokens(),
+            prefill_tokens=self._prefill_tokens,
+            prefill_seconds=self._prefill_seconds,
         )
+
+    # -- KV events -----------------------------------------------------------------------------
+    @property
+    def block_hash_scheme(self) -> str | None:
+        """The prefix cache's block hash scheme (None when prefix caching is off)."""
+        return BLOCK_HASH_SCHEME if self.block_manager.enable_prefix_caching else None
+
+    def enable_kv_events(self) -> list[int]:
+        """Start recording the prefix cache's stored/evicted block hashes (``BlockManager``'s chained
+        hash); returns the hashes cached now. A server does this for a router (podium_server.replica)."""
+        return self.block_manager.enable_events()
+
+    def take_kv_events(self) -> list[tuple[str, int]]:
+        """``("stored" | "evicted", block hash)`` events since the last call, in order."""
+        return self.block_manager.take_events()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list[dict] | None = None,

@@ -99,6 +99,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting or self._held)
 
+    def queued_tokens(self) -> int:
+        """Tokens every unfinished sequence still has to compute: the work ahead of a new request
+        (prompts and chunks not yet prefilled, plus one token per decode)."""
+        seqs = itertools.chain(self._running, self._waiting, *self._held.values())
+        return sum(len(seq.token_ids) - seq.num_computed_tokens for seq in seqs)
+
+    def running_tokens(self) -> int:
+        """Tokens of the running sequences (prompt and output so far): the decode load in KV tokens."""
+        return sum(len(seq.token_ids) for seq in self._running)
+
     def running(self) -> list[Sequence]:
         """The running sequences, in scheduling order (a copy)."""
         return list(self._running)

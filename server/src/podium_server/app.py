@@ -27,6 +27,7 @@ from .metrics import ServerMetrics
 from .middleware import GuardMiddleware
 from .process_engine import ProcessEngine
 from .protocol import ModelCard, ModelList
+from .replica import KVEventLog, add_replica_routes
 from .serving_base import ServerContext
 from .serving_chat import ChatHandler
 from .serving_completions import CompletionsHandler
@@ -73,7 +74,8 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
         metrics = ServerMetrics(served.info.model_name)
         ctx = _context(served, settings)
         metrics.watch_engine(lambda: ctx.engine.stats)
-        app.state.ctx, app.state.metrics = ctx, metrics
+        app.state.ctx, app.state.metrics, app.state.kv_log = ctx, metrics, KVEventLog()
+        served.on_kv_events = app.state.kv_log.append
         app.state.handlers = {"completions": CompletionsHandler(ctx), "chat": ChatHandler(ctx),
                               "tokenize": TokenizeHandler(ctx), "detokenize": DetokenizeHandler(ctx)}
         ctx.engine.start(metrics)
@@ -89,6 +91,7 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes)
     install_error_handlers(app)
     _add_routes(app)
+    add_replica_routes(app)
     return app
 
 

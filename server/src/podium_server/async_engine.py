@@ -47,11 +47,23 @@ class EngineInfo:
     platform_name: str
     kv_capacity_tokens: int
     tokenizer: Any
+    # what a router reads (replica.py): the torch device, what the platform found, the batch limits
+    # and the prefix cache's block hash scheme (None: prefix caching off)
+    device: str = ""
+    device_description: str = ""
+    block_size: int = 16
+    max_num_seqs: int = 0
+    block_hash_scheme: str | None = None
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
-        return cls(engine.model_name, getattr(engine.config, "model", engine.model_name), engine.max_model_len,
-                   engine.platform_name, engine.kv_capacity_tokens, engine.tokenizer)
+        config, platform = engine.config, getattr(engine, "platform", None)
+        return cls(engine.model_name, getattr(config, "model", engine.model_name), engine.max_model_len,
+                   engine.platform_name, engine.kv_capacity_tokens, engine.tokenizer,
+                   device=str(getattr(engine, "device", "")),
+                   device_description=platform.availability().reason if platform is not None else "",
+                   block_size=getattr(config, "block_size", 16), max_num_seqs=getattr(config, "max_num_seqs", 0),
+                   block_hash_scheme=getattr(engine, "block_hash_scheme", None))
 
 
 class RequestStream:
@@ -117,6 +129,7 @@ class AsyncEngine:
     def __init__(self, info: EngineInfo, stats: Any) -> None:
         self.info = info
         self.stats = stats  # the newest snapshot of the engine's stats(), replaced by every report
+        self.on_kv_events: Callable[[list[tuple[str, int]]], None] | None = None  # set before start()
         self._listener: OutputListener | None = None
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, asyncio.Future] = {}  # adds the engine loop has not answered yet
@@ -198,6 +211,8 @@ class AsyncEngine:
     # -- delivery (event loop) ----------------------------------------------------------------
     def _on_report(self, report: Report) -> None:
         self.stats = report.stats
+        if report.kv_events and self.on_kv_events is not None:
+            self.on_kv_events(report.kv_events)
         for request_id, error in report.answers:
             self._answer(request_id, error)
         if report.outputs:

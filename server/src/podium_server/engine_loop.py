@@ -50,6 +50,7 @@ class Report:
     answers: list[tuple[str, BaseException | None]] = field(default_factory=list)  # None: accepted
     outputs: list[RequestOutput] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # requests dropped by an Abort in this iteration
+    kv_events: list[tuple[str, int]] = field(default_factory=list)  # the prefix cache's, in order (replica.py)
 
 
 class EngineLoop:
@@ -60,6 +61,10 @@ class EngineLoop:
         self._active: set[str] = set()  # accepted, not finished, not aborted
         self._answers: list[tuple[str, BaseException | None]] = []
         self._aborted: list[str] = []
+        # the prefix cache's block events, for routers (replica.py); the cache's state so far as "stored"
+        self._take_kv_events = getattr(engine, "take_kv_events", list)
+        enable = getattr(engine, "enable_kv_events", None)
+        self._kv_events = [("stored", h) for h in enable()] if enable is not None else []
 
     def run(self) -> None:
         """Serve commands until ``Stop``; raises whatever a step raises."""
@@ -131,7 +136,8 @@ class EngineLoop:
         for output in outputs:
             if output.finished:
                 self._active.discard(output.request_id)
-        if outputs or self._answers or self._aborted or idle:
-            report = Report(self.engine.stats(), self._answers, outputs, self._aborted)
+        events, self._kv_events = self._kv_events + self._take_kv_events(), []
+        if outputs or self._answers or self._aborted or idle or events:
+            report = Report(self.engine.stats(), self._answers, outputs, self._aborted, events)
             self._answers, self._aborted = [], []
             self._report(report)

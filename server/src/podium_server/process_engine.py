@@ -141,12 +141,12 @@ class ProcessEngine(AsyncEngine):
             self._died(message[1])
 
     def _decode(self, message: tuple) -> Report:
-        _, stats, answers, deltas, aborted = message
+        _, stats, answers, deltas, aborted, kv_events = message
         for request_id, error in answers:
             if error is not None:
                 self._decoder.close(request_id)
         outputs = [output for output in map(self._decoder.decode, deltas) if output is not None]
-        return Report(stats, answers, outputs, aborted)
+        return Report(stats, answers, outputs, aborted, kv_events)
 
     def _died(self, reason: str | None = None) -> None:
         """The report pipe closed (or said why first): the engine process is gone or going."""
@@ -233,7 +233,8 @@ def serve_engine(factory: Callable[[], Any], commands: Connection, reports: Conn
     def report(r: Report) -> None:
         encoder.forget(r.aborted)
         answers = [(request_id, portable(error)) for request_id, error in r.answers]
-        reports.send(("report", r.stats, answers, [encoder.encode(output) for output in r.outputs], r.aborted))
+        reports.send(("report", r.stats, answers, [encoder.encode(output) for output in r.outputs], r.aborted,
+                      r.kv_events))
 
     failure: list[BaseException] = []
     # Steps run on a thread other than the one that built the engine: on a crowded CPU, without
