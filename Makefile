@@ -7,11 +7,11 @@ STAMP := $(VENV)/.podium-installed
 # where torch comes from: PyPI by default (on Linux its CUDA build); a CPU-only machine takes
 # PyTorch's CPU wheel with TORCH_INDEX=https://download.pytorch.org/whl/cpu (see the README)
 TORCH_INDEX ?=
-DISTS := -e ./plugin_api -e ./core -e ./server -e ./bench -e ./platforms/cpu -e ./platforms/cuda -e ./platforms/rocm -e ./platforms/tpu
+DISTS := -e ./plugin_api -e ./core -e ./server -e ./bench -e ./platforms/cpu -e ./platforms/cuda -e ./platforms/rocm -e ./platforms/tpu -e ./router
 
 .PHONY: serve test lint install clean
 
-$(STAMP): pyproject.toml plugin_api/pyproject.toml core/pyproject.toml server/pyproject.toml bench/pyproject.toml platforms/*/pyproject.toml
+$(STAMP): pyproject.toml plugin_api/pyproject.toml core/pyproject.toml server/pyproject.toml bench/pyproject.toml platforms/*/pyproject.toml router/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
@@ -26,7 +26,7 @@ serve: $(STAMP)
 	$(VENV)/bin/podium serve $(MODEL)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check plugin_api core server bench platforms examples tests
+	$(VENV)/bin/ruff check plugin_api core server bench platforms router examples tests benchmarks/router_*.py
 	$(VENV)/bin/lint-imports
 
 # OMP_WAIT_POLICY=PASSIVE: the tests run servers and engines side by side on few cores, where

@@ -1,0 +1,53 @@
+"""A prompt's block hashes, as the replicas' prefix caches compute them.
+
+Podium's block manager registers each FULL block of ``block_size`` tokens under a chained hash:
+a 128-bit BLAKE2b digest of ``b"\\x00"`` (first block) or ``b"\\x01"`` + the parent's hash as 16
+little-endian bytes, then the block's token ids as little-endian signed 64-bit integers (no extra
+keys for plain text). A replica names this scheme in its report (``BLOCK_HASH_SCHEME``); the router
+trusts a replica's KV events only under a scheme it implements here. ``tests/test_router_hashing.py``
+compares this code with ``podium.block_manager.hash_block_tokens`` (the router cannot import it):
+change one and that test fails until the other and the scheme's name follow.
+
+For replicas that are not Podium (no KV events, maybe no tokenizer endpoint) the router tracks
+what it routed there approximately: the same chained hashes over the request's text, cut into
+blocks of ``TEXT_BLOCK_CHARS`` characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BLOCK_HASH_SCHEME = "podium-blake2b128-chain/1"
+TEXT_BLOCK_CHARS = 64
+
+
+def chained_block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
+    """The hex hashes (as replicas report them) of the blocks a replica could serve from its cache:
+    the full blocks, less the last token's (a replica always computes the prompt's last token)."""
+    hashes, parent = [], None
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        parent = chained_block_hash(parent, token_ids[start:start + block_size])
+        hashes.append(f"{parent:032x}")
+    return hashes
+
+
+def text_block_hashes(text: str, block_chars: int = TEXT_BLOCK_CHARS) -> list[str]:
+    """Approximate prefix keys of a text (for replicas whose cache the router cannot see)."""
+    hashes, parent = [], None
+    data = text.encode("utf-8", "surrogatepass")
+    for start in range(0, len(data) // block_chars * block_chars, block_chars):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "little"))
+        digest.update(data[start:start + block_chars])
+        parent = int.from_bytes(digest.digest(), "little")
+        hashes.append(f"t{parent:032x}")
+    return hashes

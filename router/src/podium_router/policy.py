@@ -1,0 +1,78 @@
+"""The routing rule.
+
+For each healthy replica r, estimate the request's time to first token:
+
+    ttft(r) = (queued_tokens(r) + uncached_prompt_tokens(r)) / prefill_rate(r)
+
+``queued_tokens``: the work ahead of the request there, in tokens (the larger of the replica's
+own report and the router's pending count, updated on every routed request and first byte: see
+``replica``). ``uncached_prompt_tokens``: the prompt less the leading blocks that replica holds in
+its prefix cache (exact from its KV events). ``prefill_rate``: tokens per second, learned from the
+replica's own metrics (prompt tokens computed over the step seconds they took), so a slow replica
+(a CPU beside GPUs) takes a request only when it would really answer it sooner. A replica whose
+rate is not known yet is given the mean of the known rates (or ``default_rate``).
+
+Pick the minimum, among replicas under their decode cap (requests in flight < the replica's
+``max_num_seqs``, or ``decode_cap`` for replicas that don't report one); only when every replica is
+at its cap are capped ones considered. Ties (equal estimates, e.g. an idle fleet of one speed) go
+to the replica with fewer requests in flight, then round the fleet. Over identical replicas the
+rule reduces to cache-aware least-load: the holder of a prefix wins until the work queued on it
+outweighs the prefill the others would have to redo.
+
+``round-robin`` ignores all of this (for comparison in benchmarks).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .replica import Replica
+
+POLICIES = ("ttft", "round-robin")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica: Replica
+    ttft_s: float  # the estimate (0 for round-robin)
+    cached_tokens: int
+    uncached_tokens: int
+
+
+class Router:
+    """Ranks the healthy replicas for one request: best first (the rest are the retry order)."""
+
+    def __init__(self, policy: str = "ttft", default_rate: float = 2000.0, decode_cap: int = 256) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if default_rate <= 0:
+            raise ValueError(f"default_rate must be > 0 tokens/s, got {default_rate}")
+        self.policy, self.default_rate, self.decode_cap = policy, default_rate, decode_cap
+        self._turn = itertools.count()
+
+    def rank(self, replicas: list[Replica], num_tokens: int,
+             hashes_for: Callable[[int], list[str]]) -> list[Candidate]:
+        """``hashes_for(block_size)``: the request's block hashes for that block size."""
+        healthy = [r for r in replicas if r.routable]
+        if not healthy:
+            return []
+        turn = next(self._turn)
+        if self.policy == "round-robin":
+            start = turn % len(healthy)
+            return [self._candidate(r, num_tokens, hashes_for, 1.0) for r in healthy[start:] + healthy[:start]]
+        known = [r.rate.value for r in healthy if r.rate.value]
+        fallback = sum(known) / len(known) if known else self.default_rate
+        candidates = [self._candidate(r, num_tokens, hashes_for, r.rate.value or fallback) for r in healthy]
+        order = {r.id: (i - turn) % len(healthy) for i, r in enumerate(healthy)}
+        return sorted(candidates, key=lambda c: (c.replica.at_decode_cap(self.decode_cap), round(c.ttft_s, 6),
+                                                 c.replica.in_flight, order[c.replica.id]))
+
+    def _candidate(self, replica: Replica, num_tokens: int, hashes_for: Callable[[int], list[str]],
+                   rate: float) -> Candidate:
+        hashes = hashes_for(replica.block_size) if num_tokens else []
+        cached = min(replica.cached_blocks(hashes) * replica.block_size, num_tokens)
+        uncached = num_tokens - cached
+        ttft = 0.0 if self.policy == "round-robin" else (replica.queued_tokens + uncached) / rate
+        return Candidate(replica, ttft, cached, uncached)
