@@ -1,0 +1,109 @@
+"""The routing rule on replicas described by hand: estimated TTFT = (queued tokens + uncached prompt
+tokens) / prefill rate, the minimum under the decode cap; what a bug in any term would change."""
+
+from __future__ import annotations
+
+import pytest
+
+from podium_router.hashing import block_hashes
+from podium_router.policy import Router
+from podium_router.replica import DRAINING, HEALTHY, UNHEALTHY, Replica
+
+PROMPT = list(range(1000, 1000 + 16 * 40 + 5))  # 40 full blocks and a partial one
+
+
+def replica(name: str, rate: float | None = 1000.0, queued: int = 0, holds: int = 0, max_num_seqs: int = 8,
+            state: str = HEALTHY) -> Replica:
+    r = Replica(f"http://{name}", name)
+    r.state, r.exact_prefixes, r.max_num_seqs = state, True, max_num_seqs
+    r.rate.value = rate
+    r.report = {"load": {"queued_tokens": queued}}
+    r.cached = set(block_hashes(PROMPT, 16)[:holds])
+    return r
+
+
+def best(router: Router, replicas: list[Replica]) -> str:
+    return router.rank(replicas, len(PROMPT), lambda bs: block_hashes(PROMPT, bs))[0].replica.name
+
+
+def test_the_prefix_holder_wins_on_an_idle_fleet():
+    fleet = [replica("a"), replica("b", holds=30), replica("c", holds=10)]
+    ranked = Router().rank(fleet, len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    assert [c.replica.name for c in ranked] == ["b", "c", "a"]
+    assert (ranked[0].cached_tokens, ranked[0].uncached_tokens) == (480, len(PROMPT) - 480)
+
+
+def test_load_on_the_holder_outweighs_its_prefix():
+    # b saves 480 tokens of prefill but has 600 queued: a answers sooner
+    assert best(Router(), [replica("a"), replica("b", holds=30, queued=600)]) == "a"
+    assert best(Router(), [replica("a"), replica("b", holds=30, queued=400)]) == "b"
+
+
+def test_the_router_counts_its_own_pending_work_before_the_replica_reports_it():
+    a, b = replica("a"), replica("b")
+    router = Router()
+    first = best(router, [a, b])
+    chosen = a if first == "a" else b
+    chosen.routed_request(block_hashes(PROMPT, 16), len(PROMPT))  # not yet in any report
+    other = best(router, [a, b])
+    assert other != first  # ...but it promised to hold the prefix: only its pending work tips it
+    chosen.first_byte(len(PROMPT))
+    chosen.finished_request(block_hashes(PROMPT, 16))
+    assert chosen.pending_prefill == 0 and not chosen.promised
+
+
+def test_a_slow_replica_takes_work_only_when_it_would_answer_sooner():
+    gpu, cpu = replica("gpu", rate=20000.0), replica("cpu", rate=500.0)
+    assert best(Router(), [gpu, cpu]) == "gpu"
+    gpu.report = {"load": {"queued_tokens": 20000 * 2}}  # two seconds of work ahead on the GPU
+    assert best(Router(), [gpu, cpu]) == "cpu"  # 645 tokens at 500/s: 1.3 s
+
+
+def test_unknown_rates_get_the_mean_of_the_known_ones():
+    fleet = [replica("fast", rate=4000.0, queued=2000), replica("new", rate=None, queued=1000)]
+    ranked = Router(default_rate=1.0).rank(fleet, len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    assert [c.replica.name for c in ranked] == ["new", "fast"]
+    assert ranked[0].ttft_s == pytest.approx((1000 + len(PROMPT)) / 4000.0)
+
+
+def test_replicas_at_their_decode_cap_come_last():
+    a, b = replica("a", max_num_seqs=2, holds=40), replica("b")
+    a.in_flight = 2
+    assert best(Router(), [a, b]) == "b"
+    b.in_flight = 8
+    assert best(Router(), [a, b]) == "a"  # everyone is capped: the rule decides again
+
+
+def test_only_healthy_replicas_are_ranked():
+    fleet = [replica("a", state=UNHEALTHY), replica("b", state=DRAINING), replica("c")]
+    assert [c.replica.name for c in Router().rank(fleet, 10, lambda bs: [])] == ["c"]
+    assert Router().rank(fleet[:2], 10, lambda bs: []) == []
+
+
+def test_ties_rotate_over_the_fleet_and_round_robin_ignores_everything():
+    fleet = [replica("a"), replica("b"), replica("c")]
+    router = Router()
+    assert {best(router, fleet) for _ in range(3)} == {"a", "b", "c"}
+    rr = Router("round-robin")
+    fleet[0].cached = set(block_hashes(PROMPT, 16))
+    assert [best(rr, fleet) for _ in range(3)] == ["a", "b", "c"]
+
+
+def test_without_kv_events_the_router_remembers_what_it_routed():
+    r = Replica("http://other")
+    r.apply_unreported(approx_capacity_tokens=16 * 8)
+    hashes = block_hashes(PROMPT, 16)
+    assert r.cached_blocks(hashes) == 0
+    r.routed_request(hashes, len(PROMPT))
+    r.finished_request(hashes)
+    assert r.cached_blocks(hashes) == 0  # capacity 8 blocks: the LRU kept the last 8, not the head
+    r.routed_request(hashes[:8], 16 * 8)
+    r.finished_request(hashes[:8])
+    assert r.cached_blocks(hashes) == 8
+
+
+def test_bad_settings_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="policy must be one of ttft, round-robin"):
+        Router("random")
+    with pytest.raises(ValueError, match="default_rate must be > 0"):
+        Router(default_rate=0)
