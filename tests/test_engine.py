@@ -112,6 +112,26 @@ def test_abort_frees_every_block(llm):
     assert all_blocks_free(engine)
 
 
+def test_stats_give_a_router_the_queued_work_and_the_prefill_rate(llm):
+    engine, tok = llm.engine, llm.get_tokenizer()
+    prompts = [f"Router accounting {word}: " + "the quick brown fox jumps. " * n for word, n in (("one", 9), ("two", 4))]
+    lens = [len(tok.encode(p)) for p in prompts]
+    before = engine.stats()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"router-{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert (engine.stats().queued_tokens, engine.stats().running_tokens) == (sum(lens), 0)
+    engine.step()  # both prompts fit the token budget: prefilled, one token sampled each
+    stats = engine.stats()
+    assert stats.prefill_tokens - before.prefill_tokens == sum(lens)  # distinct prompts: no cache hits
+    assert stats.prefill_seconds > before.prefill_seconds
+    assert (stats.queued_tokens, stats.running_tokens) == (2, sum(lens) + 2)  # one decode each, next
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = engine.stats()
+    assert after.prefill_tokens == stats.prefill_tokens and after.prefill_seconds == stats.prefill_seconds
+    assert after.queued_tokens == after.running_tokens == 0
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_company(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
     alone = token_ids(llm.generate(["Tell me a story"], params, use_tqdm=False))[0]

@@ -102,6 +102,19 @@ def test_without_kv_events_the_router_remembers_what_it_routed():
     assert r.cached_blocks(hashes) == 8
 
 
+def test_running_decodes_and_full_slots_count_against_a_holder():
+    holder, idle = replica("holder", holds=40, max_num_seqs=4), replica("idle")
+    holder.report = {"load": {"queued_tokens": 4, "num_running": 4, "num_waiting": 2}}
+    holder.step_time.value, holder.decode_time.value = 0.05, 2.0
+    router = Router()
+    ranked = router.rank([holder, idle], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    # holder: (4 + 5) / 1000 + one decode step + 3 requests to finish first, one every 2.0 / 4 s
+    assert ranked[0].replica.name == "idle"
+    assert ranked[1].ttft_s == pytest.approx(9 / 1000 + 0.05 + 3 * 2.0 / 4)
+    holder.report = {"load": {"queued_tokens": 2, "num_running": 2, "num_waiting": 0}}  # free slots
+    assert best(router, [holder, idle]) == "holder"  # 0.007 + 0.05 < 0.645
+
+
 def test_bad_settings_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="policy must be one of ttft, round-robin"):
         Router("random")

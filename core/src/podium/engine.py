@@ -74,11 +74,14 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     # the router's inputs (podium_server.replica): work ahead of a new request and the decode load,
-    # in tokens; cumulative prompt tokens computed and the step seconds they took (its prefill rate)
+    # in tokens; cumulative prompt tokens computed and their share of the step seconds (the prefill
+    # rate); cumulative decode-only steps and their seconds (the decode step time)
     queued_tokens: int = 0
     running_tokens: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
 
 
 def context_error(max_model_len: int, prompt_len: int) -> str:
@@ -163,6 +166,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._prefill_tokens = 0  # prompt (not decode) tokens computed, over the engine's life
         self._prefill_seconds = 0.0  # their share of the steps' wall time
+        self._decode_steps = 0  # steps of decodes only
+        self._decode_seconds = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
     def _graphs_detail(self) -> str:
@@ -341,13 +346,15 @@ class LLMEngine:
                 for seq_id, entries in launched.prompt_logprobs.items():
                     self._add_prompt_logprobs(seq_id, entries, plan)
                 self._take_tokens(launched, None, outputs, several)
-            self._count_prefill(plan, time.perf_counter() - started)
+            self._count_step(plan, time.perf_counter() - started)
         return self._collect(several, outputs)
 
-    def _count_prefill(self, plan, seconds: float) -> None:
-        """Book the step's prompt tokens and their share of its time (by token count): the replica's
-        measured prefill rate. A step of decodes only (one token each) books nothing."""
+    def _count_step(self, plan, seconds: float) -> None:
+        """Book a step for a router's estimates: a step of decodes only (one token each) as a decode
+        step; otherwise its prompt tokens and their share of its time, by token count."""
         if plan.num_batched_tokens == len(plan.scheduled):
+            self._decode_steps += 1
+            self._decode_seconds += seconds
             return
         prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
         self._prefill_tokens += prompt
@@ -440,6 +447,8 @@ class LLMEngine:
             running_tokens=self.scheduler.running_tokens(),
             prefill_tokens=self._prefill_tokens,
             prefill_seconds=self._prefill_seconds,
+            decode_steps=self._decode_steps,
+            decode_seconds=self._decode_seconds,
         )
 
     # -- KV events -----------------------------------------------------------------------------

@@ -3,14 +3,21 @@
 For each healthy replica r, estimate the request's time to first token:
 
     ttft(r) = (queued_tokens(r) + uncached_prompt_tokens(r)) / prefill_rate(r)
+              + decode_step(r)                      if requests are running there
+              + ahead(r) * request_decode(r) / slots(r)
 
 ``queued_tokens``: the work ahead of the request there, in tokens (the larger of the replica's
 own report and the router's pending count, updated on every routed request and first byte: see
 ``replica``). ``uncached_prompt_tokens``: the prompt less the leading blocks that replica holds in
 its prefix cache (exact from its KV events). ``prefill_rate``: tokens per second, learned from the
 replica's own metrics (prompt tokens computed over the step seconds they took), so a slow replica
-(a CPU beside GPUs) takes a request only when it would really answer it sooner. A replica whose
-rate is not known yet is given the mean of the known rates (or ``default_rate``).
+(a CPU beside GPUs) takes a request only when it would really answer it sooner. The decode terms
+keep short prompts from piling onto one replica: the request's prefill step carries the running
+decodes (``decode_step``: a decode-only step's time, from the replica's metrics), and when the
+replica's ``slots`` (its ``max_num_seqs``) are all taken it waits for ``ahead`` = requests there
+- slots + 1 of them to finish, one every ``request_decode / slots`` (``request_decode``: first byte
+to last of its requests, measured by the router). A term not measured yet takes the mean of the
+replicas that have it (the prefill rate: ``default_rate`` if none has).
 
 Pick the minimum, among replicas under their decode cap (requests in flight < the replica's
 ``max_num_seqs``, or ``decode_cap`` for replicas that don't report one); only when every replica is
@@ -61,18 +68,39 @@ class Router:
         turn = next(self._turn)
         if self.policy == "round-robin":
             start = turn % len(healthy)
-            return [self._candidate(r, num_tokens, hashes_for, 1.0) for r in healthy[start:] + healthy[:start]]
-        known = [r.rate.value for r in healthy if r.rate.value]
-        fallback = sum(known) / len(known) if known else self.default_rate
-        candidates = [self._candidate(r, num_tokens, hashes_for, r.rate.value or fallback) for r in healthy]
+            return [self._candidate(r, num_tokens, hashes_for, None) for r in healthy[start:] + healthy[:start]]
+        fallback = _Fallbacks(healthy, self.default_rate)
+        candidates = [self._candidate(r, num_tokens, hashes_for, fallback) for r in healthy]
         order = {r.id: (i - turn) % len(healthy) for i, r in enumerate(healthy)}
         return sorted(candidates, key=lambda c: (c.replica.at_decode_cap(self.decode_cap), round(c.ttft_s, 6),
                                                  c.replica.in_flight, order[c.replica.id]))
 
     def _candidate(self, replica: Replica, num_tokens: int, hashes_for: Callable[[int], list[str]],
-                   rate: float) -> Candidate:
+                   fallback: _Fallbacks | None) -> Candidate:
         hashes = hashes_for(replica.block_size) if num_tokens else []
         cached = min(replica.cached_blocks(hashes) * replica.block_size, num_tokens)
         uncached = num_tokens - cached
-        ttft = 0.0 if self.policy == "round-robin" else (replica.queued_tokens + uncached) / rate
+        ttft = 0.0 if fallback is None else self.estimate(replica, uncached, fallback)
         return Candidate(replica, ttft, cached, uncached)
+
+    def estimate(self, replica: Replica, uncached_tokens: int, fallback: _Fallbacks) -> float:
+        """The rule (module docstring) for one replica, in seconds."""
+        prefill = (replica.queued_tokens + uncached_tokens) / (replica.rate.value or fallback.rate)
+        requests = replica.requests
+        decode_step = (replica.step_time.value or fallback.step_time) if requests else 0.0
+        slots = replica.max_num_seqs or self.decode_cap
+        ahead = max(0, requests - slots + 1)
+        return prefill + decode_step + ahead * (replica.decode_time.value or fallback.decode_time) / slots
+
+
+class _Fallbacks:
+    """The fleet's mean of each measured term, for replicas that have not measured it yet."""
+
+    def __init__(self, replicas: list[Replica], default_rate: float) -> None:
+        def mean(values: list[float | None], default: float) -> float:
+            known = [v for v in values if v]
+            return sum(known) / len(known) if known else default
+
+        self.rate = mean([r.rate.value for r in replicas], default_rate)
+        self.step_time = mean([r.step_time.value for r in replicas], 0.0)
+        self.decode_time = mean([r.decode_time.value for r in replicas], 0.0)

@@ -34,7 +34,6 @@ class ReplicaPool:
         self.replicas: list[Replica] = []
         self._tasks: dict[int, list[asyncio.Task]] = {}
         self._headers = {"Authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
-        self.on_change = None  # called with (replica, old_state, new_state): metrics
 
     # -- membership ---------------------------------------------------------------------------------
     def add(self, spec: ReplicaSpec, source: str = "static") -> Replica:
@@ -97,30 +96,31 @@ class ReplicaPool:
                 task.cancel()
             logger.info("replica %s removed", replica.name)
 
-    def _set_state(self, replica: Replica, state: str) -> None:
-        old, replica.state = replica.state, state
-        if old != state and self.on_change is not None:
-            self.on_change(replica, old, state)
+    @staticmethod
+    def _set_state(replica: Replica, state: str) -> None:
+        replica.state = state
 
     # -- checks -------------------------------------------------------------------------------------
     async def _checks(self, replica: Replica) -> None:
         while True:
             ok = await self._check(replica)
-            if replica.state == DRAINING:
-                pass
-            elif ok:
-                replica.failures = 0
-                if replica.state != HEALTHY:
-                    logger.info("replica %s is healthy (%s)", replica.name,
-                                replica.report.get("platform", "not Podium") if replica.is_podium else "not Podium")
-                self._set_state(replica, HEALTHY)
-            else:
-                replica.failures += 1
-                if replica.failures >= self.settings.unhealthy_after and replica.state == HEALTHY:
-                    logger.warning("replica %s failed %d checks; out of routing", replica.name, replica.failures)
-                    self._set_state(replica, UNHEALTHY)
-                    replica.forget_server()
+            if replica.state != DRAINING:
+                self._after_check(replica, ok)
             await asyncio.sleep(self.settings.poll_interval_s)
+
+    def _after_check(self, replica: Replica, ok: bool) -> None:
+        if ok:
+            replica.failures = 0
+            if replica.state != HEALTHY:
+                logger.info("replica %s is healthy (%s)", replica.name,
+                            replica.report.get("platform") if replica.is_podium else "not Podium")
+                self._set_state(replica, HEALTHY)
+            return
+        replica.failures += 1
+        if replica.failures >= self.settings.unhealthy_after and replica.state == HEALTHY:
+            logger.warning("replica %s failed %d checks; out of routing", replica.name, replica.failures)
+            self._set_state(replica, UNHEALTHY)
+            replica.forget_server()
 
     async def _check(self, replica: Replica) -> bool:
         timeout = httpx.Timeout(max(1.0, 4 * self.settings.poll_interval_s))

@@ -196,11 +196,11 @@ class Proxy:
             self._done(replica, hashes, "ok" if upstream.status_code < 400 else "client_error", content)
             return Response(content, status_code=upstream.status_code, headers=out_headers)
         out_headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(self._relay(replica, hashes, upstream, first, chunks, ids),
+        return StreamingResponse(self._relay(replica, hashes, upstream, first, chunks, ids, time.perf_counter()),
                                  status_code=upstream.status_code, headers=out_headers)
 
     async def _relay(self, replica: Replica, hashes: list[str], upstream: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes], ids: dict) -> AsyncIterator[bytes]:
+                     chunks: AsyncIterator[bytes], ids: dict, first_at: float) -> AsyncIterator[bytes]:
         """The replica's stream as it comes; an error event if it breaks off."""
         outcome, tail = "ok", first[-2048:]
         try:
@@ -208,6 +208,7 @@ class Proxy:
             async for chunk in chunks:
                 tail = (tail + chunk)[-2048:]
                 yield chunk
+            replica.decode_time.add(time.perf_counter() - first_at, 1)
         except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             outcome = "cut"
             logger.warning("request %s: the stream from %s broke off (%s)", ids["X-Request-Id"], replica.name, exc)

@@ -27,17 +27,18 @@ HEALTHY, UNHEALTHY, DRAINING = "healthy", "unhealthy", "draining"
 _ids = itertools.count(1)
 
 
-class RateEstimate:
-    """A prefill rate (tokens/s) learned as an exponentially weighted mean of measured samples."""
+class Estimate:
+    """A ratio learned as an exponentially weighted mean of measured samples (tokens per second,
+    seconds per step, ...); None until the first sample."""
 
     def __init__(self, weight: float = 0.3) -> None:
         self.value: float | None = None
         self._weight = weight
 
-    def add(self, tokens: float, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def add(self, amount: float, per: float) -> None:
+        if amount <= 0 or per <= 0:
             return
-        sample = tokens / seconds
+        sample = amount / per
         self.value = sample if self.value is None else (1 - self._weight) * self.value + self._weight * sample
 
 
@@ -80,11 +81,13 @@ class Replica:
     kv_seq: int = 0
     promised: Counter = field(default_factory=Counter)  # block hash -> requests in flight carrying it
     routed: RoutedPrefixes | None = None  # approximate record (no KV events)
-    rate: RateEstimate = field(default_factory=RateEstimate)
+    rate: Estimate = field(default_factory=Estimate)  # prefill tokens/s (its reports)
+    step_time: Estimate = field(default_factory=Estimate)  # seconds of a decode-only step (its reports)
+    decode_time: Estimate = field(default_factory=Estimate)  # first byte to last of a request (the router's)
     pending_prefill: int = 0  # uncached prompt tokens of requests routed here, no byte back yet
     in_flight: int = 0  # requests routed here, not finished
     failures: int = 0  # consecutive failed checks
-    last_prefill: tuple[int, float] | None = None  # (tokens, seconds) of the previous report
+    last_counters: tuple[int, float, int, float] | None = None  # the previous report's prefill/decode counters
     added_at: float = field(default_factory=time.monotonic)
     id: int = field(default_factory=lambda: next(_ids))
 
@@ -106,13 +109,13 @@ class Replica:
         self.exact_prefixes = exact
         if not exact and self.routed is None:
             self.routed = RoutedPrefixes((self.kv_capacity_tokens or approx_capacity_tokens) // self.block_size)
-        prefill = report.get("prefill") or {}
-        tokens, seconds = int(prefill.get("tokens", 0)), float(prefill.get("seconds", 0.0))
-        if self.last_prefill is None:
-            self.rate.add(tokens, seconds)  # the replica's whole life so far
-        else:
-            self.rate.add(tokens - self.last_prefill[0], seconds - self.last_prefill[1])
-        self.last_prefill = (tokens, seconds)
+        prefill, decode = report.get("prefill") or {}, report.get("decode") or {}
+        counters = (int(prefill.get("tokens", 0)), float(prefill.get("seconds", 0.0)),
+                    int(decode.get("steps", 0)), float(decode.get("seconds", 0.0)))
+        last = self.last_counters or (0, 0.0, 0, 0.0)  # none yet: the replica's whole life so far
+        self.rate.add(counters[0] - last[0], counters[1] - last[1])
+        self.step_time.add(counters[3] - last[3], counters[2] - last[2])
+        self.last_counters = counters
 
     def apply_unreported(self, approx_capacity_tokens: int) -> None:
         """Not Podium: no report, no KV events; keep an approximate record of what was routed here."""
@@ -134,7 +137,7 @@ class Replica:
     def forget_server(self) -> None:
         """The replica went away: what it cached and reported is gone with it."""
         self.cached.clear()
-        self.kv_epoch, self.kv_seq, self.last_prefill = None, 0, None
+        self.kv_epoch, self.kv_seq, self.last_counters = None, 0, None
 
     # -- what the router sees -----------------------------------------------------------------------
     @property
@@ -147,9 +150,10 @@ class Replica:
         return max(reported, self.pending_prefill)
 
     @property
-    def running(self) -> int:
-        reported = int((self.report.get("load") or {}).get("num_running", 0))
-        return max(reported, self.in_flight)
+    def requests(self) -> int:
+        """Requests running or waiting there: the replica's count, or the router's if larger."""
+        load = self.report.get("load") or {}
+        return max(int(load.get("num_running", 0)) + int(load.get("num_waiting", 0)), self.in_flight)
 
     def at_decode_cap(self, default_cap: int) -> bool:
         cap = self.max_num_seqs or default_cap
@@ -188,5 +192,6 @@ class Replica:
                 "podium": self.is_podium, "model": self.model, "platform": self.report.get("platform"),
                 "device": self.report.get("device_description") or self.report.get("device"),
                 "exact_prefixes": self.exact_prefixes, "cached_blocks": len(self.cached),
-                "prefill_rate": self.rate.value, "queued_tokens": self.queued_tokens,
+                "prefill_rate": self.rate.value, "decode_step_s": self.step_time.value,
+                "request_decode_s": self.decode_time.value, "queued_tokens": self.queued_tokens,
                 "in_flight": self.in_flight, "pending_prefill_tokens": self.pending_prefill}

@@ -106,6 +106,7 @@ def replica_report(app: FastAPI) -> dict:
             "kv_cache_usage": stats.kv_cache_usage,
         },
         "prefill": {"tokens": getattr(stats, "prefill_tokens", 0), "seconds": getattr(stats, "prefill_seconds", 0.0)},
+        "decode": {"steps": getattr(stats, "decode_steps", 0), "seconds": getattr(stats, "decode_seconds", 0.0)},
         "prefix_cache": {
             "block_hash_scheme": info.block_hash_scheme,
             "block_size": info.block_size,
