@@ -133,8 +133,8 @@ class Proxy:
                 return Prompt(list(prompt), "")
             text = prompt if isinstance(prompt, str) else ""
             ask = {"prompt": text}
-        if sum(r.routable for r in replicas) < 2:
-            return Prompt(None, text)  # nothing to choose between: no need to tokenize
+        if sum(r.routable for r in replicas) < 2 or self.router.policy == "round-robin":
+            return Prompt(None, text)  # nothing to choose between, or no need to know: no tokenizing
         return Prompt(await self._tokenize(ask, replicas), text)
 
     async def _tokenize(self, ask: dict, replicas: list[Replica]) -> list[int] | None:
