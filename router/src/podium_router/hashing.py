@@ -23,11 +23,15 @@ BLOCK_HASH_SCHEME = "podium-blake2b128-chain/1"
 TEXT_BLOCK_CHARS = 64
 
 
-def chained_block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+def _chain(parent: int | None, data: bytes) -> int:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "little"))
-    digest.update(array("q", token_ids).tobytes())
+    digest.update(data)
     return int.from_bytes(digest.digest(), "little")
+
+
+def chained_block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    return _chain(parent, array("q", token_ids).tobytes())
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
@@ -45,9 +49,6 @@ def text_block_hashes(text: str, block_chars: int = TEXT_BLOCK_CHARS) -> list[st
     hashes, parent = [], None
     data = text.encode("utf-8", "surrogatepass")
     for start in range(0, len(data) // block_chars * block_chars, block_chars):
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "little"))
-        digest.update(data[start:start + block_chars])
-        parent = int.from_bytes(digest.digest(), "little")
+        parent = _chain(parent, data[start:start + block_chars])
         hashes.append(f"t{parent:032x}")
     return hashes

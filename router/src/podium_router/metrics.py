@@ -1,6 +1,7 @@
 """The router's Prometheus metrics (names prefixed ``podium_router:``), one private registry per app.
 
-Per replica (label ``replica``): requests by outcome (``ok``, ``client_error``, ``cut`` mid-stream),
+Per replica (label ``replica``): requests by outcome (``ok``, ``client_error``, ``cut`` mid-stream,
+``client_gone``),
 retries onto it, prompt tokens routed to it and how many of them it held in its prefix cache when
 routed (their ratio is the routed prefix hit rate), generated tokens (from the usage the replica
 reports), time to the first byte; and, read from the replica set at scrape time, its health, its

@@ -209,6 +209,9 @@ class Proxy:
                 tail = (tail + chunk)[-2048:]
                 yield chunk
             replica.decode_time.add(time.perf_counter() - first_at, 1)
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client_gone"  # closing the upstream below aborts the request at the replica
+            raise
         except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             outcome = "cut"
             logger.warning("request %s: the stream from %s broke off (%s)", ids["X-Request-Id"], replica.name, exc)
