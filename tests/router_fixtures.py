@@ -73,6 +73,7 @@ def start(args: list[str], url: str, log: pathlib.Path, env: dict | None = None)
 
 
 def start_replica(tmp: pathlib.Path, name: str, *extra: str, env: dict | None = None) -> Process:
+    """``podium serve`` with ``REPLICA_ARGS``; ``extra`` options come after them (and win)."""
     port = free_port()
     return start([str(BIN / "podium"), "serve", MODEL, "--port", str(port), *REPLICA_ARGS, *extra],
                  f"http://127.0.0.1:{port}", tmp / f"{name}.log", env)

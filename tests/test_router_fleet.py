@@ -45,7 +45,7 @@ PREFIX = "You are a helpful assistant for the city library. " + " ".join(
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fleet")
     site = install_example_npu(tmp / "npu-site")
-    replicas = [start_replica(tmp, "cpu-a"), start_replica(tmp, "cpu-b"),
+    replicas = [start_replica(tmp, "cpu-a"), start_replica(tmp, "cpu-b", "--engine-mode", "process"),
                 start_replica(tmp, "npu", "--device", "example-npu", env={"PYTHONPATH": str(site)})]
     replica_file = tmp / "replicas.txt"
     replica_file.write_text("".join(f"{r.url}\n" for r in replicas))
@@ -122,15 +122,25 @@ def test_routed_stream_is_byte_identical_to_the_direct_one(fleet):
     assert normalize(routed.raw) == normalize(direct.raw)
 
 
+def _snapshot(replica: Process) -> set[str]:
+    answer = httpx.get(replica.url + "/podium/v1/kv_events", params={"after": 0}, timeout=5).json()
+    assert answer["reset"]  # no epoch given: the full state
+    return set(answer["block_hashes"])
+
+
+def test_the_router_mirrors_every_replicas_prefix_cache(fleet):
+    """After the 64 streams every replica has cached blocks (both engine modes, both platforms); the
+    router's copy, kept from the KV events alone, has exactly as many."""
+    router, replicas, _, _ = fleet
+    sizes = {r.url: len(_snapshot(r)) for r in replicas}
+    assert all(sizes.values()), sizes
+    wait_for(lambda: {url: r["cached_blocks"] for url, r in replicas_seen_by(router).items()} == sizes, 30,
+             f"the router's copies to reach {sizes}")
+
+
 def _holders(replicas: list[Process], hashes: list[str]) -> set[str]:
     """The replicas whose prefix cache holds every one of ``hashes``, from their own KV events."""
-    held = set()
-    for replica in replicas:
-        snapshot = httpx.get(replica.url + "/podium/v1/kv_events", params={"after": 0}, timeout=5).json()
-        assert snapshot["reset"]  # no epoch given: the full state
-        if set(hashes) <= set(snapshot["block_hashes"]):
-            held.add(replica.url)
-    return held
+    return {replica.url for replica in replicas if set(hashes) <= _snapshot(replica)}
 
 
 def test_a_shared_prefix_goes_to_its_holder_and_spreads_when_the_holder_is_loaded(fleet):
