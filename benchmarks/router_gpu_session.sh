@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/podium_router_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu \
-  -e ./platforms/cuda -e ./server -e ./router 2>&1 | grep -v -i warning | tail -3
+  -e ./platforms/cuda -e ./server -e ./bench -e ./router 2>&1 | grep -v -i warning | tail -3
 MODEL=${MODEL:-smollm2-135m-instruct}
 run_step() {  # run_step NAME TIMEOUT ARGS...
   local name=$1 limit=$2; shift 2
