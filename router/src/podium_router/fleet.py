@@ -40,6 +40,10 @@ from .settings import ReplicaSpec, RouterSettings, tomllib
 
 logger = logging.getLogger("podium_router")
 _RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory")
+# how long an actor may take to answer info() before its replica leaves the set: generous, since a
+# dead actor answers at once (with an error) and the router's health checks take a silent replica
+# out of routing anyway; a short one made replicas flap in and out on a loaded machine
+PATIENCE_S = 30.0
 _REPLICA_KEYS = {"name", "model", "platform", "args", "env", "replicas", "resources", "max_restarts",
                  "startup_timeout", *_RESOURCE_KEYS}
 
@@ -166,7 +170,7 @@ class FleetFeed:
 
     async def run(self, pool) -> None:
         while True:
-            answers = [self._answer(name, 4 * pool.settings.poll_interval_s) for name in self.actors]
+            answers = [self._answer(name, PATIENCE_S) for name in self.actors]
             pool.sync([ReplicaSpec(a["url"], a["name"]) for a in answers if a is not None], "fleet")
             await asyncio.sleep(pool.settings.poll_interval_s)
 
