@@ -110,7 +110,7 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.2):
 
 
 def replicas_seen_by(router: Process) -> dict[str, dict]:
-    return {r["url"]: r for r in httpx.get(router.url + "/admin/replicas", timeout=5).json()["replicas"]}
+    return {r["url"]: r for r in httpx.get(router.url + "/admin/replicas", timeout=30).json()["replicas"]}
 
 
 @dataclass

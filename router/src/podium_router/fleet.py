@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,12 +166,13 @@ class FleetFeed:
         self.spec, self.ray = spec, ray_module
         actor_class = ray_module.remote(ReplicaServer)
         self.actors = {plan.name: actor_class.options(**plan.actor_options()).remote(plan) for plan in spec.replicas}
-        self._asks: dict[str, tuple[asyncio.Future, float]] = {}  # one question in flight per actor
+        self._asks: dict[str, tuple[Future, float]] = {}  # one question in flight per actor
         self._last: dict[str, dict | None] = {}
 
     async def run(self, pool) -> None:
         while True:
-            answers = [self._answer(name, PATIENCE_S) for name in self.actors]
+            # Ray's calls may block (an actor restarting): on a thread, never on the router's event loop
+            answers = await asyncio.to_thread(lambda: [self._answer(name, PATIENCE_S) for name in self.actors])
             pool.sync([ReplicaSpec(a["url"], a["name"]) for a in answers if a is not None], "fleet")
             await asyncio.sleep(pool.settings.poll_interval_s)
 
@@ -183,7 +185,7 @@ class FleetFeed:
             if ask is not None:
                 ok = not ask.cancelled() and ask.exception() is None
                 self._last[name] = ask.result() if ok else None
-            self._asks[name] = (asyncio.wrap_future(self.actors[name].info.remote().future()), now)
+            self._asks[name] = (self.actors[name].info.remote().future(), now)
         elif now - asked_at > patience_s:
             self._last[name] = None
         return self._last.get(name)
