@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
+from podium_cpu import CpuPlatform
 from podium_cpu.fused_ops import cpu_ops
 from podium_cpu.linear_packing import pack_linear_layers
 from podium_cpu.moe import PACKED_ATTRIBUTE, pack_experts
@@ -64,7 +66,7 @@ def main() -> None:
     kernels, why = load_kernels()
     platform_op = cpu_ops(kernels)["fused_moe"]
     experts = experts_for(args.shape, dtype)
-    packed = pack_experts(experts, pack_linear_layers)
+    packed = pack_experts(experts, partial(pack_linear_layers, rules=CpuPlatform().linear_rules()))
     num_experts, top_k, hidden, inter = SHAPES[args.shape]
     kind = type(getattr(experts, PACKED_ATTRIBUTE).gate_up[0]).__name__ if packed else "none (reference)"
     print(f"{args.shape} {args.dtype}: {num_experts} experts, top {top_k}, {hidden} x {inter}; packed linears: {kind}; "

@@ -18,6 +18,8 @@ import collections
 import statistics
 import time
 
+import torch
+
 from decode_breakdown import wrap  # benchmarks/ is the script's folder, first on sys.path
 
 from podium_bench.backends import EngineOptions, podium_backend, target_of
@@ -32,13 +34,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--no-amx", action="store_true", help="pack linears for oneDNN even where AMX runs")
+    parser.add_argument("--onednn", action="store_true", help="pack linears for oneDNN even where a native kernel runs")
     args = parser.parse_args()
-    if args.no_amx:
-        import podium_cpu.platform as cpu_platform
+    if args.onednn:
+        from podium_cpu import CpuPlatform
+        from podium_cpu.linear_choice import LinearRule
 
-        pack = cpu_platform.pack_linear_layers
-        cpu_platform.pack_linear_layers = lambda model, *amx: pack(model)
+        forced = {dtype: LinearRule("onednn", "forced by --onednn") for dtype in (torch.bfloat16, torch.float32)}
+        CpuPlatform.linear_rules = lambda self: forced
     given = {"model": args.model, "dtype": args.dtype, "max_num_batched_tokens": args.max_num_batched_tokens}
     options = EngineOptions({k: v for k, v in given.items() if v is not None})
     backend = podium_backend(options)

@@ -3,13 +3,10 @@
 The properties a bug would break: a replayed step gives the eager step's logits bit for bit on
 inputs the capture never saw (new tokens, longer sequences, other slots, other block tables,
 padded rows); greedy generation through graphs gives the eager engine's tokens at every batch
-bucket while sequences finish and the batch shrinks, and frees every block; a step with an op
-outside the native kernels is refused at capture (the engine stays eager) instead of replaying
-wrongly; the embedding kernel is F.embedding's lookup.
-
-Whether an engine captures depends on the kernels its CPU runs the linears on, so the tests ask the
-engine (``linear_kernels``) instead of guessing from CPU flags: bf16 linears on the native AMX or
-FMA kernel are captured; on oneDNN (AVX-512 without AMX) the step is refused and stays eager.
+bucket while sequences finish and the batch shrinks, and frees every block, in every dtype whose
+linears run on a native kernel here (the platform says which: ``CpuPlatform.linear_kernel``); a
+step with an op outside the native kernels is refused at capture (the engine stays eager) instead
+of replaying wrongly; the embedding kernel is F.embedding's lookup.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from podium import LLM, SamplingParams
 from podium_cpu import CpuPlatform
 from podium_cpu.embedding import NativeEmbedding
 from podium_cpu.graphs import MAX_GRAPH_BATCH, CpuGraphRunner, capturing
-from podium_cpu.linear_packing import NativeLinear, PackedLinear
 from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import GraphCaptureUnsupported
 from podium_plugin_api.testing.attention_checks import check_graph_capture
@@ -39,22 +35,20 @@ def kernels():
     return loaded
 
 
-def linear_kernels(llm) -> set[str]:
-    """The kernels the engine packed its model's linears for: "amx", "fma" (native) or "onednn"."""
-    return {m.kind if isinstance(m, NativeLinear) else "onednn"
-            for m in llm.engine.model.modules() if isinstance(m, (NativeLinear, PackedLinear))}
+# SmolLM2-135M's linears: q|k|v, o, gate|up, down, lm_head (out_features, in_features)
+SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
-def captures(llm) -> bool:
-    """Whether this engine's decode step can be captured: every linear on a native kernel."""
-    kinds = linear_kernels(llm)
-    return bool(kinds) and kinds <= {"amx", "fma"}
+def captured_here(dtype: torch.dtype, rows: int = MAX_GRAPH_BATCH) -> bool:
+    """Whether decode steps of ``rows`` sequences are all-native in ``dtype`` here, as the platform says."""
+    platform = CpuPlatform()
+    return all(platform.linear_kernel(dtype, n, k, rows).native for n, k in SMOLLM2_LINEARS)
 
 
-def skip_unless_captured(llm) -> None:
-    if not captures(llm):
-        pytest.skip(f"bf16 linears run on {sorted(linear_kernels(llm))} here, not a native kernel: no graphs "
-                    "to compare (test_engine_captures_decode_buckets_up_to_the_limit checks the refusal)")
+def needs_native_linears(dtype: torch.dtype) -> None:
+    if not captured_here(dtype):
+        choice = CpuPlatform().linear_kernel(dtype, 576, 576, MAX_GRAPH_BATCH)
+        pytest.skip(f"{dtype} linears are not native here, nothing to capture: {choice.kernel} ({choice.reason})")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -66,32 +60,35 @@ def test_captured_attention_replays_equal_eager_forwards(kernels, dtype):
     assert check_graph_capture(platform, platform.attention_backend(), dtype) is None
 
 
-@pytest.fixture(scope="module")
-def bf16_llm(kernels):
-    return LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=256, max_num_seqs=32)
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 
 
-def test_engine_captures_decode_buckets_up_to_the_limit(bf16_llm):
-    """Native linears: every bucket up to max_num_seqs is captured. oneDNN linears (a torch op):
-    the capture is refused, no graph is kept, and the engine still generates."""
-    graphs = bf16_llm.engine.runner.graphs
-    assert linear_kernels(bf16_llm)  # the platform packed the model's bf16 linears for some kernel
-    if captures(bf16_llm):
-        assert sorted(graphs) == [1, 2, 4, 8, 16, 24, 32]  # max_num_seqs 32, under MAX_GRAPH_BATCH
-    else:
-        assert graphs == {}
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        assert len(bf16_llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def graph_llm(request, kernels):
+    needs_native_linears(request.param)
+    return LLM("smollm2-135m-instruct", dtype=name(request.param), device="cpu", max_model_len=256, max_num_seqs=32)
+
+
+def name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(llm: LLM) -> str:
+    return name(next(llm.engine.model.parameters()).dtype)
+
+
+def test_engine_captures_decode_buckets_up_to_the_limit(graph_llm):
+    graphs = graph_llm.engine.runner.graphs
+    assert sorted(graphs) == [1, 2, 4, 8, 16, 24, 32]  # max_num_seqs 32, under MAX_GRAPH_BATCH
     assert not capturing()
 
 
 @pytest.mark.slow
-def test_graphs_give_the_eager_engines_tokens_and_logprobs(bf16_llm):
+def test_graphs_give_the_eager_engines_tokens_and_logprobs(graph_llm):
     """Batches of 1 to 29 decodes (every bucket up to 32, padded rows included), sequences finishing
     at different lengths so the batch shrinks through the buckets: the same tokens as eager and the
     same top-3 logprobs to the bit (the replayed logits are the eager ones), every block free after."""
-    skip_unless_captured(bf16_llm)
-    eager = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=256, max_num_seqs=32,
+    eager = LLM("smollm2-135m-instruct", dtype=dtype_of(graph_llm), device="cpu", max_model_len=256, max_num_seqs=32,
                 enforce_eager=True)
     assert not eager.engine.runner.graphs
     rng = random.Random(1)
@@ -100,28 +97,30 @@ def test_graphs_give_the_eager_engines_tokens_and_logprobs(bf16_llm):
     # sequence i stops after 2 + i tokens: the batch shrinks one by one from 29 to 1
     params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True, logprobs=3) for i in range(len(prompts))]
     used = []
-    original = bf16_llm.engine.runner._replay
+    original = graph_llm.engine.runner._replay
 
     def counting(size, *args, **kwargs):
         used.append(size)
         return original(size, *args, **kwargs)
 
-    bf16_llm.engine.runner._replay = counting
+    graph_llm.engine.runner._replay = counting
     try:
-        got = [o.outputs[0] for o in bf16_llm.generate(prompts, params, use_tqdm=False)]
+        got = [o.outputs[0] for o in graph_llm.generate(prompts, params, use_tqdm=False)]
     finally:
-        del bf16_llm.engine.runner._replay
+        del graph_llm.engine.runner._replay
     want = [o.outputs[0] for o in eager.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
     assert set(used) == {1, 2, 4, 8, 16, 24, 32}  # the batch went through every bucket
-    stats = bf16_llm.engine.stats()
+    stats = graph_llm.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_a_step_with_a_torch_op_is_refused_not_replayed(kernels):
-    """float32 linears run on oneDNN (a torch op): the capture is refused and the engine stays eager."""
-    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4)
+    """float16 linears are F.linear (a torch op; the platform says so): the capture is refused and the
+    engine stays eager."""
+    assert CpuPlatform().linear_kernel(torch.float16, 576, 576, 1).kernel == "torch"
+    llm = LLM("smollm2-135m-instruct", dtype="float16", device="cpu", max_model_len=128, max_num_seqs=4)
     assert llm.engine.runner.graphs == {}
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
@@ -132,10 +131,11 @@ def test_a_step_with_a_torch_op_is_refused_not_replayed(kernels):
     assert not capturing()  # the recorder is gone after a refused capture too
 
 
-def test_graphs_stop_at_the_runners_limit(kernels):
+@DTYPES
+def test_graphs_stop_at_the_runners_limit(kernels, dtype):
     """max_num_seqs 100 would add a 100-row graph; the runner's max_batch_size stops the buckets at 64."""
-    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", max_model_len=128, max_num_seqs=100)
-    skip_unless_captured(llm)
+    needs_native_linears(dtype)
+    llm = LLM("smollm2-135m-instruct", dtype=name(dtype), device="cpu", max_model_len=128, max_num_seqs=100)
     assert sorted(llm.engine.runner.graphs) == [1, 2, 4, 8, 16, 24, 32, 48, MAX_GRAPH_BATCH]
 
 
@@ -170,11 +170,12 @@ def test_smaller_graphs_share_the_largest_ones_buffers(kernels):
     assert out_small.data_ptr() == out_big.data_ptr()  # the same memory: the big output is overwritten now
 
 
+@DTYPES
 @pytest.mark.parametrize("arch", ["mistral-sliding", "qwen2-bias", "llama-bias-linear-rope", "qwen3-qk-norm"])
-def test_architectures_replay_their_eager_logprobs(kernels, arch, tmp_path):
+def test_architectures_replay_their_eager_logprobs(kernels, arch, dtype, tmp_path):
     """Sliding windows, biases, rope scaling through graphs: eager's tokens and logprobs. Qwen3's
-    q/k norms copy the heads out of the fused projection (a torch op): refused, eager, same results.
-    Where the linears run on oneDNN every architecture is refused: eager twice, same results."""
+    q/k norms copy the heads out of the fused projection (a torch op): refused, eager, same results."""
+    needs_native_linears(dtype)
     from model_fixtures import ARCHITECTURES, save_tiny_model
 
     model_type, overrides = ARCHITECTURES[arch]
@@ -184,8 +185,8 @@ def test_architectures_replay_their_eager_logprobs(kernels, arch, tmp_path):
     params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True, logprobs=2) for i in range(6)]
     outputs = {}
     for eager in (True, False):
-        llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", max_num_seqs=8, enforce_eager=eager)
-        assert bool(llm.engine.runner.graphs) == (not eager and arch != "qwen3-qk-norm" and captures(llm))
+        llm = LLM(str(tmp_path), dtype=name(dtype), device="cpu", max_num_seqs=8, enforce_eager=eager)
+        assert bool(llm.engine.runner.graphs) == (not eager and arch != "qwen3-qk-norm")
         outputs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in outputs[False]] == [o.token_ids for o in outputs[True]]
     assert [o.logprobs for o in outputs[False]] == [o.logprobs for o in outputs[True]]

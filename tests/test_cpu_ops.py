@@ -9,19 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from podium_cpu import fused_ops
-from podium_cpu.linear_packing import (
-    AMX_MAX_ROWS,
-    AmxLinear,
-    FmaLinear,
-    PackedLinear,
-    amx_tiles,
-    can_pack,
-    fma_panels,
-    pack_linear_layers,
-    packing_unavailable,
-)
+from podium_cpu import CpuPlatform, fused_ops
+from podium_cpu.linear_choice import AMX_MAX_ROWS, LinearRule, runnable_native_kernels
+from podium_cpu.linear_packing import NativeLinear, amx_tiles, f32_panels, fma_panels, pack_linear_layers
 from podium_cpu.native_kernels import load_kernels
+from podium_cpu.onednn_linear import PackedLinear, can_pack, packing_unavailable
 from podium_plugin_api import ops as reference
 
 
@@ -59,8 +51,23 @@ def test_rms_norm_strided_rows_and_fallbacks(kernels):
     x = wide[:, :96]  # rows 200 apart
     weight = torch.randn(96).bfloat16()
     assert bf16_ulps(fused_ops.rms_norm(kernels, x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)).max() <= 1
-    x32 = torch.randn(4, 96)
-    assert torch.equal(fused_ops.rms_norm(kernels, x32, weight.float(), 1e-6), reference.rms_norm(x32, weight.float(), 1e-6))
+    x16 = torch.randn(4, 96).half()  # float16: the reference, exactly
+    assert torch.equal(fused_ops.rms_norm(kernels, x16, weight.half(), 1e-6), reference.rms_norm(x16, weight.half(), 1e-6))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 576), (33, 576), (5, 93), (300, 64)])
+def test_rms_norm_float32_is_the_reference_within_float32_rounding(kernels, rows, cols):
+    """Only the sum of squares runs in another order than torch's: a few float32 ulps at most."""
+    gen = torch.Generator().manual_seed(rows)
+    x, residual, weight = (torch.randn(rows, cols, generator=gen) * 3), torch.randn(rows, cols, generator=gen), \
+        torch.randn(cols, generator=gen)
+    want = reference.rms_norm(x.double(), weight.double(), 1e-5)
+    got = fused_ops.rms_norm(kernels, x, weight, 1e-5)
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 8 * 2.0**-24 * want.abs().max()
+    normed, summed = fused_ops.fused_add_rms_norm(kernels, x, residual, weight, 1e-5)
+    assert torch.equal(summed, x + residual)  # one float32 rounding, as torch's
+    want = reference.rms_norm(summed.double(), weight.double(), 1e-5)
+    assert (normed.double() - want).abs().max() <= 8 * 2.0**-24 * want.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -108,8 +115,11 @@ def test_silu_and_mul_strided_rows_and_fallbacks(kernels):
     wide = torch.randn(9, 300).bfloat16()
     x = wide[:, :192]  # rows 300 apart: [9, 2 * 96]
     assert bf16_ulps(fused_ops.silu_and_mul(kernels, x), reference.silu_and_mul(x)).max() <= 1
-    x32 = torch.randn(5, 192)  # float32 stays the reference, exactly
-    assert torch.equal(fused_ops.silu_and_mul(kernels, x32), reference.silu_and_mul(x32))
+    x32 = torch.randn(5, 192) * 4  # float32: e^x within a few ulps of torch's
+    got, want = fused_ops.silu_and_mul(kernels, x32), reference.silu_and_mul(x32.double())
+    assert got.dtype == torch.float32 and bool(((got.double() - want).abs() <= 4 * 2.0**-23 * want.abs()).all())
+    x16 = torch.randn(5, 192).half()  # float16: the reference, exactly
+    assert torch.equal(fused_ops.silu_and_mul(kernels, x16), reference.silu_and_mul(x16))
     x3 = torch.randn(2, 3, 64).bfloat16()  # more than two dims: the reference
     assert torch.equal(fused_ops.silu_and_mul(kernels, x3), reference.silu_and_mul(x3))
     odd = torch.randn(4, 7).bfloat16()  # no even split: the reference's error
@@ -130,18 +140,22 @@ def test_top_k_prefilter_keeps_what_the_reference_keeps():
     assert torch.equal(fused_ops.top_k_top_p(logits, top_k, top_p), reference.top_k_top_p(logits, top_k, top_p))
 
 
+# --- linears ----------------------------------------------------------------------------------
+
+
 def test_packing_is_refused_exactly_where_onednn_has_no_bf16_matmul():
-    """The probe agrees with what oneDNN does with a real weight, and packing nothing is not an error."""
-    model = nn.Sequential(nn.Linear(64, 64)).bfloat16()
+    """The probe agrees with what oneDNN does with a real weight."""
     try:
-        torch.ops.mkldnn._reorder_linear_weight(model[0].weight.detach(), 32)
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64).bfloat16(), 32)
         refused = False
     except RuntimeError:
         refused = True
     assert can_pack(torch.bfloat16) == (not refused) and bool(packing_unavailable()) == refused
-    assert pack_linear_layers(model) == (0 if refused else 1)
     assert can_pack(torch.float32) == (packing_unavailable(torch.float32) == "")
     assert not can_pack(torch.float16) and "float16" in packing_unavailable(torch.float16)
+
+
+ONEDNN_ONLY = {dtype: LinearRule("onednn", "test") for dtype in (torch.bfloat16, torch.float32)}
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason=packing_unavailable() or "packing available")
@@ -151,25 +165,24 @@ def test_packed_linear_is_bit_identical_to_f_linear():
     x = torch.randn(5, 3, 96).bfloat16()
     want = model(x)
     first_weight = model[0].weight
-    assert pack_linear_layers(model) == 2
+    assert pack_linear_layers(model, ONEDNN_ONLY) == 2
     assert isinstance(model[0], PackedLinear) and model[0].weight is first_weight
     assert sorted(dict(model.named_parameters())) == ["0.bias", "0.weight", "2.weight"]
     for rows in (1, 7, 64):
         xs = torch.randn(rows, 96).bfloat16()
         assert torch.equal(model[0](xs), F.linear(xs, first_weight, model[0].bias))
     assert torch.equal(model(x), want)
-    assert pack_linear_layers(nn.Sequential(nn.Linear(4, 4)), float32=False) == 0  # float32 left as it is
+    only_bf16 = {torch.bfloat16: ONEDNN_ONLY[torch.bfloat16]}
+    assert pack_linear_layers(nn.Sequential(nn.Linear(4, 4)), only_bf16) == 0  # float32 left as it is
 
 
 @pytest.mark.skipif(not can_pack(torch.float32), reason=packing_unavailable(torch.float32) or "packing available")
 def test_float32_packing_is_accurate_for_every_batch_size():
-    """oneDNN's packed fp32 matmul: within float32 rounding of the exact result at every row count.
-    (Bit-equal rows across batch sizes held with torch 2.13's oneDNN at 1-256 rows, not with torch
-    2.8's, nor for MKL's F.linear: not asserted.)"""
+    """oneDNN's packed fp32 matmul: within float32 rounding of the exact result at every row count."""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(576, 960), nn.Linear(960, 1536, bias=False)).requires_grad_(False)
     first = model[0].weight
-    assert pack_linear_layers(model) == 2
+    assert pack_linear_layers(model, ONEDNN_ONLY) == 2
     assert isinstance(model[0], PackedLinear) and model[0].weight is first and model[0].dtype == torch.float32
     x = torch.randn(300, 576)
     want = x.double() @ first.double().T + model[0].bias.double()
@@ -181,8 +194,8 @@ def test_float32_packing_is_accurate_for_every_batch_size():
     assert model[0](x.reshape(3, 100, 576)).shape == (3, 100, 960)  # leading dims kept
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason=packing_unavailable() or "packing available")
-def test_tied_lm_head_is_packed_and_gives_the_unpacked_logits():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tied_lm_head_is_packed_as_the_rules_say_and_gives_the_logits(dtype):
     from transformers import LlamaConfig
 
     from podium.models.registry import build_model, init_random_weights
@@ -190,149 +203,170 @@ def test_tied_lm_head_is_packed_and_gives_the_unpacked_logits():
 
     config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    model = build_model(config, build_op_table(), torch.bfloat16, "cpu")
+    model = build_model(config, build_op_table(), dtype, "cpu")
     init_random_weights(model, seed=0)
     embedding = model.model.embed_tokens.weight
     assert model.lm_head.weight is embedding  # tied again after materialization
-    hidden = torch.randn(32, 64).bfloat16()
-    want = model.compute_logits(hidden)
-    assert pack_linear_layers(model) == 5  # q|k|v, o, gate|up, down, lm_head
-    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight is embedding
-    assert torch.equal(model.compute_logits(hidden), want) and want.dtype == torch.bfloat16
+    hidden = torch.randn(32, 64).to(dtype)
+    want = hidden.double() @ embedding.double().T
+    platform = CpuPlatform()
+    choice = platform.linear_kernel(dtype, 4096, 64, rows=32)
+    replaced = pack_linear_layers(model, platform.linear_rules())
+    assert replaced == (0 if choice.kernel == "torch" else 5)  # q|k|v, o, gate|up, down, lm_head
+    assert getattr(model.lm_head, "kernel_name", "torch") == choice.kernel and model.lm_head.weight is embedding
+    got = model.compute_logits(hidden)
+    assert got.dtype == dtype and (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
-@pytest.fixture(scope="module")
-def amx_kernel(kernels):
-    kernel = kernels.amx_linear.get(torch.bfloat16)
-    if kernel is None:
-        pytest.skip("no AMX tiles on this CPU (or not granted to this process)")
-    return kernel
+def test_the_rules_name_a_kernel_for_every_dtype_and_batch():
+    platform = CpuPlatform()
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for rows in (1, 64, AMX_MAX_ROWS + 1, 4096):
+            choice = platform.linear_kernel(dtype, 960, 576, rows)
+            assert choice.kernel in ("amx", "avx512-bf16", "fma", "onednn", "torch") and "960" in choice.reason
+    assert platform.linear_kernel(torch.float16, 8, 8, 1).kernel == "torch"
+    with pytest.raises(ValueError, match="positive sizes"):
+        platform.linear_kernel(torch.float32, 8, 8, 0)
+    summaries = platform.capabilities().extra["linears"]
+    assert set(summaries) == {"bfloat16", "float32", "float16"}
 
 
-@pytest.fixture(scope="module")
-def amx_pack(kernels):
-    return kernels.amx_pack[torch.bfloat16]  # plain C: there wherever the library loads
+def test_the_rules_take_the_fastest_kernel_this_cpu_runs(kernels):
+    """Where a native kernel runs, decode-sized batches use it (and so are captured); the order of
+    preference: AMX, AVX512-BF16, oneDNN, FMA for bf16; FMA, oneDNN for float32."""
+    platform = CpuPlatform()
+    runnable = {(k.name, k.dtype) for k in runnable_native_kernels(kernels)}
+    bf16 = platform.linear_kernel(torch.bfloat16, 576, 576, 32).kernel
+    for name in ("amx", "avx512-bf16"):
+        if (name, torch.bfloat16) in runnable:
+            assert bf16 == name
+            break
+    else:
+        assert bf16 == ("onednn" if can_pack(torch.bfloat16) else "fma" if ("fma", torch.bfloat16) in runnable
+                        else "torch")
+    f32 = platform.linear_kernel(torch.float32, 576, 576, 32).kernel
+    assert f32 == ("fma" if ("fma", torch.float32) in runnable else "onednn" if can_pack(torch.float32) else "torch")
 
 
-@pytest.fixture(scope="module", params=["amx", "fma"])
-def native_linear(request, kernels):
-    """(layer class, kernel, packer) of each native bf16 linear kernel this CPU runs."""
-    kind = request.param
-    kernel = getattr(kernels, f"{kind}_linear").get(torch.bfloat16)
-    if kernel is None:
-        pytest.skip(f"the {kind} linear kernel does not run on this CPU")
-    return {"amx": AmxLinear, "fma": FmaLinear}[kind], kernel, getattr(kernels, f"{kind}_pack")[torch.bfloat16]
+@pytest.fixture(scope="module", params=["amx-bfloat16", "avx512-bf16-bfloat16", "fma-bfloat16", "fma-float32"])
+def native_kernel(request, kernels):
+    """Each native linear kernel this CPU runs, chosen by the rules or not."""
+    found = {f"{k.name}-{str(k.dtype).removeprefix('torch.')}": k for k in runnable_native_kernels(kernels)}
+    if request.param not in found:
+        pytest.skip(f"the {request.param} linear kernel does not run on this CPU")
+    return found[request.param]
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (49152, 576), (100, 70), (33, 64), (16, 31), (1, 1)])
-@pytest.mark.parametrize("layout,kind", [(amx_tiles, "amx"), (fma_panels, "fma")], ids=["amx", "fma"])
-def test_native_packing_is_the_torch_layout_bit_for_bit(kernels, layout, kind, shape):
+@pytest.mark.parametrize("shape", [(960, 576), (49152, 576), (100, 70), (33, 64), (16, 31), (1, 1), (72, 7)])
+@pytest.mark.parametrize("layout,dtype,kind", [(amx_tiles, torch.bfloat16, "amx"), (fma_panels, torch.bfloat16, "fma"),
+                                               (f32_panels, torch.float32, "fma")], ids=["amx", "fma-bf16", "fma-f32"])
+def test_native_packing_is_the_torch_layout_bit_for_bit(kernels, layout, dtype, kind, shape):
     """The load-time packers write exactly the torch definition of their layout, zero padding included."""
-    pack = getattr(kernels, f"{kind}_pack")[torch.bfloat16]  # plain C: there wherever the library loads
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).bfloat16()
+    pack = getattr(kernels, f"{kind}_pack")[dtype]  # plain C: there wherever the library loads
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])).to(dtype)
     want = layout(weight)
     assert torch.equal(layout(weight, pack), want)
     assert torch.equal(layout(weight.t().contiguous().t(), pack), want)  # a non-contiguous weight
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x . weight^T + bias in float64: exact here (bf16 products, short sums)."""
+    """x . weight^T + bias in float64: exact here for bf16 (products exact, short sums)."""
     out = x.double() @ weight.double().T
     return out if bias is None else out + bias.double()
 
 
-@pytest.mark.parametrize("features", [(576, 960), (70, 100), (1536, 576), (64, 33)])
-def test_native_linear_rounds_the_exact_result_once(native_linear, features):
-    layer_class, kernel, pack = native_linear
+def assert_rounded_once(got: torch.Tensor, x, weight, bias, what) -> None:
+    """got is the exact result with float32 sums (error below K ulps of the sum of |terms|) rounded
+    once to its dtype, and its typical error is a rounding's plus a random walk's over K sums, far
+    below the bound."""
+    want = exact_linear(x, weight, bias)
+    magnitude = exact_linear(x.abs(), weight.abs(), None if bias is None else bias.abs())
+    unit = 2.0**-8 if got.dtype == torch.bfloat16 else 2.0**-24
+    bound = unit * want.abs() + x.shape[1] * 2.0**-23 * magnitude
+    error = (got.double() - want).abs()
+    assert bool((error <= bound).all()), what
+    typical = 2 * unit * float(want.abs().mean()) + x.shape[1] ** 0.5 * 2.0**-24 * float(magnitude.mean())
+    assert float(error.mean()) < typical, what  # not merely within bounds
+
+
+@pytest.mark.parametrize("features", [(576, 960), (70, 100), (1536, 576), (64, 33), (7, 50), (33, 17)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_native_linear_rounds_the_exact_result_once(native_kernel, features, bias):
     in_features, out_features = features
     torch.manual_seed(0)
-    linear = nn.Linear(in_features, out_features, bias=True).bfloat16().requires_grad_(False)
-    layer = layer_class(linear, kernel, pack)
-    for rows in (1, 5, 6, 16, 17, 32, 45, 100):
-        x = torch.randn(rows, in_features).bfloat16()
-        got = layer(x).double()
-        want = exact_linear(x, linear.weight, linear.bias)
-        magnitude = exact_linear(x.abs(), linear.weight.abs(), linear.bias.abs())
-        # float32 sums (error below K ulps of the sum of |terms|), then one rounding to bf16
-        bound = 2.0**-8 * want.abs() + in_features * 2.0**-23 * magnitude
-        assert bool(((got - want).abs() <= bound).all()), rows
-        assert float((got - want).abs().mean()) < 2.0**-9 * float(want.abs().mean())  # not merely within bounds
+    linear = nn.Linear(in_features, out_features, bias=bias).to(native_kernel.dtype).requires_grad_(False)
+    layer = NativeLinear(linear, native_kernel)
+    for rows in (1, 2, 5, 6, 7, 16, 17, 32, 33, 45, 64, 100):
+        x = torch.randn(rows, in_features).to(native_kernel.dtype)
+        got = layer(x)
+        assert got.dtype == native_kernel.dtype and got.shape == (rows, out_features)
+        assert_rounded_once(got, x, linear.weight, linear.bias, (native_kernel.name, rows))
 
 
-def test_native_linear_rows_do_not_depend_on_the_batch(native_linear):
-    layer_class, kernel, _ = native_linear
+def test_native_linear_rows_do_not_depend_on_the_batch(native_kernel):
     torch.manual_seed(1)
-    linear = nn.Linear(96, 200, bias=False).bfloat16().requires_grad_(False)
-    layer = layer_class(linear, kernel)
-    wide = torch.randn(100, 150).bfloat16()
+    linear = nn.Linear(96, 200, bias=False).to(native_kernel.dtype).requires_grad_(False)
+    layer = NativeLinear(linear, native_kernel)
+    wide = torch.randn(100, 150).to(native_kernel.dtype)
     x = wide[:, :96]  # rows 150 apart: read in place, no copy
     batch = layer(x)
-    # first, last of a 32-row AMX chunk / 48-row FMA chunk, 6-row FMA blocks, inside the last chunk
-    for i in (0, 5, 6, 31, 32, 47, 48, 63, 99):
+    # first, last of a 32-row AMX chunk / 48-row FMA chunk, register blocks of 5 and 6, the last chunk
+    for i in (0, 5, 6, 31, 32, 47, 48, 63, 64, 99):
         assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1])
+    for rows in (7, 33, 64):  # other batch sizes split the rows into other register blocks
+        assert torch.equal(layer(x[:rows]), batch[:rows])
     assert torch.equal(layer(x.reshape(4, 25, 96)), batch.reshape(4, 25, 200))
 
 
-def test_amx_linear_leaves_large_batches_to_onednn(amx_kernel):
-    torch.manual_seed(2)
-    linear = nn.Linear(64, 48).bfloat16().requires_grad_(False)
-    x = torch.randn(AMX_MAX_ROWS + 1, 64).bfloat16()
-    assert torch.equal(AmxLinear(linear, amx_kernel)(x), F.linear(x, linear.weight, linear.bias))
-
-
-def test_fma_linear_takes_every_batch(native_linear):
-    layer_class, kernel, _ = native_linear
-    if layer_class is not FmaLinear:
-        pytest.skip("the AMX kernel stops at AMX_MAX_ROWS (test above)")
+def test_native_linear_takes_the_batches_its_rule_says(native_kernel):
     torch.manual_seed(3)
-    linear = nn.Linear(64, 48).bfloat16().requires_grad_(False)
-    x = torch.randn(1000, 64).bfloat16()
-    got = FmaLinear(linear, kernel)(x).double()
-    want = exact_linear(x, linear.weight, linear.bias)
-    assert float((got - want).abs().max()) <= 2.0**-7 * float(want.abs().max())
+    linear = nn.Linear(64, 48).to(native_kernel.dtype).requires_grad_(False)
+    layer = NativeLinear(linear, native_kernel)
+    rows = 1000 if native_kernel.max_rows is None else native_kernel.max_rows + 1
+    x = torch.randn(rows, 64).to(native_kernel.dtype)
+    got = layer(x)
+    if native_kernel.max_rows is not None:  # above its rows: F.linear
+        assert torch.equal(got, F.linear(x, linear.weight, linear.bias))
+    assert_rounded_once(got, x, linear.weight, linear.bias, rows)
 
 
-def test_native_packing_keeps_parameters_and_ties(native_linear):
-    layer_class, kernel, _ = native_linear
-    embedding = nn.Embedding(300, 64).bfloat16()
-    head = nn.Linear(64, 300, bias=False).bfloat16()
+def test_native_packing_keeps_parameters_and_ties(native_kernel):
+    embedding = nn.Embedding(300, 64).to(native_kernel.dtype)
+    head = nn.Linear(64, 300, bias=False).to(native_kernel.dtype)
     head.weight = embedding.weight
-    model = nn.ModuleDict({"embed": embedding, "head": head, "f32": nn.Linear(4, 4)})
-    given = {"amx_kernel": kernel} if layer_class is AmxLinear else {"fma_kernel": kernel}
-    assert pack_linear_layers(model, **given, float32=False) == 1  # float32 left as it is
-    # oneDNN's packing comes before the FMA kernel where it can pack bf16
-    want = PackedLinear if layer_class is FmaLinear and can_pack(torch.bfloat16) else layer_class
-    assert isinstance(model["head"], want) and model["head"].weight is embedding.weight
-    assert sorted(dict(model.named_parameters())) == ["embed.weight", "f32.bias", "f32.weight"]
+    other = torch.float16
+    model = nn.ModuleDict({"embed": embedding, "head": head, "f16": nn.Linear(4, 4).to(other)})
+    assert pack_linear_layers(model, {native_kernel.dtype: LinearRule("onednn", "test", native_kernel)}) == 1
+    assert isinstance(model["head"], NativeLinear) and model["head"].weight is embedding.weight
+    assert sorted(dict(model.named_parameters())) == ["embed.weight", "f16.bias", "f16.weight"]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 32, 50])
+@pytest.mark.parametrize("rows", [1, 5, 32, 50, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_norm_and_silu_linears_equal_the_op_then_the_linear_bit_for_bit(kernels, native_linear, rows, bias):
-    """rms_norm_linear / silu_and_mul_linear into a native linear (FmaLinear, AmxLinear): one native
-    call whose input pass runs the same row code as the ops alone (native/prologue.h), so the result
-    is theirs exactly."""
-    layer_class, kernel, pack = native_linear
+def test_fused_norm_and_silu_linears_equal_the_op_then_the_linear_bit_for_bit(kernels, native_kernel, rows, bias):
+    """rms_norm_linear / silu_and_mul_linear into a NativeLinear: one native call whose input pass
+    runs the same row code as the ops alone (native/prologue.h), so the result is theirs exactly."""
+    dtype = native_kernel.dtype
     gen = torch.Generator().manual_seed(rows)
-    # 90: not a multiple of AMX's 32-input tiles (a padded input); 72: a partial last panel / tile pair
-    hidden, inter, out_features = 90, 160, 72
-    entry = {FmaLinear: "fma_fused_linear", AmxLinear: "amx_fused_linear"}[layer_class]
-    real, calls = getattr(kernels, entry)[torch.bfloat16], []
+    # 90: not a multiple of AMX's 32-input tiles (a padded input); 72: a partial last panel / tile pair;
+    # 161: an odd input (AVX512-BF16 stages it with a zero after the last value)
+    hidden, inter, out_features = 90, 161, 72
+    calls = []
     # the fused entry counts its calls, so "equal to the separate ops" cannot come from not fusing
-    kernels = dataclasses.replace(kernels, **{entry: {torch.bfloat16: lambda *args: calls.append(1) or real(*args)}})
+    counted = dataclasses.replace(native_kernel, fused=lambda *args: calls.append(1) or native_kernel.fused(*args))
 
     def layer(k: int):
         plain = nn.Linear(k, out_features, bias=bias).requires_grad_(False)
         plain.weight.copy_(torch.randn(out_features, k, generator=gen) / k**0.5)
         if bias:
             plain.bias.copy_(torch.randn(out_features, generator=gen))
-        return layer_class(plain.bfloat16(), kernel, pack)
+        return NativeLinear(plain.to(dtype), counted)
 
     qkv, down = layer(hidden), layer(inter)
-    x = torch.randn(rows, hidden, generator=gen).bfloat16()
-    residual = torch.randn(rows, hidden, generator=gen).bfloat16()
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16()
-    gate_up = torch.randn(rows, 2 * inter, generator=gen).mul(3).bfloat16()
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen).mul(3).to(dtype)
     out, summed = fused_ops.rms_norm_linear(kernels, x, residual, weight, 1e-6, qkv)
     normed, want_sum = fused_ops.fused_add_rms_norm(kernels, x, residual, weight, 1e-6)
     assert torch.equal(out, qkv(normed)) and torch.equal(summed, want_sum)
@@ -341,7 +375,7 @@ def test_fused_norm_and_silu_linears_equal_the_op_then_the_linear_bit_for_bit(ke
     assert torch.equal(fused_ops.silu_and_mul_linear(kernels, gate_up, down),
                        down(fused_ops.silu_and_mul(kernels, gate_up)))
     # strided rows (a view into a wider buffer) take the fused path too
-    wide = torch.randn(rows, 2 * inter + 8, generator=gen).bfloat16()[:, : 2 * inter]
+    wide = torch.randn(rows, 2 * inter + 8, generator=gen).to(dtype)[:, : 2 * inter]
     assert torch.equal(fused_ops.silu_and_mul_linear(kernels, wide, down), down(fused_ops.silu_and_mul(kernels, wide)))
     # and against the float64 reference, so "equal to the separate ops" is not equal to a shared bug
     want = reference.rms_norm_linear(x.double(), residual.double(), weight.double(), 1e-6,

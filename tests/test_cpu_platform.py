@@ -78,8 +78,8 @@ def test_kernels_build_into_the_cache_and_replace_stale_builds(tmp_path, monkeyp
     if kernels is None:
         assert "compiler" in why or "unavailable" in why
         return
-    assert sorted(p.name.split("-")[0] for p in kernels.paths) == ["amx_linear", "fma_linear", "fused_ops", "graph_replay",
-                                                                         "paged_attention"]
+    assert sorted(p.name.split("-")[0] for p in kernels.paths) == ["amx_linear", "dpbf16_linear", "fma_linear",
+                                                                         "fused_ops", "graph_replay", "paged_attention"]
     assert all(p.parent == stale.parent and p.exists() for p in kernels.paths)
     assert not stale.exists()
 

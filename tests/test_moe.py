@@ -8,10 +8,13 @@ another expert's rows, a weight applied to the wrong pair) cannot pass it.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from podium.models.moe import FusedMoE, route
+from podium_cpu import CpuPlatform
 from podium_cpu.fused_ops import cpu_ops
 from podium_cpu.linear_packing import pack_linear_layers
 from podium_cpu.moe import PACKED_ATTRIBUTE, pack_experts
@@ -118,7 +121,7 @@ def test_cpu_packed_experts_equal_the_reference(cpu_moe, dtype, num_experts, top
     x, weights, ids = random_routing(tokens, num_experts, top_k, hidden=64)
     x = x.to(dtype)
     want = fused_moe(x, experts, weights, ids)
-    packed = pack_experts(experts, pack_linear_layers)
+    packed = pack_experts(experts, partial(pack_linear_layers, rules=CpuPlatform().linear_rules()))
     got = cpu_moe(x, experts, weights, ids)
     assert got.dtype == dtype and got.shape == x.shape
     if dtype == torch.float32:

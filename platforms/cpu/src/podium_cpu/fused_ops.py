@@ -1,21 +1,22 @@
 """The CPU platform's overrides of the core's named ops (``podium_plugin_api.ops``).
 
-- rms_norm, fused_add_rms_norm: one native pass each (native/fused_ops.c) for bfloat16. They
-  round exactly where the references round but sum squares in their own order, so float32 keeps
-  the references (float32 output stays token-exact with transformers).
+- rms_norm, fused_add_rms_norm: one native pass each (native/fused_ops.c), bfloat16 and float32.
+  They round exactly where the references round but sum squares in their own order (float32
+  rounding apart; float32 greedy output stays token-exact with transformers, tested).
 - rotary_embedding: native for float32 and bfloat16; bit-identical to the reference.
-- silu_and_mul: native for bfloat16, rounding where torch's silu and mul round (silu in float32
-  of the bf16 gate, rounded to bf16, times up, rounded); its e^x is not libm's, but a full sweep
-  of bf16 gates gave torch's results bit for bit. float32 stays the reference.
-- rms_norm_linear, silu_and_mul_linear (API 1.5): where the linear is a native one, an ``FmaLinear``
-  (bf16 on AVX2 without oneDNN bf16) or an ``AmxLinear`` (bf16 on AMX, up to its row limit), one
-  native call: the norm or SiLU-mul runs row by row in the kernel's input pass (native/prologue.h,
-  the same row code as the ops alone), so the result is "op, then linear" bit for bit, in one call
-  and one OpenMP region instead of two. Other linears: the op above, then the linear.
+- silu_and_mul: native for bfloat16 and float32, rounding where torch's silu and mul round (silu
+  in float32 of the gate, rounded to the dtype, times up, rounded); its e^x is not libm's, but a
+  full sweep of bf16 gates gave torch's results bit for bit (float32: a few ulps).
+- rms_norm_linear, silu_and_mul_linear (API 1.5): where the linear is a ``NativeLinear`` that takes
+  the batch, one native call: the norm or SiLU-mul runs row by row in the kernel's input pass
+  (native/prologue.h, the same row code as the ops alone), so the result is "op, then linear" bit
+  for bit, in one call and one OpenMP region instead of two. Other linears: the op, then the linear.
 - top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
   row are sorted instead of the whole vocabulary.
 - fused_moe (API 1.7): tokens grouped by expert, every expert on packed linears (``moe``).
-Anything outside what a native op handles (other dtypes, odd strides) goes to the reference.
+Anything outside what a native op handles (other dtypes, odd strides) goes to the reference. The
+native ops are what lets a float32 decode step be captured as a CPU graph (graphs.py): every op
+of it is a native call.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from podium_plugin_api import ops as reference
 
 from . import moe
-from .linear_packing import AmxLinear, FmaLinear
+from .linear_packing import NativeLinear
 from .native_kernels import NativeKernels
 
 PREFILTER_MAX_FRACTION = 8  # the pre-filter pays when max(top_k) is at most vocab / 8
@@ -49,16 +50,20 @@ def cpu_ops(kernels: NativeKernels | None) -> dict[str, Callable]:
     return ops
 
 
-def _bf16_rows(x: torch.Tensor) -> bool:
-    """A 2-D bf16 CPU tensor whose rows are contiguous (any row stride)."""
-    return x.dtype == torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= x.shape[1]
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    """A 2-D bf16 or float32 CPU tensor whose rows are contiguous (any row stride)."""
+    return (x.dtype in NATIVE_DTYPES and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+            and x.stride(0) >= x.shape[1])
 
 
 def _norm_native(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    ok = _bf16_rows(x) and weight.dtype == torch.bfloat16 and weight.dim() == 1 and weight.shape[0] == x.shape[1]
+    ok = _native_rows(x) and weight.dtype == x.dtype and weight.dim() == 1 and weight.shape[0] == x.shape[1]
     ok = ok and weight.is_contiguous()
     if residual is not None:
-        ok = ok and _bf16_rows(residual) and residual.shape == x.shape
+        ok = ok and _native_rows(residual) and residual.dtype == x.dtype and residual.shape == x.shape
     return ok
 
 
@@ -115,7 +120,7 @@ def rotary_embedding(
 
 def silu_and_mul(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; rows may be strided."""
-    if not _bf16_rows(x) or x.shape[1] % 2:
+    if not _native_rows(x) or x.shape[1] % 2:
         return reference.silu_and_mul(x)
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype)  # [T, I]
@@ -123,23 +128,16 @@ def silu_and_mul(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _fused_linear(kernels: NativeKernels, x: torch.Tensor, linear) -> Callable | None:
-    """The native fused entry for input ``x`` into ``linear``, or None (another path)."""
-    kind = type(linear)
-    if kind is FmaLinear:
-        fused = kernels.fma_fused_linear.get(torch.bfloat16)
-    elif kind is AmxLinear and x.shape[0] <= linear.max_rows:
-        fused = kernels.amx_fused_linear.get(torch.bfloat16)
-    else:
+def _fused_linear(x: torch.Tensor, linear) -> Callable | None:
+    """The native fused entry for input ``x`` into ``linear``, or None (the op, then the linear)."""
+    if not isinstance(linear, NativeLinear) or not _native_rows(x) or not linear.takes(x):
         return None
-    if fused is None or not _bf16_rows(x) or x.shape[0] == 0:
-        return None
-    return fused
+    return linear.kernel.fused
 
 
 def _run_fused(fused, linear, x, residual=None, norm_weight=None, eps=0.0, summed=None, silu=False) -> torch.Tensor:
     m = x.shape[0]
-    out = torch.empty((m, linear.out_features), dtype=torch.bfloat16)  # [T, N]
+    out = torch.empty((m, linear.out_features), dtype=x.dtype)  # [T, N]
     bias = None if linear.bias_f32 is None else linear.bias_f32.data_ptr()
     rc = fused(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                0 if residual is None else residual.stride(0), None if norm_weight is None else norm_weight.data_ptr(),
@@ -147,13 +145,13 @@ def _run_fused(fused, linear, x, residual=None, norm_weight=None, eps=0.0, summe
                linear.out_features, linear.in_features, bias, out.data_ptr(), linear.out_features,
                torch.get_num_threads())
     if rc != 0:
-        raise MemoryError(f"the {linear.kind} linear kernel could not allocate its scratch rows")
+        raise MemoryError(f"the {linear.kernel_name} linear kernel could not allocate its scratch rows")
     return out
 
 
 def rms_norm_linear(kernels: NativeKernels, x, residual, weight, eps, linear):
     """(linear(rms_norm(x + residual)), x + residual); one native call into a native linear."""
-    fused = _fused_linear(kernels, x, linear)
+    fused = _fused_linear(x, linear)
     if fused is None or not _norm_native(x, weight, residual) or x.shape[1] != linear.in_features:
         if residual is None:
             return linear(rms_norm(kernels, x, weight, eps)), x
@@ -167,7 +165,7 @@ def rms_norm_linear(kernels: NativeKernels, x, residual, weight, eps, linear):
 
 def silu_and_mul_linear(kernels: NativeKernels, x, linear):
     """linear(silu(gate) * up) for x [T, 2I]; one native call into a native linear."""
-    fused = _fused_linear(kernels, x, linear)
+    fused = _fused_linear(x, linear)
     if fused is None or x.shape[1] != 2 * linear.in_features:
         return linear(silu_and_mul(kernels, x))
     return _run_fused(fused, linear, x, silu=True)

@@ -1,8 +1,9 @@
 """Graph capture on the CPU: a decode step's native kernel calls, recorded once and replayed from C.
 
 A CPU has no graph API, but a decode step of a model whose every op is one of this platform's
-native kernels (bf16 linears on AMX or FMA tiles with their fused norms, the paged attention with
-its rotary and cache write, the embedding lookup) is a fixed list of C calls over fixed memory.
+native kernels (linears on AMX tiles, AVX512-BF16 dot products or FMA units with their fused
+norms, in bf16 or float32 as ``linear_choice`` picks them; the paged attention with its rotary and
+cache write; the embedding lookup) is a fixed list of C calls over fixed memory.
 Capture runs the step once with a recorder installed (``native_kernels.RECORDER``, per thread):
 each ``NativeEntry`` call is executed and also stored with its arguments. Replay makes the same
 calls in order from C (graph_replay.c), in one ctypes call: the model's Python, the op dispatch,
@@ -20,7 +21,7 @@ buffers and return the same output tensor.
 
 A step that is not all native cannot be replayed this way: while capturing, the guard lets
 through only ops that allocate or view memory (and index tensors built once, ``arange``); any
-other torch op (a oneDNN float32 linear, a torch fallback of an op) raises
+other torch op (a oneDNN linear, a torch fallback of an op) raises
 ``GraphCaptureUnsupported``, and the engine runs its steps eagerly. Graphs cover decode batches up
 to ``MAX_GRAPH_BATCH`` rows: above that the kernels' own time dwarfs what a replay saves, and the
 graphs keep the largest one's intermediate tensors (~0.5 MB a row for SmolLM2; smaller sizes

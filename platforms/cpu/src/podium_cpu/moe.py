@@ -7,8 +7,8 @@ per-call weight reorder: a bf16 ``x @ w.t()`` hands oneDNN a plain [out, in] wei
 re-blocks on every call, a whole extra pass over the expert's weights (the dense linears measured
 that at about a third of a decode step's matmul time; see ``linear_packing``). So at load
 (``pack_experts``, from ``prepare_model``) every expert's two projections become the same packed
-linears the dense layers get (``pack_linear_layers``: the native AMX kernel, else oneDNN's packed
-matmul, else the native FMA kernel; float32 packed for oneDNN), and the op runs gate|up on them and
+linears the dense layers get (``pack_linear_layers`` with the platform's rules, ``linear_choice``:
+a native kernel or oneDNN's packed matmul per dtype), and the op runs gate|up on them and
 SiLU-mul with the down projection through the platform's ``silu_and_mul_linear`` (one native call
 where the linear is native). A grouped GEMM over all experts in one kernel, as on GPUs, would buy
 nothing here: a CPU runs the experts one after another either way, and per-expert calls keep the
@@ -28,8 +28,6 @@ from torch import nn
 
 from podium_plugin_api import ops as reference
 from podium_plugin_api.moe import MoEExperts, expert_groups
-
-from .linear_packing import pack_linear_layers
 
 PACKED_ATTRIBUTE = "cpu_experts"
 
@@ -53,11 +51,11 @@ def _linear(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-def pack_experts(model: nn.Module, pack: Callable[[nn.Module], int] = pack_linear_layers) -> int:
+def pack_experts(model: nn.Module, pack: Callable[[nn.Module], int]) -> int:
     """Give every CPU ``MoEExperts`` in ``model`` its packed linears; returns how many were packed.
 
     ``pack`` replaces the ``nn.Linear`` children of a module (the platform's ``pack_linear_layers``
-    with its kernels bound) and returns how many it replaced. Modules whose dtype nothing packs keep
+    with its rules bound) and returns how many it replaced. Modules whose dtype nothing packs keep
     the reference path."""
     count = 0
     for module in model.modules():

@@ -3,9 +3,9 @@
 Why native: paged attention in pure torch must either gather every sequence's K/V into a dense
 copy per layer (which doubles the step's memory traffic) or loop per sequence in Python; a small
 C kernel reads each key/value row once, straight through the block table. The decoder's
-RMSNorm, rotary embedding and SiLU-and-mul are one pass each in C instead of 2-10 torch ops. Where
-the CPU has AMX, bf16 linear layers of decode-sized batches run on its tiles (amx_linear.c); where
-it has AVX2 but oneDNN no bf16 matmul, every bf16 linear runs on its FMA units (fma_linear.c).
+RMSNorm, rotary embedding and SiLU-and-mul are one pass each in C instead of 2-10 torch ops. Linear
+layers run on AMX tiles (amx_linear.c), AVX512-BF16 dot products (dpbf16_linear.c) or the FMA
+units (fma_linear.c, bf16 and float32), by the rule in linear_choice.py.
 
 Build: the system C compiler (``cc``, ``gcc`` or ``clang``) with ``-O3 -march=native -fopenmp``,
 about a second (the libraries build in parallel), once per (source, compiler, CPU) into ``$XDG_CACHE_HOME/podium/cpu-kernels``
@@ -38,6 +38,7 @@ LIBRARIES = {
     "fused_ops": (NATIVE_DIR / "fused_ops.c", ("-ffp-contract=off",)),
     "amx_linear": (NATIVE_DIR / "amx_linear.c", ("-ffp-contract=off",)),  # its prologues are fused_ops' rows
     "fma_linear": (NATIVE_DIR / "fma_linear.c", ("-ffp-contract=off",)),
+    "dpbf16_linear": (NATIVE_DIR / "dpbf16_linear.c", ("-ffp-contract=off",)),
     "graph_replay": (NATIVE_DIR / "graph_replay.c", ()),
 }
 COMPILERS = ("cc", "gcc", "clang")
@@ -79,12 +80,14 @@ class NativeKernels:
     rotary: dict
     silu_and_mul: dict
     amx_linear: dict  # empty where this CPU or process cannot use AMX tiles
-    amx_pack: dict  # the weight layout amx_linear reads (plain C, present wherever the library loads)
-    fma_linear: dict  # empty where this build has no AVX2 + FMA
-    fma_pack: dict  # the weight layout fma_linear reads (plain C)
-    # the linears with the RMSNorm (+ residual add) or SiLU-mul before them in their input pass (prologue.h)
+    amx_pack: dict  # the weight layout amx_linear and dpbf16_linear read (plain C, present wherever the library loads)
+    fma_linear: dict  # float32 and bf16; empty where this build has no AVX2 + FMA
+    fma_pack: dict  # the weight layouts fma_linear reads (plain C)
+    dpbf16_linear: dict = field(default_factory=dict)  # bf16 on AVX512-BF16; empty where the build has none
+    # the linears with the RMSNorm (+ residual add) or SiLU-mul before them in their input pass (linear.h)
     fma_fused_linear: dict = field(default_factory=dict)
     amx_fused_linear: dict = field(default_factory=dict)
+    dpbf16_fused_linear: dict = field(default_factory=dict)
     embed_rows: dict = field(default_factory=dict)  # the embedding lookup
     replay: ctypes._CFuncPtr | None = None  # graph_replay.c: a captured step's calls (graphs.py)
 
@@ -186,25 +189,29 @@ RECORDER: contextvars.ContextVar = contextvars.ContextVar("podium_cpu_recorder",
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # graph_replay.c's call kinds, by C function prefix
 REPLAY_KINDS = {
-    "podium_amx_fused_linear": 0, "podium_fma_fused_linear": 0, "podium_amx_linear": 1, "podium_fma_linear": 1,
+    "podium_amx_fused_linear": 0, "podium_fma_fused_linear": 0, "podium_dpbf16_fused_linear": 0,
+    "podium_amx_linear": 1, "podium_fma_linear": 1, "podium_dpbf16_linear": 1,
     "podium_paged_attention": 2, "podium_rms_norm": 3, "podium_embed_rows": 4, "podium_silu_and_mul": 5,
     "podium_rotary": 6, "podium_write_kv": 7,
 }
+_LINEAR = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
+_FUSED_LINEAR = [_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
+_PACK = [_PTR, _I64, _I64, _PTR, _INT]
 SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_paged_attention": ([_PTR] * 6 + [ctypes.POINTER(Step), ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
     "podium_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ("f32", "bf16")),
-    "podium_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], ("bf16",)),
+    "podium_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT], ("f32", "bf16")),
     "podium_rotary": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
                       ("f32", "bf16")),
-    "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("bf16",)),
-    "podium_amx_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
-    "podium_amx_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
-    "podium_amx_fused_linear": ([_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-                                 _I64, _INT], ("bf16",)),
-    "podium_fma_linear": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT], ("bf16",)),
-    "podium_fma_pack": ([_PTR, _I64, _I64, _PTR, _INT], ("bf16",)),
-    "podium_fma_fused_linear": ([_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-                                 _I64, _INT], ("bf16",)),
+    "podium_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _I64, _INT], ("f32", "bf16")),
+    "podium_amx_linear": (_LINEAR, ("bf16",)),
+    "podium_amx_pack": (_PACK, ("bf16",)),
+    "podium_amx_fused_linear": (_FUSED_LINEAR, ("bf16",)),
+    "podium_dpbf16_linear": (_LINEAR, ("bf16",)),
+    "podium_dpbf16_fused_linear": (_FUSED_LINEAR, ("bf16",)),
+    "podium_fma_linear": (_LINEAR, ("f32", "bf16")),
+    "podium_fma_pack": (_PACK, ("f32", "bf16")),
+    "podium_fma_fused_linear": (_FUSED_LINEAR, ("f32", "bf16")),
     "podium_embed_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16")),
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -264,6 +271,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         entries = _bind(libs)
         amx_ready = _amx_ready(libs)
         fma_ready = _ready(libs, "podium_fma_ready") == 1
+        dpbf16_ready = _ready(libs, "podium_dpbf16_ready") == 1
         replay = _replay_entry(libs)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
         return None, f"native kernels unavailable ({exc}); using pure-torch attention and ops"
@@ -278,8 +286,10 @@ def _load() -> tuple[NativeKernels | None, str]:
         amx_pack=entries["podium_amx_pack"],
         fma_linear=entries["podium_fma_linear"] if fma_ready else {},
         fma_pack=entries["podium_fma_pack"],
+        dpbf16_linear=entries["podium_dpbf16_linear"] if dpbf16_ready else {},
         fma_fused_linear=entries["podium_fma_fused_linear"] if fma_ready else {},
         amx_fused_linear=entries["podium_amx_fused_linear"] if amx_ready else {},
+        dpbf16_fused_linear=entries["podium_dpbf16_fused_linear"] if dpbf16_ready else {},
         embed_rows=entries["podium_embed_rows"],
         replay=replay,
     ), ""

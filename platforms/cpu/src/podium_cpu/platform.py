@@ -5,8 +5,12 @@ Choices made here, from what the machine offers (``cpu_info``):
   otherwise; every dtype stays selectable.
 - threads: ``set_device`` caps torch's thread count at the physical cores this process may use
   (affinity and cgroup quota), never raising a count the user lowered.
+- linears: a native kernel (AMX, AVX512-BF16 or FMA) or oneDNN's packed matmul per dtype and batch
+  size, by the rule in ``linear_choice``; ``linear_kernel`` says which runs for a shape and why,
+  ``podium platforms --verbose`` shows each dtype's rule.
 - graphs: decode steps captured as their native kernel calls and replayed from C (graphs.py), where
-  the attention is the native kernel's; a model with an op outside the native kernels stays eager.
+  the attention is the native kernel's; a model with an op outside the native kernels (a oneDNN
+  linear, say) stays eager.
 - attention: the native C kernel (compiled on first use), else IPEX's paged attention when
   ``intel_extension_for_pytorch`` imports (optional), else pure torch. ``PODIUM_CPU_ATTENTION``
   (``native``, ``ipex`` or ``torch``; unset or ``auto``: that order) forces one, and an explicit
@@ -32,6 +36,7 @@ from .embedding import native_embeddings
 from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
 from .ipex_support import ipex_status
+from .linear_choice import LinearChoice, LinearRule, choose, linear_rules
 from .linear_packing import pack_linear_layers
 from .moe import pack_experts
 from .native_kernels import compiler_found, load_kernels
@@ -49,6 +54,7 @@ class CpuPlatform(Platform):
         self._backend: AttentionBackend | None = None
         self._backend_note = ""
         self._capabilities: Capabilities | None = None
+        self._linear_rules: dict[torch.dtype, LinearRule] | None = None
 
     def capabilities(self) -> Capabilities:
         """Worked out once (the runner asks every step): reads /proc and /sys."""
@@ -60,7 +66,9 @@ class CpuPlatform(Platform):
                 graph_capture=_graphs_possible(),
                 fp8="e4m3fn",  # fp8 KV caches (torch's CPU casts): see CpuAttentionBackend.kv_cache_dtypes
                 distributed_backend="gloo",
-                extra={"native_bf16": native_bf16, "threads": usable_cores(), "attention": _attention_setting()},
+                extra={"native_bf16": native_bf16, "threads": usable_cores(), "attention": _attention_setting(),
+                       "linears": {str(dtype).removeprefix("torch."): rule.summary()
+                                   for dtype, rule in self.linear_rules().items()}},
             )
         return self._capabilities
 
@@ -97,18 +105,23 @@ class CpuPlatform(Platform):
     def custom_ops(self) -> dict:
         return cpu_ops(load_kernels()[0])
 
+    def linear_rules(self) -> dict[torch.dtype, LinearRule]:
+        """Each dtype's linear kernels here (``linear_choice``); builds the native kernels on first use."""
+        if self._linear_rules is None:
+            self._linear_rules = linear_rules(*load_kernels())
+        return self._linear_rules
+
+    def linear_kernel(self, dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> LinearChoice:
+        """Which kernel a linear of this dtype and shape runs on for a batch of ``rows``, and why."""
+        return choose(self.linear_rules(), dtype, out_features, in_features, rows)
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Called once the weights are loaded: pack bf16 linear weights (experts' too) for the native
-        AMX kernel where it runs, else for oneDNN, else for the native FMA kernel; embeddings to the
-        native lookup. Returns the model."""
-        kernels = load_kernels()[0]
-        pack = pack_linear_layers
-        if kernels is not None:
-            bf16 = torch.bfloat16
-            pack = partial(pack_linear_layers, amx_kernel=kernels.amx_linear.get(bf16), amx_pack=kernels.amx_pack.get(bf16),
-                           fma_kernel=kernels.fma_linear.get(bf16), fma_pack=kernels.fma_pack.get(bf16))
+        """Called once the weights are loaded: linear weights (experts' too) packed for the kernel
+        ``linear_rules`` picks for their dtype; embeddings to the native lookup. Returns the model."""
+        pack = partial(pack_linear_layers, rules=self.linear_rules())
         pack(model)
         pack_experts(model, pack)  # mixture-of-experts weights: the same packed linears, per expert
+        kernels = load_kernels()[0]
         if kernels is not None:
             native_embeddings(model, kernels)
         return model

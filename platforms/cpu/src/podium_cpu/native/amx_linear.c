@@ -39,7 +39,7 @@
 #include <unistd.h>
 
 #include "bf16.h"
-#include "prologue.h"
+#include "linear.h"
 #include "scratch.h"
 
 /* w [N, K] (rows contiguous) -> packed (the layout above), zeros where N or K are padded; threads
@@ -159,17 +159,11 @@ static inline void chunk_pair(const bf16_t *a, int64_t a_stride, int64_t rows, c
     }
 }
 
-/* out [M, N] (row stride out_stride) = h . w^T + bias, h [M, K] the linear's input: x [M, K] (row
- * stride x_stride) itself; with norm_w, rms_norm(x + res) (res NULL: rms_norm(x); else x + res goes
- * to sum_out [M, K] contiguous, as fused_add_rms_norm returns it); with silu, silu(gate) * up of x
- * [M, 2K] = [gate | up]. packed: the weights for [N, K]; bias [N] float32 or NULL. Returns 0, or -1
- * when scratch memory could not be allocated. */
-int podium_amx_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
-                                 const bf16_t *norm_w, float eps, bf16_t *sum_out, int silu, int64_t M,
-                                 const bf16_t *packed, int64_t N, int64_t K, const float *bias, bf16_t *out,
-                                 int64_t out_stride, int num_threads) {
+/* The fused entry (linear.h) */
+int podium_amx_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
+    const Prologue pro = PROLOGUE_OF_ARGS;
     const int64_t kb = (K + 31) / 32, kp = kb * 32, pairs = (N + 31) / 32;
-    const int prologue = norm_w || silu;
+    const int prologue = has_prologue(&pro);
     const int64_t full = !prologue && K % 32 == 0 ? M / 32 : 0; /* chunks read in place */
     const int64_t chunks = (M + 31) / 32;
     /* rows of the chunks not read in place: the prologue's output or a copy of x, zero padded to 32
@@ -190,13 +184,8 @@ int podium_amx_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t
 #pragma omp for schedule(static)
             for (int64_t r = full * 32; r < M; r++) {
                 bf16_t *h = pad + (r - full * 32) * kp;
-                if (norm_w)
-                    norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, norm_w, h,
-                             res ? sum_out + r * K : NULL, K, eps);
-                else if (silu)
-                    silu_mul_row(x + r * x_stride, h, K);
-                else
-                    memcpy(h, x + r * x_stride, (size_t)K * sizeof(bf16_t));
+                const bf16_t *row = input_row_bf16(x, x_stride, &pro, r, K, h);
+                if (row != h) memcpy(h, row, (size_t)K * sizeof(bf16_t));
             }
         } /* the loop's barrier: every input row is ready before any tile reads it */
         float c[32 * 32];
@@ -220,21 +209,10 @@ int podium_amx_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t
 
 /* x [M, K] (row stride x_stride elements), packed weights for [N, K], bias [N] float32 or NULL,
  * out [M, N] (row stride out_stride). Returns 0, or -1 when scratch memory could not be allocated. */
-int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
-                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
-    return podium_amx_fused_linear_bf16(x, x_stride, NULL, 0, NULL, 0.f, NULL, 0, M, packed, N, K, bias, out,
-                                        out_stride, num_threads);
-}
+DEFINE_PLAIN_LINEAR(podium_amx_linear_bf16, podium_amx_fused_linear_bf16, bf16_t)
 
 #else /* no AMX in this build (-march=native on a CPU without it): nothing to run */
 int podium_amx_init(void) { return -1; }
 
-DEFINE_FUSED_LINEAR_STUB(podium_amx_fused_linear_bf16)
-
-int podium_amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
-                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
-    (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride;
-    (void)num_threads;
-    return -1;
-}
+DEFINE_LINEAR_STUBS(podium_amx_fused_linear_bf16, podium_amx_linear_bf16, bf16_t)
 #endif

@@ -1,71 +1,110 @@
-/* bfloat16 linear layers on AVX2 FMA units: out [M, N] = bf16(x [M, K] . w [N, K]^T + bias), float32
- * sums, for CPUs whose oneDNN has no bf16 matmul (AVX2 without AVX-512: AMD Zen 2/3, older Intel),
- * where torch's bf16 F.linear runs ~5x slower than its float32 one.
+/* Linear layers on the FMA units (linear.h says what every linear kernel computes):
  *
- * Weight layout (packed once at load, linear_packing.py): w padded with zero rows to N % 16 == 0,
- * cut into panels of 16 output columns, each panel stored k-major so one k's 16 weights are 32
- * contiguous bytes, in the order two in-lane 16-bit unpacks with zero widen into columns 0-7 and
- * 8-15 (a bf16 is the top half of its float32): memory holds columns 0-3, 8-11, 4-7, 12-15 (SLOT):
+ *   float32   out = x . w^T + bias on AVX-512 (zmm) or AVX2 (ymm) FMAs, float32 weights;
+ *   bfloat16  the same with bf16 weights widened in registers and float32 sums, on AVX2, for CPUs
+ *             whose oneDNN has no bf16 matmul (AVX2 without AVX-512: AMD Zen 2/3, older Intel),
+ *             where torch's bf16 F.linear runs ~5x slower than its float32 one.
  *
- *     packed [N/16][K][16]
+ * Weight layouts (packed once at load, linear_packing.py): panels of 16 output columns stored
+ * k-major, so one k's 16 weights are contiguous:
  *
- * x is widened to float32 once per call (a [M, K] scratch, rows in place for the broadcasts).
- * Work items are (chunk of CHUNK rows, panel); an item walks its chunk ROWS rows at a time, each
- * row block keeping ROWS x 2 accumulators of 8 lanes (12 of the 16 ymm registers) over all K: per k
- * one 32-byte weight load and two unpacks (the panel widened in registers), ROWS broadcasts,
- * 2 * ROWS FMAs. A decode step's batch is one chunk, so the weights stream from memory once per
- * call. On AMD Zen 3 this is faster than widening each panel once per item into a float32 scratch
- * at every row count, most at 1 row (no panel pass for one row). The earlier in-loop widening
- * (zero-extend + shift: two more instructions a half) had been slower; 4-row blocks and blocking K were slower too. Register blocks write their sums to the
- * item's [rows][16] scratch and the rounding follows all of them: with the sums of one block in a
- * 6 x 16 local, GCC 12 kept a weight vector in memory and reloaded it in each of its 6 FMAs.
+ *     float32   packed [G * 4][K][16]   N padded with zero columns to G * 64: a register block's
+ *                                       4 panels always exist (the AVX2 build skips the padding)
+ *     bfloat16  packed [N/16][K][16]    N padded to a multiple of 16; a k's 16 columns in the order
+ *                                       two in-lane 16-bit unpacks with zero widen into columns 0-7
+ *                                       and 8-15 (a bf16 is the top half of its float32): memory
+ *                                       holds columns 0-3, 8-11, 4-7, 12-15 (SLOT)
  *
- * Every output element is one FMA chain over k = 0..K-1 whatever M is and wherever its row falls
- * (full row block or remainder): a row's result does not depend on the other rows of the call
- * (batch invariance). Bias is added in float32 before the one rounding to bf16. The caller
- * (linear_packing.py) validates shapes, strides and dtypes: this code trusts its arguments.
+ * Work items are (chunk of CHUNK rows, column group); an item walks its chunk ROWS rows at a time,
+ * each row block keeping ROWS x GROUP_VECTORS accumulators over all K: per k, the group's weight
+ * vectors loaded (or widened) once, ROWS broadcasts of x, ROWS x GROUP_VECTORS FMAs. A group is 4
+ * panels (4 zmm) with AVX-512 and 1 panel (2 ymm) with AVX2: 24 of 32 zmm or 12 of 16 ymm hold
+ * sums. A decode step's batch is one chunk, so the weights stream from memory once per call.
+ * bf16 x rows are widened to float32 once per call into the calling thread's scratch; float32 x
+ * rows are read in place unless a prologue computes them first. On AMD Zen 3 the bf16 kernel's
+ * in-register widening is faster than widening each panel once per item into a float32 scratch at
+ * every row count, most at 1 row (no panel pass for one row); 4-row blocks and blocking K were
+ * slower. Register blocks write their sums to the item's [rows][group] scratch and
+ * the rounding follows all of them (with the sums of one block in a small local, GCC 12 kept a
+ * weight vector in memory and reloaded it in each FMA).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
-#include "prologue.h"
+#include "linear.h"
+#include "scratch.h"
 
-#define PANEL 16 /* output columns of a panel */
-#define ROWS 6   /* rows of a register block */
-#define CHUNK 48 /* rows of a work item (8 row blocks): its float32 rows stay in L2 */
-/* where column j of a panel sits among its k's 16 values: the order AVX2's in-lane 16-bit unpacks
- * widen into columns 0-7 (unpacklo) and 8-15 (unpackhi) */
+#define PANEL 16      /* output columns of a panel */
+#define F32_GROUP 4   /* panels the float32 layout pads N to a multiple of */
+#define ROWS 6        /* rows of a register block */
+#define CHUNK 48      /* rows of a work item (8 row blocks): its float32 rows stay in L2 */
+/* where column j of a bf16 panel sits among its k's 16 values: the order AVX2's in-lane 16-bit
+ * unpacks widen into columns 0-7 (unpacklo) and 8-15 (unpackhi) */
 #define SLOT(j) (((j) & 3) | (((j) & 4) << 1) | (((j) & 8) >> 1))
 
-/* w [N, K] (rows contiguous) -> packed [N/16][K][16], zero columns past N; threads split panels. */
-int podium_fma_pack_bf16(const bf16_t *w, int64_t N, int64_t K, bf16_t *packed, int num_threads) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        bf16_t *dst = packed + p * K * PANEL;
-        for (int64_t j = 0; j < PANEL; j++) {
-            const int64_t n = p * PANEL + j, at = SLOT(j);
-            if (n < N)
-                for (int64_t k = 0; k < K; k++) dst[k * PANEL + at] = w[n * K + k];
-            else
-                for (int64_t k = 0; k < K; k++) dst[k * PANEL + at] = 0;
-        }
-    }
-    return 0;
+/* w [N, K] (rows contiguous) -> packed [panels][K][16], zero columns past N, column j of a panel at
+ * slot(j); threads split panels. */
+#define DEFINE_PACK(NAME, T, PANELS, AT)                                                                 \
+int NAME(const T *w, int64_t N, int64_t K, T *packed, int num_threads) {                                 \
+    const int64_t panels = PANELS;                                                                       \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)")           \
+    for (int64_t p = 0; p < panels; p++) {                                                               \
+        T *dst = packed + p * K * PANEL;                                                                 \
+        for (int64_t j = 0; j < PANEL; j++) {                                                            \
+            const int64_t n = p * PANEL + j, at = AT(j);                                                 \
+            for (int64_t k = 0; k < K; k++) dst[k * PANEL + at] = n < N ? w[n * K + k] : 0;              \
+        }                                                                                                \
+    }                                                                                                    \
+    return 0;                                                                                            \
 }
+#define IDENTITY(j) (j)
+DEFINE_PACK(podium_fma_pack_bf16, bf16_t, (N + PANEL - 1) / PANEL, SLOT)
+DEFINE_PACK(podium_fma_pack_f32, float, (N + PANEL * F32_GROUP - 1) / (PANEL * F32_GROUP) * F32_GROUP, IDENTITY)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 int podium_fma_ready(void) { return 1; }
 
-/* c[r][0..16) = sum_k xf[r][k] * w[k][0..16) for R rows (R a constant after inlining); wp is the
- * bf16 panel in SLOT order, widened in registers */
-static inline __attribute__((always_inline)) void row_block(const float *restrict xf, int64_t K,
-                                                             const bf16_t *restrict wp, float *restrict c,
-                                                             const int R) {
+/* a * b + c, one rounding, on VL lanes (the sources are compiled with -ffp-contract=off) */
+#if VL == 16
+static inline vf fmav(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#define GROUP_PANELS 4 /* float32 panels of a register block: 4 zmm */
+#else
+static inline vf fmav(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#define GROUP_PANELS 1 /* one panel: 2 ymm */
+#endif
+#define PANEL_VECTORS (PANEL / VL)
+#define GROUP_VECTORS (GROUP_PANELS * PANEL_VECTORS)
+#define GROUP_COLS (GROUP_PANELS * PANEL)
+
+/* c[r][0..GROUP_COLS) = sum_k x[r][k] * w[k][...] for R rows of float32 x (row stride xs) and one
+ * group of float32 panels (panel stride K * 16); R a constant after inlining */
+static inline __attribute__((always_inline)) void row_block_f32(const float *restrict x, int64_t xs, int64_t K,
+                                                                 const float *restrict w, float *restrict c,
+                                                                 const int R) {
+    vf a[ROWS][GROUP_VECTORS];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < GROUP_VECTORS; j++) a[r][j] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        vf wv[GROUP_VECTORS];
+        for (int j = 0; j < GROUP_VECTORS; j++)
+            wv[j] = loadv(w + (j / PANEL_VECTORS) * K * PANEL + k * PANEL + (j % PANEL_VECTORS) * VL);
+        for (int r = 0; r < R; r++) {
+            const vf xr = (vf){0} + x[r * xs + k];
+            for (int j = 0; j < GROUP_VECTORS; j++) a[r][j] = fmav(xr, wv[j], a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < GROUP_VECTORS; j++) storev(c + r * GROUP_COLS + j * VL, a[r][j]);
+}
+
+/* The same for bf16 panels (SLOT order, one panel a group) widened in registers, on AVX2 */
+static inline __attribute__((always_inline)) void row_block_bf16(const float *restrict x, int64_t xs, int64_t K,
+                                                                  const bf16_t *restrict wp, float *restrict c,
+                                                                  const int R) {
     __m256 a[ROWS][2];
     const __m256i zero = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
@@ -74,7 +113,7 @@ static inline __attribute__((always_inline)) void row_block(const float *restric
         const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
         const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
         for (int r = 0; r < R; r++) {
-            const __m256 xr = _mm256_broadcast_ss(xf + r * K + k);
+            const __m256 xr = _mm256_broadcast_ss(x + r * xs + k);
             a[r][0] = _mm256_fmadd_ps(xr, w0, a[r][0]);
             a[r][1] = _mm256_fmadd_ps(xr, w1, a[r][1]);
         }
@@ -85,98 +124,100 @@ static inline __attribute__((always_inline)) void row_block(const float *restric
     }
 }
 
-/* rows [m0, m0 + rows) x panel p: sums, bias, the rounding, the store (the last panel's columns
- * past N are dropped) */
-static void item(const float *xf, int64_t K, const bf16_t *panel, int64_t p, int64_t N,
-                 const float *bias, bf16_t *out, int64_t out_stride, int64_t m0, int64_t rows) {
-    float c[CHUNK * PANEL]; /* the item's sums, [rows][16] */
-    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-        const int64_t rb = rows - r0 < ROWS ? rows - r0 : ROWS;
-        const float *x = xf + (m0 + r0) * K;
-        float *cr = c + r0 * PANEL;
-        switch (rb) {
-            case 6: row_block(x, K, panel, cr, 6); break;
-            case 5: row_block(x, K, panel, cr, 5); break;
-            case 4: row_block(x, K, panel, cr, 4); break;
-            case 3: row_block(x, K, panel, cr, 3); break;
-            case 2: row_block(x, K, panel, cr, 2); break;
-            default: row_block(x, K, panel, cr, 1); break;
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) { /* bias, the one rounding, the store */
-        float *row = c + r * PANEL;
-        if (bias)
-            for (int64_t j = 0; j < cols; j++) row[j] += bias[n0 + j];
-        bf16_t *o = out + (m0 + r) * out_stride + n0;
-        for (int64_t j = 0; j < cols; j++) o[j] = f32_to_bf16(row[j]);
-    }
+/* Rows [m0, m0 + rows) of float32 input xf (row stride xs) x one column group g: register blocks
+ * of ROWS rows into the item's sums, then bias, the rounding and the store (columns past N
+ * dropped). WIDTH: the group's columns; W_T: the weights' type. */
+#define DEFINE_ITEM(NAME, W_T, T, BLOCK, WIDTH, STORE)                                                  \
+static void NAME(const float *xf, int64_t xs, int64_t K, const W_T *group, int64_t g, int64_t N,         \
+                 const float *bias, T *out, int64_t out_stride, int64_t m0, int64_t rows) {              \
+    float c[CHUNK * WIDTH]; /* the item's sums, [rows][WIDTH] */                                         \
+    const int64_t count = (rows + ROWS - 1) / ROWS; /* blocks as even as they go: 32 rows 6, 6, 5, 5, 5, 5 */ \
+    for (int64_t b = 0, r0 = 0; b < count; b++) {                                                        \
+        const int64_t rb = rows / count + (b < rows % count);                                            \
+        const float *x = xf + (m0 + r0) * xs;                                                            \
+        float *cr = c + r0 * WIDTH;                                                                      \
+        r0 += rb;                                                                                        \
+        switch (rb) {                                                                                    \
+            case 6: BLOCK(x, xs, K, group, cr, 6); break;                                                \
+            case 5: BLOCK(x, xs, K, group, cr, 5); break;                                                \
+            case 4: BLOCK(x, xs, K, group, cr, 4); break;                                                \
+            case 3: BLOCK(x, xs, K, group, cr, 3); break;                                                \
+            case 2: BLOCK(x, xs, K, group, cr, 2); break;                                                \
+            default: BLOCK(x, xs, K, group, cr, 1); break;                                               \
+        }                                                                                                \
+    }                                                                                                    \
+    const int64_t n0 = g * WIDTH;                                                                        \
+    for (int64_t r = 0; r < rows; r++)                                                                   \
+        for (int64_t j = 0; j < WIDTH && n0 + j < N; j += PANEL) {                                       \
+            const int64_t cols = N - n0 - j < PANEL ? N - n0 - j : PANEL;                                \
+            STORE(c + r * WIDTH + j, bias ? bias + n0 + j : NULL, out + (m0 + r) * out_stride + n0 + j, cols); \
+        }                                                                                                \
 }
+DEFINE_ITEM(item_f32, float, float, row_block_f32, GROUP_COLS, store_sums_f32)
+DEFINE_ITEM(item_bf16, bf16_t, bf16_t, row_block_bf16, PANEL, store_sums_bf16)
 
-/* The linear's input row m, widened to float32 into xf: x itself, or the op before the linear
- * (prologue.h) computed into the bf16 row h first, exactly as the op alone would store it. */
-static void input_row(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride, const bf16_t *norm_w,
-                      float eps, bf16_t *sum_out, int silu, int64_t m, int64_t K, bf16_t *h, float *xf) {
-    const bf16_t *row = x + m * x_stride;
-    if (norm_w) {
-        norm_row(row, res ? res + m * res_stride : NULL, norm_w, h, res ? sum_out + m * K : NULL, K, eps);
-        row = h;
-    } else if (silu) {
-        silu_mul_row(row, h, K);
-        row = h;
-    }
+/* bf16: every input row (the prologue's, else x's) widened into the float32 rows xf [M, K] */
+static void stage_bf16(const bf16_t *x, int64_t x_stride, const Prologue *pro, int64_t m, int64_t K, bf16_t *h,
+                       float *xf) {
+    const bf16_t *row = input_row_bf16(x, x_stride, pro, m, K, h);
     for (int64_t k = 0; k < K; k++) xf[k] = bf16_to_f32(row[k]);
 }
 
-/* out [M, N] (row stride out_stride) = h . w^T + bias, h [M, K] the linear's input: x [M, K] (row
- * stride x_stride) itself; with norm_w, rms_norm(x + res) (res NULL: rms_norm(x); else x + res goes
- * to sum_out [M, K] contiguous, as fused_add_rms_norm returns it); with silu, silu(gate) * up of x
- * [M, 2K] = [gate | up]. packed: the weights for [N, K]; bias [N] float32 or NULL. The prologue runs
- * in the rows pass the linear makes anyway (split over the threads), not as a call of its own.
- * Returns 0, or -1 when scratch memory could not be allocated. */
-int podium_fma_fused_linear_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
-                                 const bf16_t *norm_w, float eps, bf16_t *sum_out, int silu, int64_t M,
-                                 const bf16_t *packed, int64_t N, int64_t K, const float *bias, bf16_t *out,
-                                 int64_t out_stride, int num_threads) {
-    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
-    bf16_t *h = (norm_w || silu) ? (bf16_t *)malloc(sizeof(bf16_t) * (size_t)(M * K)) : NULL;
-    if (!xf || ((norm_w || silu) && !h)) {
-        free(xf), free(h);
-        return -1;
-    }
+/* The fused entries (linear.h). The input rows are staged in the same OpenMP region as the matmul,
+ * split over the threads; the staging scratch belongs to the calling thread and is kept between
+ * calls, so a decode step's calls do not go to the allocator. */
+int podium_fma_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
+    const Prologue pro = PROLOGUE_OF_ARGS;
+    const size_t h_bytes = has_prologue(&pro) ? sizeof(bf16_t) * (size_t)(M * K) : 0;
+    float *xf = (float *)thread_scratch(sizeof(float) * (size_t)(M * K) + h_bytes);
+    if (!xf) return -1;
+    bf16_t *h = (bf16_t *)(xf + M * K);
     const int64_t panels = (N + PANEL - 1) / PANEL, chunks = (M + CHUNK - 1) / CHUNK, items = chunks * panels;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            input_row(x, x_stride, res, res_stride, norm_w, eps, sum_out, silu, m, K, h ? h + m * K : NULL, xf + m * K);
+        for (int64_t m = 0; m < M; m++) stage_bf16(x, x_stride, &pro, m, K, h + m * K, xf + m * K);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t ch = it / panels, p = it % panels, m0 = ch * CHUNK;
-            item(xf, K, packed + p * K * PANEL, p, N, bias, out, out_stride, m0, M - m0 < CHUNK ? M - m0 : CHUNK);
+            item_bf16(xf, K, K, packed + p * K * PANEL, p, N, bias, out, out_stride, m0,
+                      M - m0 < CHUNK ? M - m0 : CHUNK);
         }
     }
-    free(xf), free(h);
     return 0;
 }
 
-/* x [M, K] (row stride x_stride), packed weights for [N, K], bias [N] float32 or NULL, out [M, N]
- * (row stride out_stride). Returns 0, or -1 when scratch memory could not be allocated. */
-int podium_fma_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
-                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
-    return podium_fma_fused_linear_bf16(x, x_stride, NULL, 0, NULL, 0.f, NULL, 0, M, packed, N, K, bias, out,
-                                        out_stride, num_threads);
+int podium_fma_fused_linear_f32(FUSED_LINEAR_PARAMS(float)) {
+    const Prologue pro = PROLOGUE_OF_ARGS;
+    const int staged = has_prologue(&pro);
+    float *h = staged ? (float *)thread_scratch(sizeof(float) * (size_t)(M * K)) : NULL;
+    if (staged && !h) return -1;
+    const float *xf = staged ? h : x;
+    const int64_t xs = staged ? K : x_stride;
+    const int64_t groups = (N + GROUP_COLS - 1) / GROUP_COLS, chunks = (M + CHUNK - 1) / CHUNK;
+    const int64_t items = chunks * groups;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        if (staged) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) input_row_f32(x, x_stride, &pro, m, K, h + m * K);
+        } /* the loop's barrier: every input row is ready before any item reads it */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t ch = it / groups, g = it % groups, m0 = ch * CHUNK;
+            item_f32(xf, xs, K, packed + g * GROUP_PANELS * K * PANEL, g, N, bias, out, out_stride, m0,
+                     M - m0 < CHUNK ? M - m0 : CHUNK);
+        }
+    }
+    return 0;
 }
 
-#else /* no AVX2 + FMA in this build: nothing to run (oneDNN or torch serve bf16 linears) */
+DEFINE_PLAIN_LINEAR(podium_fma_linear_bf16, podium_fma_fused_linear_bf16, bf16_t)
+DEFINE_PLAIN_LINEAR(podium_fma_linear_f32, podium_fma_fused_linear_f32, float)
+
+#else /* no AVX2 + FMA in this build: nothing to run (oneDNN or torch serve these linears) */
 int podium_fma_ready(void) { return 0; }
 
-int podium_fma_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const bf16_t *packed, int64_t N,
-                           int64_t K, const float *bias, bf16_t *out, int64_t out_stride, int num_threads) {
-    (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)bias, (void)out, (void)out_stride;
-    (void)num_threads;
-    return -1;
-}
-
-DEFINE_FUSED_LINEAR_STUB(podium_fma_fused_linear_bf16)
+DEFINE_LINEAR_STUBS(podium_fma_fused_linear_bf16, podium_fma_linear_bf16, bf16_t)
+DEFINE_LINEAR_STUBS(podium_fma_fused_linear_f32, podium_fma_linear_f32, float)
 #endif

@@ -8,9 +8,9 @@
  *
  * Compiled with -ffp-contract=off so a*b - c*d rounds like torch's separate kernels: the rotary
  * embedding equals the reference bit for bit. rms_norm's sum of squares runs in another order than
- * torch's reduction, so it may differ from the reference by float32 rounding: the platform uses it
- * for bfloat16 only, as SiLU, whose e^x (fast_exp.h) is not torch's (a sweep of every bf16 gate
- * still rounded to torch's results). Rows go VL floats at a time (GCC vector extensions, bf16.h)
+ * torch's reduction, so it may differ from the reference by float32 rounding, and SiLU's e^x
+ * (fast_exp.h) is not torch's (a sweep of every bf16 gate still rounded to torch's results; in
+ * float32 a few ulps). Rows go VL floats at a time (GCC vector extensions, bf16.h)
  * with scalar or padded tails. Below PARALLEL_MIN elements an op runs on the calling thread:
  * waking a sleeping OpenMP worker costs more than the work.
  * The caller (fused_ops.py) validates shapes, strides and dtypes; this code trusts them.
@@ -27,34 +27,36 @@
 #define PARALLEL_MIN 65536       /* elements of a norm or rotary call */
 #define SILU_PARALLEL_MIN 16384  /* output elements of silu_and_mul: e^x and a division each */
 
-/* rows of x [rows, cols] (row stride x_stride); residual may be NULL (then sum_out is unused).
- * bf16 only; out and sum_out contiguous. */
-int podium_rms_norm_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *res, int64_t res_stride,
-                         const bf16_t *w, bf16_t *out, bf16_t *sum_out, int64_t rows, int64_t cols, float eps,
-                         int num_threads) {
-    if (rows * cols < PARALLEL_MIN) { /* no OpenMP region at all: even a one-thread team costs */
-        for (int64_t r = 0; r < rows; r++)
-            norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,
-                     res ? sum_out + r * cols : NULL, cols, eps);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        norm_row(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,
-                 res ? sum_out + r * cols : NULL, cols, eps);
-    return 0;
+/* rows of x [rows, cols] (row stride x_stride); residual may be NULL (then sum_out is unused);
+ * out and sum_out contiguous. */
+#define DEFINE_RMS_NORM(NAME, T, ROW)                                                                 \
+int NAME(const T *x, int64_t x_stride, const T *res, int64_t res_stride, const T *w, T *out, T *sum_out, \
+         int64_t rows, int64_t cols, float eps, int num_threads) {                                    \
+    if (rows * cols < PARALLEL_MIN) { /* no OpenMP region at all: even a one-thread team costs */    \
+        for (int64_t r = 0; r < rows; r++)                                                            \
+            ROW(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,               \
+                res ? sum_out + r * cols : NULL, cols, eps);                                          \
+        return 0;                                                                                     \
+    }                                                                                                 \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                             \
+    for (int64_t r = 0; r < rows; r++)                                                                \
+        ROW(x + r * x_stride, res ? res + r * res_stride : NULL, w, out + r * cols,                   \
+            res ? sum_out + r * cols : NULL, cols, eps);                                              \
+    return 0;                                                                                         \
 }
+DEFINE_RMS_NORM(podium_rms_norm_bf16, bf16_t, norm_row)
+DEFINE_RMS_NORM(podium_rms_norm_f32, float, norm_row_f32)
 
-/* x [rows, 2I] = [gate | up] (row stride x_stride) -> out [rows, I] contiguous, bf16(silu(gate) * up):
- * torch's silu then mul, each rounded to bf16. A row's last I % VL lanes go through a padded copy. */
-int podium_silu_and_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t rows, int64_t I,
-                             int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * I >= SILU_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        silu_mul_row(x + r * x_stride, out + r * I, I);
-    }
-    return 0;
+/* x [rows, 2I] = [gate | up] (row stride x_stride) -> out [rows, I] contiguous, silu(gate) * up:
+ * torch's silu then mul, each rounded to the row type (prologue.h). */
+#define DEFINE_SILU_AND_MUL(NAME, T, ROW)                                                             \
+int NAME(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t I, int num_threads) {           \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (rows * I >= SILU_PARALLEL_MIN)") \
+    for (int64_t r = 0; r < rows; r++) ROW(x + r * x_stride, out + r * I, I);                         \
+    return 0;                                                                                         \
 }
+DEFINE_SILU_AND_MUL(podium_silu_and_mul_bf16, bf16_t, silu_mul_row)
+DEFINE_SILU_AND_MUL(podium_silu_and_mul_f32, float, silu_mul_row_f32)
 
 /* q [T, H, D] (token stride q_stride, heads contiguous), k [T, Hkv, D] likewise; cos_sin
  * [num_positions, D] float32 (cos | sin); outputs contiguous. Returns 0, or -1 (nothing written)

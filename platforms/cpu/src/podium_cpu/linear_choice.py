@@ -1,0 +1,150 @@
+"""Which kernel multiplies a CPU linear layer, and why: one rule per dtype, stated here, applied at
+load (``linear_packing.pack_linear_layers``), reported by ``podium platforms --verbose`` and asked by
+the tests (``CpuPlatform.linear_kernel``).
+
+    bfloat16  AMX tiles (amx_linear.c) up to AMX_MAX_ROWS rows, oneDNN above; else AVX512-BF16
+              dot products (dpbf16_linear.c) for every batch; else oneDNN's packed matmul where it
+              has a bf16 matmul; else the FMA units with bf16 weights widened in registers
+              (fma_linear.c), for every batch (AVX2 without AVX-512, where oneDNN has none)
+    float32   the FMA units (fma_linear.c: AVX-512 or AVX2) for every batch; else oneDNN packed
+    other     F.linear
+
+Kernels:  ``amx``, ``avx512-bf16``, ``fma`` (native: a decode step whose every op is native replays
+as a CPU graph, graphs.py), ``onednn`` (a torch op: such a step runs eagerly), ``torch``.
+
+The rule is fixed from measurements, not measured at startup: a startup micro-benchmark would cost
+part of the 3 s startup, and on a busy machine its noisy timings could pick another kernel from
+run to run, so a model's output bits and whether its decode steps are captured would change with
+the load. The measurements (``benchmarks/cpu_kernels.py --only linear`` prints each kernel's time
+against oneDNN's packed matmul at SmolLM2's shapes and 1-512 rows):
+
+- AMX (Sapphire Rapids): ~20 us less fixed cost per call than oneDNN's packed path at decode
+  sizes; alike at 256-512 rows, so oneDNN above 256.
+- AVX512-BF16 and float32 FMA (AMD Zen 4, one thread, CPU time on a loaded machine): 1.5-2.3x
+  oneDNN's speed at 1 row, 0.9-1.15x its time at 32-512 rows across the five shapes. Equal within
+  the noise where not faster, and then the graphs decide: a step of native calls replays without
+  the model's Python, ~140 us a layer. So every batch, with no second packed copy of the weights.
+- bf16 FMA (AMD Zen 3, no oneDNN bf16 matmul): torch's bf16 F.linear ran ~5x slower than float32.
+
+Nothing here depends on a layer's shape: every shape measured alike. ``choose`` takes the shape
+anyway, so a rule that does needs no new callers, and names it in its answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .linear_packing import NativeKernel, amx_tiles, f32_panels, fma_panels
+from .native_kernels import NativeKernels
+from .onednn_linear import packing_unavailable
+
+AMX_MAX_ROWS = 256  # AMX's kernel up to this many rows, oneDNN above (measured alike at 256-512)
+NATIVE = ("amx", "avx512-bf16", "fma")
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """The kernel one linear call runs on, and why."""
+
+    kernel: str  # "amx", "avx512-bf16", "fma", "onednn" or "torch"
+    reason: str
+
+    @property
+    def native(self) -> bool:
+        """A native kernel: a decode step made only of native calls is captured as a CPU graph."""
+        return self.kernel in NATIVE
+
+
+@dataclass(frozen=True)
+class LinearRule:
+    """How one dtype's linears run: ``native`` up to its ``max_rows`` (if any), ``kernel`` otherwise."""
+
+    kernel: str  # what runs without the native kernel (or above its rows): "onednn" or "torch"
+    reason: str
+    native: NativeKernel | None = None
+
+    def summary(self) -> str:
+        if self.native is None:
+            return f"{self.kernel}: {self.reason}"
+        if self.native.max_rows is None:
+            return f"{self.native.name} for every batch: {self.reason}"
+        return f"{self.native.name} up to {self.native.max_rows} rows, {self.kernel} above: {self.reason}"
+
+
+def linear_rules(kernels: NativeKernels | None, why_not: str = "") -> dict[torch.dtype, LinearRule]:
+    """The rule of each dtype the platform runs, given the loaded kernels (None: ``why_not``)."""
+    return {torch.bfloat16: _bf16_rule(kernels, why_not), torch.float32: _f32_rule(kernels, why_not),
+            torch.float16: LinearRule("torch", "no native or oneDNN float16 linear on the CPU platform")}
+
+
+def choose(rules: dict[torch.dtype, LinearRule], dtype: torch.dtype, out_features: int, in_features: int,
+           rows: int) -> LinearChoice:
+    """The kernel a [rows, in_features] x [out_features, in_features]^T linear of ``dtype`` runs on."""
+    if min(out_features, in_features, rows) < 1:
+        raise ValueError(f"a linear needs positive sizes, got {rows} rows of {in_features} -> {out_features}")
+    shape = f"{str(dtype).removeprefix('torch.')} {in_features} -> {out_features} at {rows} rows"
+    rule = rules.get(dtype)
+    if rule is None:
+        return LinearChoice("torch", f"{shape}: no CPU linear kernel for this dtype")
+    if rule.native is not None and rule.native.takes(rows):
+        return LinearChoice(rule.native.name, f"{shape}: {rule.reason}")
+    if rule.native is not None:
+        return LinearChoice(rule.kernel, f"{shape}: above the {rule.native.name} kernel's {rule.native.max_rows} "
+                                         f"rows, where {rule.kernel} measured alike")
+    return LinearChoice(rule.kernel, f"{shape}: {rule.reason}")
+
+
+# kernel name -> (NativeKernels attribute prefix, {dtype: layout})
+_KERNELS = {
+    "amx": ("amx", {torch.bfloat16: amx_tiles}),
+    "avx512-bf16": ("dpbf16", {torch.bfloat16: amx_tiles}),
+    "fma": ("fma", {torch.bfloat16: fma_panels, torch.float32: f32_panels}),
+}
+
+
+def _native(kernels: NativeKernels, name: str, dtype: torch.dtype) -> NativeKernel:
+    prefix, layouts = _KERNELS[name]
+    pack = kernels.amx_pack if layouts[dtype] is amx_tiles else kernels.fma_pack
+    return NativeKernel(name, dtype, getattr(kernels, f"{prefix}_linear")[dtype],
+                        getattr(kernels, f"{prefix}_fused_linear")[dtype], pack.get(dtype), layouts[dtype],
+                        AMX_MAX_ROWS if name == "amx" else None)
+
+
+def runnable_native_kernels(kernels: NativeKernels) -> list[NativeKernel]:
+    """Every (native kernel, dtype) this build and CPU can run, chosen by the rules or not (the tests
+    check each one)."""
+    return [_native(kernels, name, dtype) for name, (prefix, layouts) in _KERNELS.items() for dtype in layouts
+            if dtype in getattr(kernels, f"{prefix}_linear")]
+
+
+def _bf16_rule(kernels: NativeKernels | None, why_not: str) -> LinearRule:
+    bf16 = torch.bfloat16
+    onednn_why = packing_unavailable(bf16)
+    if kernels is not None and bf16 in kernels.amx_linear:
+        return LinearRule("onednn", "AMX tiles (amx_linear.c): less fixed cost per call than oneDNN's at decode sizes",
+                          _native(kernels, "amx", bf16))
+    if kernels is not None and bf16 in kernels.dpbf16_linear:
+        return LinearRule("onednn", "AVX512-BF16 dot products (dpbf16_linear.c): as fast as oneDNN's packed "
+                          "matmul or faster, and captured in CPU graphs", _native(kernels, "avx512-bf16", bf16))
+    if not onednn_why:
+        no_native = why_not or "this CPU has neither AMX nor AVX512-BF16"
+        return LinearRule("onednn", f"oneDNN's packed bf16 matmul ({no_native}; decode steps are not captured)")
+    if kernels is not None and bf16 in kernels.fma_linear:
+        return LinearRule("torch", f"FMA units with bf16 weights widened in registers (fma_linear.c): {onednn_why}",
+                          _native(kernels, "fma", bf16))
+    return LinearRule("torch", "; ".join(x for x in (why_not or "no AVX2 + FMA in the native build", onednn_why) if x))
+
+
+def _f32_rule(kernels: NativeKernels | None, why_not: str) -> LinearRule:
+    f32 = torch.float32
+    onednn_why = packing_unavailable(f32)
+    fallback = "onednn" if not onednn_why else "torch"
+    if kernels is not None and f32 in kernels.fma_linear:
+        return LinearRule(fallback, "FMA units (fma_linear.c): as fast as oneDNN's packed matmul or faster, and "
+                                    "captured in CPU graphs", _native(kernels, "fma", f32))
+    no_native = why_not or "no AVX2 + FMA in the native build"
+    if fallback == "onednn":
+        return LinearRule("onednn", f"oneDNN's packed float32 matmul ({no_native}; decode steps are not captured)")
+    return LinearRule("torch", f"{no_native}; {onednn_why}")
