@@ -32,10 +32,14 @@ CASES = [
     AttentionCase("odd-head33", ((1, 40), (5, 21)), num_heads=2, num_kv_heads=1, head_size=33),  # keys not paired
     AttentionCase("decodes-window", ((1, 70), (1, 5), (1, 33)), num_heads=4, num_kv_heads=2, sliding_window=19),
     AttentionCase("decodes-soft-cap", ((1, 30), (1, 64)), num_heads=4, num_kv_heads=1, soft_cap=2.5),
-    # queries longer than attention_plan.SHORT_QUERY_MAX (48): the SDPA path, fresh and over cached context
+    # longer queries: several tiles a sequence (attention_plan.tiles_for), fresh and over cached context
     AttentionCase("long", ((1, 37), (60, 60), (50, 90), (23, 23), (1, 16)), num_heads=8, num_kv_heads=2),
     AttentionCase("long-window", ((64, 64), (49, 80), (1, 70)), num_heads=4, num_kv_heads=2, sliding_window=19),
     AttentionCase("long-soft-cap", ((50, 50), (1, 30)), num_heads=4, num_kv_heads=1, soft_cap=2.5),
+    # SmolLM2's heads: a long fresh prompt, a chunk over a long cached context, a decode among them
+    AttentionCase("prefill-smollm2", ((300, 300), (130, 700), (1, 500), (2, 2)), num_heads=9, num_kv_heads=3),
+    AttentionCase("prefill-window-mha", ((200, 260), (97, 97)), num_heads=2, num_kv_heads=2, sliding_window=70,
+                  block_size=32),
 ]
 
 
@@ -136,17 +140,16 @@ def _exploding_rotate(*args):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", [c for c in CASES if all(q <= 16 for q, _ in c.seqs) and c.head_size % 2 == 0],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if c.head_size % 2 == 0], ids=lambda c: c.name)
 def test_fused_rotary_equals_rotary_then_forward_bit_for_bit(platform, case, dtype):
-    """Short-sequence steps rotate inside the kernel, with exactly the rotary op's roundings."""
+    """Every step rotates inside the kernel, with exactly the rotary op's roundings."""
     from podium_plugin_api import RotaryInputs, ops
     from podium_plugin_api.testing.attention_checks import rotary_table
 
     backend = platform.attention_backend()
     fused, plain = (build_batch(platform, backend, case, dtype, 5) for _ in range(2))
     positions = torch.cat([torch.arange(s - q, s) for q, s in case.seqs])
-    table = rotary_table(200, case.head_size)
+    table = rotary_table(max(s for _, s in case.seqs), case.head_size)
     got = backend.forward_rotary(case.layer(), fused.query, fused.key, fused.value, fused.kv_cache, fused.meta,
                                  RotaryInputs(positions, table, _exploding_rotate))
     query, key = ops.rotary_embedding(positions, plain.query, plain.key, table)

@@ -14,14 +14,14 @@ indexing; paired keys end in [D/2, 2]), which write_kv / read_kv / the torch pat
 
 Per layer (the step's bookkeeping is done once, in ``prepare_metadata``; see ``attention_plan``):
 
-- short-query sequences (decodes, small chunks): the native kernel, one call for all of them,
-  K/V read once through the block tables; ``forward``'s call stores the step's new K/V first
-  (``attention_kernel``: one ctypes call and one OpenMP region per layer), and ``forward_rotary``'s
-  also rotates q and k on the way (rotary.h, bit-identical to the rotary op) when no sequence of
-  the step is long. Without it: pure decodes batched in torch (one gather
-  for all of them, one SDPA call), other short ones as below.
-- long-query sequences (prefill chunks): one SDPA call each; a fresh prefill uses its own new K/V,
-  a chunk over cached context gathers that sequence's blocks once.
+- with the native kernel: one call for every sequence, K/V read through the block tables, decodes
+  as (token, kv head) work items and every other sequence as flash-style tiles of query tokens;
+  ``forward``'s call stores the step's new K/V first (``attention_kernel``: one ctypes call and
+  one OpenMP region per layer), and ``forward_rotary``'s also rotates q and k on the way (rotary.h,
+  bit-identical to the rotary op).
+- without it: pure decodes batched in torch (one gather for all of them, one SDPA call), every
+  other sequence one SDPA call (a fresh prefill uses its own new K/V, a chunk over cached context
+  gathers that sequence's blocks once).
 - soft-capped layers outside the kernel: the reference math (SDPA has no soft cap).
 """
 
@@ -155,17 +155,16 @@ class CpuAttentionBackend(AttentionBackend):
         return self._attend(layer, query, key_cache, value_cache, meta, plan, None, None)
 
     def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary: RotaryInputs) -> torch.Tensor:
-        """Rotation, cache write and attention in one kernel call for steps of short sequences."""
+        """Rotation, cache write and attention in one kernel call."""
         out = self._native_forward(layer, query, key, value, kv_cache, meta, rotary)
         if out is not None:
             return out
         return super().forward_rotary(layer, query, key, value, kv_cache, meta, rotary)
 
     def _native_forward(self, layer, query, key, value, kv_cache, meta, rotary=None) -> torch.Tensor | None:
-        """Write and attend in one kernel call (then SDPA for long sequences); None: it does not fit.
+        """Write and attend in one kernel call; None: it does not fit.
 
-        With ``rotary`` the kernel rotates q and k first; only for steps without long sequences
-        (their SDPA would need the rotated rows) and with a table it can read."""
+        With ``rotary`` the kernel rotates q and k first (with a table it can read)."""
         dtype = kv_cache.dtype
         if self.kernels is None or not self.key_transposed or dtype not in self.kernels.paged_attention:
             return None
@@ -184,29 +183,21 @@ class CpuAttentionBackend(AttentionBackend):
             step = captured_step(meta, query, block_size, True, rotary)
             return launch(self.kernels, self._shapes, layer, query, (key, value), caches, step)
         plan = plan_for(meta, block_size)
-        if rotary is not None and (plan.long_seqs or query.shape[0] != key.shape[0]
-                                   or not rotary_fits(rotary, key.shape[0], head_size)):
+        if rotary is not None and (query.shape[0] != key.shape[0] or not rotary_fits(rotary, key.shape[0], head_size)):
             return None
-        out = call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary)
-        if plan.long_seqs:
-            self._long_seqs(layer, query, *self.split_cache(kv_cache), plan.long_seqs, key, value, out)
-        return out
+        return call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary)
 
     def _attend(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, new_key, new_value) -> torch.Tensor:
         blocks, hkv, block_size, head_size = value_cache.shape
-        long_seqs = plan.long_seqs
-        if plan.short_seqs and self._native_layout(key_cache) and query.dtype == key_cache.dtype and \
+        if self._native_layout(key_cache) and query.dtype == key_cache.dtype and \
                 kernel_inputs_fit(layer, query, None, hkv, head_size, 0):
             caches = (key_cache.data_ptr(), value_cache.data_ptr(), blocks, block_size)
-            out = call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan)  # checks the plan
-        else:
-            check_plan(plan, query, blocks)
-            out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
-            if plan.short_seqs and plan.decode_only:
-                self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
-            elif plan.short_seqs:
-                long_seqs = long_seqs + _as_long(plan, meta, block_size)
-        self._long_seqs(layer, query, key_cache, value_cache, long_seqs, new_key, new_value, out)
+            return call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan)  # checks the plan
+        check_plan(plan, query, blocks)
+        out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
+        if plan.short_seqs:  # decodes
+            self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
+        self._long_seqs(layer, query, key_cache, value_cache, plan.long_seqs, new_key, new_value, out)
         return out
 
     def _long_seqs(self, layer, query, key_cache, value_cache, seqs: list[LongSeq], new_key, new_value, out) -> None:
@@ -267,17 +258,6 @@ class CpuAttentionBackend(AttentionBackend):
 def _select_blocks(cache_rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``cache_rows.index_select(0, blocks)``; fp8 caches as bytes (older torch has no fp8 index kernels)."""
     return indexable(cache_rows).index_select(0, blocks).view(cache_rows.dtype)
-
-
-def _as_long(plan: StepPlan, meta: AttentionMetadata, block_size: int) -> list[LongSeq]:
-    """The short sequences described as long ones (no native kernel and not all decodes)."""
-    starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()
-    result = []
-    for i in plan.short_seqs:
-        used = -(-seq_lens[i] // block_size)
-        result.append(LongSeq(i, starts[i], starts[i + 1], seq_lens[i], meta.block_tables[i, :used].long()))
-    return result
 
 
 def _decode_gather(plan: StepPlan, meta: AttentionMetadata, block_size: int):

@@ -3,14 +3,15 @@
 A call takes the layer's query, the step's new key/value rows (or none: attend only), the cache
 and two small structs:
 
-    Step   the step's batch, the same for every layer: int32 block tables, the short sequences'
-           tokens / sequences / positions, the checked int64 slots and, when the kernel rotates q
-           and k itself (``forward_rotary``), the rotary positions and cos/sin table. Built by the
-           first layer of a step and kept in the plan's cache.
+    Step   the step's batch, the same for every layer: int32 block tables, the decodes' tokens /
+           sequences / positions, the prefill tiles of the other sequences, the checked int64
+           slots and, when the kernel rotates q and k itself (``forward_rotary``), the rotary
+           positions and cos/sin table. Built by the first layer of a step and kept in the plan's
+           cache.
     Shape  one layer's strides and attention parameters, kept per (layer, strides, block size).
 
-The kernel first stores the new rows at their slots, then attends every short-sequence token, in
-one OpenMP region. It trusts its arguments: ``kernel_inputs_fit`` and the checks here are the
+The kernel first stores the new rows at their slots, then attends every tile and token, in one
+OpenMP region. It trusts its arguments: ``kernel_inputs_fit`` and the checks here are the
 whole of its validation (shapes, strides, dtypes, block ids, slots).
 """
 
@@ -20,14 +21,14 @@ import torch
 
 from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, GraphCaptureUnsupported, RotaryInputs
 
-from .attention_plan import StepPlan
+from .attention_plan import StepPlan, tiles_for
 from .native_kernels import NativeKernels, Shape, Step
 
 
 def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec, query: torch.Tensor,
                 new_rows: tuple[torch.Tensor, torch.Tensor] | None, caches: tuple[int, int, int, int],
                 meta: AttentionMetadata, plan: StepPlan, rotary: RotaryInputs | None = None) -> torch.Tensor:
-    """out [T, H, D] with the short sequences' rows attended (other rows uninitialised).
+    """out [T, H, D], every sequence's rows attended.
 
     ``caches``: (key cache address, value cache address, blocks, block size); ``new_rows``: the
     step's (key, value) [T, Hkv, D], written first, or None. ``rotary`` (with ``new_rows``): query
@@ -36,7 +37,7 @@ def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec,
     """
     _, _, blocks, block_size = caches
     check_plan(plan, query, blocks)
-    step = _step(plan, meta, blocks * block_size, new_rows is not None, rotary)
+    step = _step(plan, meta, blocks * block_size, new_rows is not None, rotary, layer.num_heads // layer.num_kv_heads)
     return launch(kernels, shapes, layer, query, new_rows, caches, step)
 
 
@@ -97,9 +98,10 @@ def _shape(layer: AttentionLayerSpec, query: torch.Tensor, k_stride: int, v_stri
 
 
 def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool,
-          rotary: RotaryInputs | None) -> Step:
-    """The step's Step struct; built once per (step, cache size, rotary), its tensors kept in the plan."""
-    key = ("native step", num_slots, writes, rotary is not None)
+          rotary: RotaryInputs | None, group: int) -> Step:
+    """The step's Step struct; built once per (step, cache size, rotary, query heads per kv head), its
+    tensors kept in the plan."""
+    key = ("native step", num_slots, writes, rotary is not None, group)
     cached = plan.cache.get(key)
     if cached is not None and cached[0] is meta.slot_mapping and (
             rotary is None or (cached[2] is rotary.positions and cached[3] is rotary.cos_sin_cache)):
@@ -114,6 +116,9 @@ def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool,
         num_tokens=plan.tokens.numel(), max_span=plan.max_short_span,
         slots=None if slots is None else slots.data_ptr(), num_writes=0 if slots is None else slots.numel(),
     )
+    tiles = tiles_for(plan, group)
+    if tiles.numel():
+        step.tiles, step.num_tiles, step.max_tile = tiles.data_ptr(), tiles.shape[0], int(tiles[:, 3].max())
     positions = None
     if rotary is not None:
         positions = _checked_positions(rotary)

@@ -2,12 +2,14 @@
 
 A step's sequences split by query length:
 
-    short  (query_len <= SHORT_QUERY_MAX): decodes, small chunks, short prompts. The native kernel computes all
-           of them in one call per layer, reading K/V through the block table. Without the kernel,
-           pure decodes are batched in torch (one gather per layer for all of them), the rest go
-           through the long path.
-    long   (prefill chunks): one fused SDPA call per sequence; a fresh prefill (no cached context)
-           attends to its own new keys/values without reading the cache at all.
+    tokens  (query_len < TILE_MIN_QUERY: decodes): the native kernel attends each (token, kv head)
+            as one work item, reading K/V through the block table. Without the kernel, pure decodes
+            are batched in torch (one gather per layer for all of them).
+    tiled   (prompts, prefill chunks, every other length): the native kernel cuts each into tiles of
+            consecutive query tokens and attends each (tile, kv head) flash style (``tiles_for``),
+            in the same call as the tokens. Without the kernel: one fused SDPA call per sequence; a
+            fresh prefill (no cached context) attends to its own new keys/values without reading
+            the cache at all.
 
 Everything here is host-side bookkeeping plus a few small index tensors; the first layer of a
 step builds it and keeps it in ``meta.extras`` for the other layers (``plan_for``).
@@ -21,16 +23,14 @@ import torch
 
 from podium_plugin_api import AttentionMetadata
 
-# up to here the kernel beat one SDPA call per sequence (bf16, attention incl. rotary, 2-core VM):
-# 32 fresh 48-token prompts 114-152 ms against 175-187 per prefill step; 12 x 128 tokens lost
-# (150-240 against 134-196), 6 x 256 lost clearly
-SHORT_QUERY_MAX = 48
+TILE_MIN_QUERY = 2  # sequences with this many query tokens or more are tiled (decodes stay tokens)
+TILE_ROWS = 48  # a tile's query rows (tokens x the query heads of a kv head) aimed at
 PLAN_KEY = "podium_cpu.plan"
 
 
 @dataclass
 class LongSeq:
-    """One sequence attended with SDPA: its query rows [lo, hi) and its context."""
+    """One tiled sequence: its query rows [lo, hi) and its context (SDPA's unit without the kernel)."""
 
     index: int
     lo: int
@@ -52,14 +52,13 @@ class StepPlan:
     block_tables: torch.Tensor  # the metadata's tensor this plan was built from
     num_tokens: int
     max_block: int  # the largest block id any sequence uses (validated against the cache)
-    short_seqs: list[int]
-    long_seqs: list[LongSeq]
+    short_seqs: list[int]  # the token path's sequences
+    long_seqs: list[LongSeq]  # the tiled sequences
     # native kernel inputs: the short sequences' tokens, int64 [N] each
     tokens: torch.Tensor
     token_seqs: torch.Tensor
     token_positions: torch.Tensor
     max_short_span: int  # the most keys a short-sequence token attends to
-    decode_only: bool  # every short sequence is a single-token decode
     cache: dict = field(default_factory=dict)  # derived tensors built on first use (torch decode path)
 
 
@@ -83,7 +82,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         used = -(-s // block_size)
         if used > tables.shape[1]:
             raise ValueError(f"sequence {i}: seq_len {s} needs {used} blocks; block_tables has {tables.shape[1]}")
-        if q <= SHORT_QUERY_MAX:
+        if q < TILE_MIN_QUERY:
             short.append(i)
             tokens.extend(range(starts[i], starts[i] + q))
             token_seqs.extend([i] * q)
@@ -108,7 +107,6 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         token_seqs=torch.tensor(token_seqs, dtype=torch.int64),
         token_positions=torch.tensor(positions, dtype=torch.int64),
         max_short_span=max_span,
-        decode_only=all(query_lens[i] == 1 for i in short),
     )
 
 
@@ -131,3 +129,22 @@ def plan_for(meta: AttentionMetadata, block_size: int) -> StepPlan:
     if meta.seq_lens_host and meta.query_lens_host:
         meta.extras[PLAN_KEY] = plan
     return plan
+
+
+def tiles_for(plan: StepPlan, group: int) -> torch.Tensor:
+    """The native kernel's prefill tiles of ``plan``'s tiled sequences for a layer whose kv heads
+    each serve ``group`` query heads: int64 [num_tiles, 4] rows (sequence, first query row, its
+    position, query rows), each about TILE_ROWS / group tokens, the tiles that see the most keys
+    first (the kernel hands them out in this order: the long ones do not come last). Cached."""
+    key = ("tiles", group)
+    if key not in plan.cache:
+        size = max(1, TILE_ROWS // group)
+        rows = []
+        for seq in plan.long_seqs:
+            first_pos = seq.seq_len - (seq.hi - seq.lo)
+            for lo in range(seq.lo, seq.hi, size):
+                count = min(size, seq.hi - lo)
+                rows.append((seq.index, lo, first_pos + lo - seq.lo, count))
+        rows.sort(key=lambda r: -(r[2] + r[3]))
+        plan.cache[key] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+    return plan.cache[key]

@@ -66,6 +66,7 @@ class Step(ctypes.Structure):
         ("num_tokens", ctypes.c_int64), ("max_span", ctypes.c_int64),
         ("slots", ctypes.c_void_p), ("num_writes", ctypes.c_int64),
         ("cos_sin", ctypes.c_void_p), ("rope_positions", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+        ("tiles", ctypes.c_void_p), ("num_tiles", ctypes.c_int64), ("max_tile", ctypes.c_int64),
     ]
 
 

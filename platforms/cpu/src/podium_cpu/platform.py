@@ -67,8 +67,8 @@ class CpuPlatform(Platform):
                 fp8="e4m3fn",  # fp8 KV caches (torch's CPU casts): see CpuAttentionBackend.kv_cache_dtypes
                 distributed_backend="gloo",
                 extra={"native_bf16": native_bf16, "threads": usable_cores(), "attention": _attention_setting(),
-                       "linears": {str(dtype).removeprefix("torch."): rule.summary()
-                                   for dtype, rule in self.linear_rules().items()}},
+                       **{f"linears {str(dtype).removeprefix('torch.')}": rule.summary()
+                          for dtype, rule in self.linear_rules().items()}},
             )
         return self._capabilities
 
