@@ -335,6 +335,9 @@ class ModelRunner:
             logger.info("decode steps run eagerly: the platform cannot capture this model's step (%s)", exc)
         self.platform.synchronize()
         self.capture_seconds = time.perf_counter() - begin
+        if self.graphs:
+            logger.info("decode steps of up to %d sequences replay captured graphs (batch sizes %s, captured in "
+                        "%.2f s)", max(self.graphs), sorted(self.graphs), self.capture_seconds)
         return self.capture_seconds
 
     def _capture_one(self, runner, size: int):

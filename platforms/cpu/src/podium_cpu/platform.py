@@ -20,6 +20,7 @@ Choices made here, from what the machine offers (``cpu_info``):
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from functools import partial
@@ -40,6 +41,8 @@ from .linear_choice import LinearChoice, LinearRule, choose, linear_rules
 from .linear_packing import pack_linear_layers
 from .moe import pack_experts
 from .native_kernels import compiler_found, load_kernels
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_ENV = "PODIUM_CPU_ATTENTION"
 ATTENTION_CHOICES = ("auto", "native", "ipex", "torch")
@@ -118,9 +121,12 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Called once the weights are loaded: linear weights (experts' too) packed for the kernel
         ``linear_rules`` picks for their dtype; embeddings to the native lookup. Returns the model."""
-        pack = partial(pack_linear_layers, rules=self.linear_rules())
-        pack(model)
+        rules = self.linear_rules()
+        pack = partial(pack_linear_layers, rules=rules)
+        packed = pack(model)
         pack_experts(model, pack)  # mixture-of-experts weights: the same packed linears, per expert
+        for dtype in sorted({p.dtype for p in model.parameters()} & set(rules), key=str):
+            logger.info("%s linears (%d packed): %s", str(dtype).removeprefix("torch."), packed, rules[dtype].summary())
         kernels = load_kernels()[0]
         if kernels is not None:
             native_embeddings(model, kernels)
