@@ -1,13 +1,19 @@
-"""The CPU platform's kernels alone, at SmolLM2-135M's decode shapes: paged attention and linears.
+"""The CPU platform's kernels alone, at SmolLM2-135M's shapes, each against what it replaced:
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/cpu_kernels.py [--rows 32] [--context 112] [--only attention linear]
+    python benchmarks/cpu_kernels.py [--only decode prefill linear] [--rows 1 32 64 512] [--threads N]
 
-attention: one decode step's 30 layers of ``CpuAttentionBackend.forward`` (write + attend), 32
+decode: one decode step's 30 layers of ``CpuAttentionBackend.forward`` (write + attend), 32
 sequences of ``--context`` tokens over blocks scattered at random (the worst case for the hardware
-prefetcher), float32 and bf16; reported as ms per step and the KV bytes read over that time.
-linear: each SmolLM2 linear shape at ``--rows`` rows: torch's F.linear (float32: MKL's sgemm;
-bf16: whatever this torch does), oneDNN's packed matmul (PackedLinear, where oneDNN packs the
-dtype) and the native bf16 kernels this CPU runs (FmaLinear, AmxLinear); best of 5 timings.
+prefetcher), float32 and bf16; ms per step and the KV bytes read over that time.
+prefill: one layer's attention of 4 fresh 512-token prompts and of a 128-token chunk over 512
+cached tokens: the native kernel's flash tiles against the torch path (one SDPA call a sequence).
+linear: each SmolLM2 linear shape at each ``--rows``: every native kernel this CPU runs (the one the
+platform's rule picks marked ``*``) against oneDNN's packed matmul of the same dtype; the ratio is
+native time / oneDNN time (below 1: native faster); this is what ``linear_choice``'s rule rests on.
+
+Timings are the best of several, the variants interleaved trial by trial so that a busy machine
+slows them alike; ``--cpu-time`` times process CPU time instead of wall time (with ``--threads 1``,
+least disturbed by other processes). Leave OMP_WAIT_POLICY unset, as for any benchmark.
 """
 
 from __future__ import annotations
@@ -16,99 +22,126 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from podium_cpu.linear_packing import AmxLinear, FmaLinear, PackedLinear, can_pack
+from podium_cpu.attention import CpuAttentionBackend
+from podium_cpu.linear_choice import runnable_native_kernels
+from podium_cpu.linear_packing import NativeLinear
 from podium_cpu.native_kernels import load_kernels
+from podium_cpu.onednn_linear import PackedLinear, can_pack
 from podium_cpu.platform import CpuPlatform
 from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
 
 LAYERS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 30, 9, 3, 64, 16
 LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+LAYER = AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5)
+CLOCK = time.perf_counter
 
 
-def best_seconds(fn, calls: int = 10, trials: int = 5) -> float:
-    fn()
-    fn()
-    best = float("inf")
+def best_of(variants: dict, calls: int = 5, trials: int = 5) -> dict[str, float]:
+    """Seconds a call of each variant, the best of ``trials``, the variants interleaved."""
+    for fn in variants.values():
+        fn()
+    best = dict.fromkeys(variants, float("inf"))
     for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        for name, fn in variants.items():
+            start = CLOCK()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (CLOCK() - start) / calls)
     return best
 
 
-def attention(dtype: torch.dtype, seqs: int, context: int) -> None:
+def batch(backend, dtype: torch.dtype, seqs: list[tuple[int, int]], scattered: bool = True):
+    """(caches, metadata, q, k, v) of a step of (query_len, seq_len) sequences, one cache a layer."""
+    blocks = [-(-s // BLOCK) for _, s in seqs]
+    total = sum(blocks) + 4
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK, dtype=dtype)
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(0)) if scattered else torch.arange(total)
+    tables, at = [], 0
+    for n in blocks:
+        tables.append(order[at:at + n].tolist() + [0] * (max(blocks) - n))
+        at += n
+    meta = AttentionMetadata.from_lengths([q for q, _ in seqs], [s for _, s in seqs], tables, BLOCK, device="cpu")
+    tokens = sum(q for q, _ in seqs)
+    q = torch.randn(tokens, HEADS, HEAD_SIZE).to(dtype)
+    k, v = (torch.randn(tokens, KV_HEADS, HEAD_SIZE).to(dtype) for _ in range(2))
+    return torch.randn(backend.kv_cache_shape(spec, total)).to(dtype), backend.prepare_metadata(meta), q, k, v
+
+
+def decode(dtype: torch.dtype, seqs: int, context: int) -> None:
     backend = CpuPlatform().attention_backend()
-    per_seq = -(-(context + 1) // BLOCK)
-    num_blocks = seqs * per_seq + 4
-    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK, dtype=dtype)
-    caches = [torch.randn(backend.kv_cache_shape(spec, num_blocks)).to(dtype) for _ in range(LAYERS)]
-    tables = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))[: seqs * per_seq]
-    meta = AttentionMetadata.from_lengths([1] * seqs, [context + 1] * seqs, tables.view(seqs, per_seq).tolist(),
-                                          BLOCK, device="cpu")
-    meta = backend.prepare_metadata(meta)
-    layer = AttentionLayerSpec(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5)
-    q = torch.randn(seqs, HEADS, HEAD_SIZE).to(dtype)
-    k, v = (torch.randn(seqs, KV_HEADS, HEAD_SIZE).to(dtype) for _ in range(2))
+    cache, meta, q, k, v = batch(backend, dtype, [(1, context + 1)] * seqs)
+    caches = [cache] + [torch.randn_like(cache.float()).to(dtype) for _ in range(LAYERS - 1)]
 
     def step():
-        for cache in caches:
-            backend.forward(layer, q, k, v, cache, meta)
+        for c in caches:
+            backend.forward(LAYER, q, k, v, c, meta)
 
-    seconds = best_seconds(step, calls=5)
-    kv_bytes = seqs * (context + 1) * KV_HEADS * HEAD_SIZE * 2 * caches[0].element_size() * LAYERS
-    print(f"attention {str(dtype):15s} {seqs} x {context} context ({backend.name}): {seconds * 1e3:7.2f} ms a step, "
-          f"KV {kv_bytes / 1e6:.0f} MB -> {kv_bytes / seconds / 1e9:.1f} GB/s")
-
-
-def linear_times(n: int, k: int, rows: int, native) -> dict[str, float]:
-    """Seconds per call of every path this CPU has for a [rows, k] x [k, n] linear."""
-    torch.manual_seed(0)
-    base = nn.Linear(k, n, bias=False).requires_grad_(False)
-    x32 = torch.randn(rows, k)
-    times = {"F.linear fp32": best_seconds(lambda: F.linear(x32, base.weight))}
-    if can_pack(torch.float32):
-        packed = PackedLinear(base)
-        times["onednn fp32"] = best_seconds(lambda: packed(x32))
-    bf16 = nn.Linear(k, n, bias=False).bfloat16().requires_grad_(False)
-    x16 = x32.bfloat16()
-    times["F.linear bf16"] = best_seconds(lambda: F.linear(x16, bf16.weight), calls=2, trials=2)
-    if can_pack(torch.bfloat16):
-        packed16 = PackedLinear(bf16)
-        times["onednn bf16"] = best_seconds(lambda: packed16(x16))
-    for cls, kernel, pack in native:
-        if kernel is not None:
-            layer = cls(bf16, kernel, pack)
-            times[f"{cls.kind} bf16"] = best_seconds(lambda layer=layer: layer(x16))
-    return times
+    seconds = best_of({"step": step}, calls=2)["step"]
+    kv_bytes = seqs * (context + 1) * KV_HEADS * HEAD_SIZE * 2 * cache.element_size() * LAYERS
+    print(f"decode attention {str(dtype):15s} {seqs} x {context} context ({backend.name}): {seconds * 1e3:7.2f} ms a "
+          f"step, KV {kv_bytes / 1e6:.0f} MB -> {kv_bytes / seconds / 1e9:.1f} GB/s")
 
 
-def linears(rows: int) -> None:
-    kernels = load_kernels()[0]
-    native = []
-    if kernels is not None:
-        native = [(cls, getattr(kernels, f"{kind}_linear").get(torch.bfloat16), getattr(kernels, f"{kind}_pack")[torch.bfloat16])
-                  for cls, kind in ((AmxLinear, "amx"), (FmaLinear, "fma"))]
-    for name, (n, k) in LINEARS.items():
-        flops = 2 * rows * n * k
-        times = linear_times(n, k, rows, native)
-        print(f"linear {name:8s} [{rows} x {k}] -> {n}: " + ", ".join(
-            f"{label} {t * 1e6:.0f} us ({flops / t / 1e9:.0f} GF/s)" for label, t in times.items()))
+def prefill(dtype: torch.dtype) -> None:
+    native, plain = CpuPlatform().attention_backend(), CpuAttentionBackend(kernels=None)
+    for label, seqs in (("4 fresh x 512", [(512, 512)] * 4), ("128 over 512 cached", [(128, 640)])):
+        variants = {}
+        for name, backend in (("native tiles", native), ("torch SDPA", plain)):
+            cache, meta, q, k, v = batch(backend, dtype, seqs, scattered=False)
+            variants[name] = lambda b=backend, c=cache, m=meta, q=q, k=k, v=v: b.forward(LAYER, q, k, v, c, m)
+        times = best_of(variants, calls=1)
+        print(f"prefill attention {str(dtype):15s} {label:20s} one layer: " + ", ".join(
+            f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
+              + f"; SDPA / native {times['torch SDPA'] / times['native tiles']:.2f}x")
+
+
+def linears(rows_list: list[int]) -> None:
+    kernels, why = load_kernels()
+    natives = runnable_native_kernels(kernels) if kernels is not None else []
+    platform = CpuPlatform()
+    for dtype in (torch.bfloat16, torch.float32):
+        mine = [k for k in natives if k.dtype == dtype]
+        if not mine or not can_pack(dtype):
+            print(f"linear {dtype}: nothing to compare ({why or 'no native kernel or no oneDNN packing here'})")
+            continue
+        for name, (n, k) in LINEARS.items():
+            torch.manual_seed(0)
+            base = nn.Linear(k, n, bias=False).to(dtype).requires_grad_(False)
+            layers = {"onednn": PackedLinear(base), **{kern.name: NativeLinear(base, kern) for kern in mine}}
+            for rows in rows_list:
+                x = torch.randn(rows, k).to(dtype)
+                calls = max(1, int(2e8 // (rows * n * k)))
+                times = best_of({kind: (lambda layer=layer, x=x: layer(x)) for kind, layer in layers.items()}, calls=calls)
+                chosen = platform.linear_kernel(dtype, n, k, rows).kernel
+                flops = 2 * rows * n * k
+                print(f"linear {str(dtype):15s} {name:8s} [{rows:4d} x {k}] -> {n}: " + ", ".join(
+                    f"{kind}{'*' if kind == chosen else ''} {t * 1e6:.0f} us ({flops / t / 1e9:.0f} GF/s)"
+                    + ("" if kind == "onednn" else f" {t / times['onednn']:.2f}x") for kind, t in times.items()),
+                    flush=True)
 
 
 def main() -> None:
+    global CLOCK
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64, 512])
+    parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=112)
-    parser.add_argument("--only", nargs="+", choices=["attention", "linear"], default=["attention", "linear"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cpu-time", action="store_true")
+    parser.add_argument("--only", nargs="+", choices=["decode", "prefill", "linear"], default=["decode", "prefill", "linear"])
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        CLOCK = time.process_time
     with torch.inference_mode():
-        if "attention" in args.only:
-            for dtype in (torch.float32, torch.bfloat16):
-                attention(dtype, args.rows, args.context)
+        for dtype in (torch.float32, torch.bfloat16):
+            if "decode" in args.only:
+                decode(dtype, args.seqs, args.context)
+            if "prefill" in args.only:
+                prefill(dtype)
         if "linear" in args.only:
             linears(args.rows)
 

