@@ -44,7 +44,7 @@ from .attention_kernel import (
     rotary_fits,
     token_rows,
 )
-from .attention_plan import LongSeq, StepPlan, plan_for
+from .attention_plan import Chunk, StepPlan, plan_for
 from .graphs import capturing
 from .native_kernels import NativeKernels
 
@@ -195,12 +195,12 @@ class CpuAttentionBackend(AttentionBackend):
             return call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan)  # checks the plan
         check_plan(plan, query, blocks)
         out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
-        if plan.short_seqs:  # decodes
+        if plan.decode_seqs:  # decodes
             self._torch_decode(layer, query, key_cache, value_cache, meta, plan, out)
-        self._long_seqs(layer, query, key_cache, value_cache, plan.long_seqs, new_key, new_value, out)
+        self._sdpa_chunks(layer, query, key_cache, value_cache, plan.chunks, new_key, new_value, out)
         return out
 
-    def _long_seqs(self, layer, query, key_cache, value_cache, seqs: list[LongSeq], new_key, new_value, out) -> None:
+    def _sdpa_chunks(self, layer, query, key_cache, value_cache, seqs: list[Chunk], new_key, new_value, out) -> None:
         for seq in seqs:
             out[seq.lo:seq.hi] = self._one_sequence(layer, query, key_cache, value_cache, seq, new_key, new_value)
 
@@ -228,7 +228,7 @@ class CpuAttentionBackend(AttentionBackend):
             o = torch.matmul(probs, v.float()).to(q.dtype)
         out.index_copy_(0, rows, o.reshape(n, layer.num_heads, d))
 
-    def _one_sequence(self, layer, query, key_cache, value_cache, seq: LongSeq, new_key, new_value) -> torch.Tensor:
+    def _one_sequence(self, layer, query, key_cache, value_cache, seq: Chunk, new_key, new_value) -> torch.Tensor:
         """[hi - lo, H, D]: one sequence's query rows over its whole context."""
         q = query[seq.lo:seq.hi]  # [Q, H, D]
         if seq.fresh and new_key is not None:
@@ -263,7 +263,7 @@ def _select_blocks(cache_rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tens
 def _decode_gather(plan: StepPlan, meta: AttentionMetadata, block_size: int):
     """(token rows [n], flat block index [n * W], seq lengths [n], W) of the step's decodes; cached."""
     if "decode" not in plan.cache:
-        seqs = torch.tensor(plan.short_seqs, dtype=torch.int64)
+        seqs = torch.tensor(plan.decode_seqs, dtype=torch.int64)
         lengths = plan.token_positions + 1  # decode: the token is the last position
         width = max(1, -(-int(lengths.max()) // block_size))
         index = meta.block_tables.index_select(0, seqs)[:, :width].long().reshape(-1)

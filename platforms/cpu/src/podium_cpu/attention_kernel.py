@@ -113,7 +113,7 @@ def _step(plan: StepPlan, meta: AttentionMetadata, num_slots: int, writes: bool,
     step = Step(
         block_tables=tables.data_ptr(), bt_stride=tables.stride(0),
         tokens=plan.tokens.data_ptr(), seqs=plan.token_seqs.data_ptr(), positions=plan.token_positions.data_ptr(),
-        num_tokens=plan.tokens.numel(), max_span=plan.max_short_span,
+        num_tokens=plan.tokens.numel(), max_span=plan.max_decode_span,
         slots=None if slots is None else slots.data_ptr(), num_writes=0 if slots is None else slots.numel(),
     )
     tiles = tiles_for(plan, group)

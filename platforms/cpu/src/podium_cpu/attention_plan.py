@@ -29,8 +29,9 @@ PLAN_KEY = "podium_cpu.plan"
 
 
 @dataclass
-class LongSeq:
-    """One tiled sequence: its query rows [lo, hi) and its context (SDPA's unit without the kernel)."""
+class Chunk:
+    """A sequence with several query tokens (a prompt or a prefill chunk): its query rows [lo, hi) and
+    its context; the native kernel tiles it, without the kernel it is one SDPA call."""
 
     index: int
     lo: int
@@ -52,13 +53,13 @@ class StepPlan:
     block_tables: torch.Tensor  # the metadata's tensor this plan was built from
     num_tokens: int
     max_block: int  # the largest block id any sequence uses (validated against the cache)
-    short_seqs: list[int]  # the token path's sequences
-    long_seqs: list[LongSeq]  # the tiled sequences
-    # native kernel inputs: the short sequences' tokens, int64 [N] each
+    decode_seqs: list[int]
+    chunks: list[Chunk]
+    # native kernel inputs: the decodes' tokens, int64 [N] each
     tokens: torch.Tensor
     token_seqs: torch.Tensor
     token_positions: torch.Tensor
-    max_short_span: int  # the most keys a short-sequence token attends to
+    max_decode_span: int  # the most keys a decode attends to
     cache: dict = field(default_factory=dict)  # derived tensors built on first use (torch decode path)
 
 
@@ -71,7 +72,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         starts.append(starts[-1] + q)
     tables = meta.block_tables
     tables_host = tables.cpu().numpy()
-    short, long_seqs = [], []
+    decodes, chunks = [], []
     tokens, token_seqs, positions = [], [], []
     max_block, max_span = 0, 1
     for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
@@ -83,13 +84,13 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         if used > tables.shape[1]:
             raise ValueError(f"sequence {i}: seq_len {s} needs {used} blocks; block_tables has {tables.shape[1]}")
         if q < TILE_MIN_QUERY:
-            short.append(i)
+            decodes.append(i)
             tokens.extend(range(starts[i], starts[i] + q))
             token_seqs.extend([i] * q)
             positions.extend(range(s - q, s))
             max_span = max(max_span, s)
         else:
-            long_seqs.append(LongSeq(i, starts[i], starts[i] + q, s, tables[i, :used].long()))
+            chunks.append(Chunk(i, starts[i], starts[i] + q, s, tables[i, :used].long()))
         row = tables_host[i, :used]
         max_block = max(max_block, int(row.max()))
         if int(row.min()) < 0:
@@ -101,12 +102,12 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         block_tables=tables,
         num_tokens=starts[-1],
         max_block=max_block,
-        short_seqs=short,
-        long_seqs=long_seqs,
+        decode_seqs=decodes,
+        chunks=chunks,
         tokens=torch.tensor(tokens, dtype=torch.int64),
         token_seqs=torch.tensor(token_seqs, dtype=torch.int64),
         token_positions=torch.tensor(positions, dtype=torch.int64),
-        max_short_span=max_span,
+        max_decode_span=max_span,
     )
 
 
@@ -132,7 +133,7 @@ def plan_for(meta: AttentionMetadata, block_size: int) -> StepPlan:
 
 
 def tiles_for(plan: StepPlan, group: int) -> torch.Tensor:
-    """The native kernel's prefill tiles of ``plan``'s tiled sequences for a layer whose kv heads
+    """The native kernel's prefill tiles of ``plan``'s chunks for a layer whose kv heads
     each serve ``group`` query heads: int64 [num_tiles, 4] rows (sequence, first query row, its
     position, query rows), each about TILE_ROWS / group tokens, the tiles that see the most keys
     first (the kernel hands them out in this order: the long ones do not come last). Cached."""
@@ -140,7 +141,7 @@ def tiles_for(plan: StepPlan, group: int) -> torch.Tensor:
     if key not in plan.cache:
         size = max(1, TILE_ROWS // group)
         rows = []
-        for seq in plan.long_seqs:
+        for seq in plan.chunks:
             first_pos = seq.seq_len - (seq.hi - seq.lo)
             for lo in range(seq.lo, seq.hi, size):
                 count = min(size, seq.hi - lo)
