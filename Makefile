@@ -95,7 +95,7 @@ ipex-env: $(IPEX_STAMP)
 test-ipex: $(IPEX_STAMP)
 	$(IPEX_PY) -m pip install -q --no-deps --no-build-isolation $(IPEX_DISTS)
 	$(IPEX_PY) -c "import intel_extension_for_pytorch as ipex, torch; print('torch', torch.__version__, 'ipex', ipex.__version__)"
-	PODIUM_EXPECT_IPEX=1 $(IPEX_PY) -m pytest -p no:cacheprovider -q tests/test_cpu_*.py $(PYTEST_ARGS)
+	PODIUM_EXPECT_IPEX=1 $(IPEX_PY) -m pytest -p no:cacheprovider -q platforms/cpu/tests $(PYTEST_ARGS)
 	kit_dir=$$(mktemp -d) && cd $$kit_dir && \
 		$(IPEX_PY) -m pytest -p no:cacheprovider -q --podium-platform cpu $(PYTEST_ARGS) && \
 		PODIUM_CPU_ATTENTION=ipex $(IPEX_PY) -m pytest -p no:cacheprovider -q --podium-platform cpu $(PYTEST_ARGS); \

@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
+from cuda_checks import ragged_lengths, relative_error
+from triton_interpreter import kernel_device as where_kernels_run
+from triton_interpreter import require_gpu, skip_cuda_marked_without_gpu, skip_interpreted_bf16
 
-from podium_cuda.pytest_support import kernel_device as where_kernels_run
-from podium_cuda.pytest_support import require_gpu, skip_cuda_marked_without_gpu, skip_interpreted_bf16
-from podium_cuda.testing import ragged_lengths, relative_error
 from podium_plugin_api import AttentionMetadata
 
 

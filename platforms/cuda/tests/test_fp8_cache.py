@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from cuda_checks import cache_bits, check_decode_graph_replay, relative_error
+from triton_interpreter import skip_interpreted_fp8_store
 
-from podium_cuda.pytest_support import skip_interpreted_fp8_store
-from podium_cuda.testing import cache_bits, check_decode_graph_replay, relative_error
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, reference_paged_attention
 
 pytestmark = pytest.mark.cuda

@@ -1,16 +1,16 @@
 """The platform's fused ops against the contract's pure-torch reference ops.
 
-The checks live in ``podium_cuda.testing``: the ROCm platform runs the same ones with its tuning.
+The checks live in ``cuda_checks``: the ROCm platform runs the same ones with its tuning.
 """
 
 from __future__ import annotations
 
 import random
 
+import cuda_checks as checks
 import pytest
 import torch
 
-from podium_cuda import testing as checks
 from podium_plugin_api import ops as reference
 
 pytestmark = pytest.mark.cuda

@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
+from cuda_checks import relative_error
 from torch import nn
 
-from podium_cuda.testing import relative_error
 from podium_cuda.tuning import CUDA_TUNING
 from podium_plugin_api import ops as reference
 

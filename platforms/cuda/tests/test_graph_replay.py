@@ -1,13 +1,12 @@
 """A captured decode step replays exactly like eager after its static metadata tensors change.
 
-The check lives in ``podium_cuda.testing``: the ROCm platform runs the same one with its tuning.
+The check lives in ``cuda_checks``: the ROCm platform runs the same one with its tuning.
 """
 
 from __future__ import annotations
 
 import pytest
-
-from podium_cuda.testing import check_decode_graph_replay
+from cuda_checks import check_decode_graph_replay
 
 pytestmark = pytest.mark.cuda
 

@@ -63,9 +63,10 @@ def test_rotary_write_kv_equals_rotary_then_write(
 ):
     """The fused pass gives the bits of the platform's rotary op followed by a cache write, and
     matches the contract's reference rotary to within 2 ulps; other slots are untouched."""
+    from cuda_checks import ULP2
+
     from podium_cuda.fused_ops import rotary_embedding
     from podium_cuda.kv_write import rotary_write_kv
-    from podium_cuda.testing import ULP2
     from podium_plugin_api import ops
 
     check_dtype(dtype)
@@ -152,7 +153,7 @@ def test_forward_rotary_equals_rotary_then_forward(dtype, seqs, kernel_device, c
     want = backend.forward(layer, q_rot, k_rot, v, plain_cache, meta)
     assert torch.equal(fused_cache, plain_cache)
     if meta.is_pure_decode and backend.tuning.decode_rotary_in_attention:
-        from podium_cuda.testing import relative_error
+        from cuda_checks import relative_error
 
         whole, worst = relative_error(got, want)
         assert whole < NEW_TOKEN_TOLERANCE[dtype][0] and worst < NEW_TOKEN_TOLERANCE[dtype][1], (whole, worst)
@@ -202,9 +203,10 @@ def test_decode_with_new_tokens_equals_write_then_attend(case, options, kernel_d
     output written. Lengths: a sequence's first token (nothing cached), block edges, long. An fp8
     cache (8th field): the same bits, and the reference reads the fp8 values. Each of the decode
     tilings (``DECODE_OPTIONS``) gives the same."""
+    from cuda_checks import cache_bits, relative_error
+
     from podium_cuda.kv_write import rotary_write_kv
     from podium_cuda.paged_attention import NewTokens, paged_attention
-    from podium_cuda.testing import cache_bits, relative_error
     from podium_plugin_api import AttentionMetadata, reference_paged_attention
 
     (heads, kv_heads), head_size, block_size, window, cap, num_splits, dtype, *cache_dtype = case

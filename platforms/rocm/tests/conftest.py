@@ -21,9 +21,9 @@ import random
 
 import pytest
 import torch
+from cuda_checks import ragged_lengths, relative_error
+from triton_interpreter import kernel_device, require_gpu, skip_cuda_marked_without_gpu, skip_interpreted_bf16
 
-from podium_cuda.pytest_support import kernel_device, require_gpu, skip_cuda_marked_without_gpu, skip_interpreted_bf16
-from podium_cuda.testing import ragged_lengths, relative_error
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, AttentionMetadata, reference_paged_attention
 from podium_rocm import RocmPlatform
 from podium_rocm.detection import FORCE_ON_CUDA_ENV

@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
+from cuda_checks import check_decode_graph_replay
 
-from podium_cuda.testing import check_decode_graph_replay
 from podium_plugin_api import AttentionBackend, AttentionLayerSpec, KVCacheSpec
 
 pytestmark = pytest.mark.cuda
@@ -152,7 +152,7 @@ def test_kv_write_skips_padding_and_reads_back(
 
 def test_decode_graph_replay_equals_eager(rocm_platform, gpu):
     """A decode step captured with the platform's graph runner (HIP graphs on ROCm) replays exactly
-    like eager: the CUDA platform's check (podium_cuda.testing) through the ROCm backend and runner,
+    like eager: the CUDA platform's check (cuda_checks) through the ROCm backend and runner,
     with ``forward`` and with ``forward_rotary`` (rotary + cache write + attention in one kernel)."""
     check_decode_graph_replay(rocm_platform, gpu)
     check_decode_graph_replay(rocm_platform, gpu, rotary=True)

@@ -1,15 +1,15 @@
 """The rocm platform's fused ops on a GPU against the contract's reference ops (the CUDA platform's
-checks, from ``podium_cuda.testing``, run on the ops the ROCm tuning launches), and proof that the
+checks, from ``cuda_checks``, run on the ops the ROCm tuning launches), and proof that the
 kernels Triton compiled in this process carry the ROCm table's launch parameters."""
 
 from __future__ import annotations
 
 import random
 
+import cuda_checks as checks
 import pytest
 import torch
 
-from podium_cuda import testing as checks
 from podium_plugin_api import AttentionLayerSpec
 from podium_plugin_api import ops as reference
 
@@ -55,7 +55,7 @@ def compiled_variants(kernel) -> set[tuple[int, int]]:
     """
     caches = getattr(kernel, "device_caches", None)
     if not isinstance(caches, dict) or not caches:
-        pytest.skip("this Triton keeps no device_caches on its kernels; tests/test_rocm_tuning.py checks the launches")
+        pytest.skip("this Triton keeps no device_caches on its kernels; test_rocm_tuning.py checks the launches")
     found = set()
     for entry in caches.values():
         for compiled in entry[0].values():

@@ -162,14 +162,5 @@ def test_the_same_step_on_the_cuda_platform_launches_with_cudas_table(recorded):
     assert recorded["cuda"]["launches"] != recorded["rocm"]["launches"]
 
 
-def test_rocm_table_keeps_the_launch_rules():
-    """One stage for the two-GEMM attention loop (AMD's pipeliner), 128 lanes per data-movement
-    program on 64-lane wavefronts (as CUDA's warps of 32 give), 64 keys a decode tile."""
-    assert ROCM_TUNING.prefill.num_stages == ROCM_TUNING.decode.num_stages == 1
-    assert ROCM_TUNING.decode.block_n == 64
-    for name in ("reduce_num_warps", "kv_write_num_warps", "elementwise_num_warps"):
-        assert getattr(ROCM_TUNING, name) * 64 == getattr(CUDA_TUNING, name) * 32, name
-
-
 def test_importing_podium_rocm_does_not_import_triton(recorded):
     assert recorded["triton_after_import"] == []

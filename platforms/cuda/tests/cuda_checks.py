@@ -13,7 +13,9 @@ imports triton or pytest: the ops and the platform bring the kernels.
   lengths, block tables, slots and q/k/v are copied into the captured tensors;
 - the attention tests' shared pieces: random ragged lengths and the relative-error measure.
 
-``podium_cuda.pytest_support`` holds the pytest side (GPU / interpreter skips) both conftests use.
+``triton_interpreter`` holds the pytest side (GPU / interpreter skips) both conftests use. Both are test
+support, not part of the podium-cuda distribution: the root pyproject's pytest ``pythonpath`` names this
+folder, so the ROCm tests import them too.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Tests marked ``cuda`` need a GPU and are skipped where torch sees none, unless T
 interpreter is requested (``TRITON_INTERPRET=1`` with triton installed): the kernels then run on
 CPU tensors, except in bf16, which the interpreter computes wrongly (its bf16 ``tl.dot`` returns
 garbage and its fp32 -> bf16 conversion truncates; seen with triton 3.6-3.9).
-Imported by conftests only (it imports pytest).
+Imported by conftests only (it imports pytest); test support beside the CUDA tests (see ``cuda_checks``).
 """
 
 from __future__ import annotations
