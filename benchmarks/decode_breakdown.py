@@ -52,7 +52,7 @@ def instrument(engine, acc: dict) -> None:
     wrap(model, "forward", "model forward", acc)
     wrap(model, "compute_logits", "compute_logits", acc)
     wrap(engine.runner.backend, "forward_rotary", "attention (+rotary)", acc)
-    wrap(engine.runner.sampler, "sample", "sampler", acc)
+    wrap(engine.sampler, "sample", "sampler", acc)
 
 
 def derive(acc: dict) -> None:

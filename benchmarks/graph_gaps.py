@@ -101,7 +101,7 @@ def main() -> None:
         while full_steps < 3:  # every request decodes: the graph's buffers hold a full step
             engine.step()
             full_steps = full_steps + 1 if runner.last_used_graph and engine.stats().num_running == size else 0
-        graph_size = runner._graph_size(size)
+        graph_size = runner.decode_graphs.size_for(size)
         replay, _ = runner.graphs[graph_size]
         wall = replay_ms(replay, args.replays)
         kernels = profiled(replay, os.path.join(trace_dir, f"graph_{graph_size}.json"))

@@ -17,6 +17,9 @@ import argparse
 import statistics
 import time
 
+import podium.engine
+import podium.runner.eager
+import podium.runner.model_runner
 from podium import LLM, SamplingParams
 
 
@@ -64,8 +67,9 @@ def main() -> None:
     scheduler, runner = engine.scheduler, engine.runner
     scheduler.schedule = direct.wrap(scheduler.schedule)
     scheduler.advance = direct.wrap(scheduler.advance)
-    runner._host_batch = direct.wrap(runner._host_batch)
-    runner._metadata = direct.wrap(runner._metadata)
+    podium.engine.plan_step = direct.wrap(podium.engine.plan_step)
+    podium.runner.model_runner.host_batch = direct.wrap(podium.runner.model_runner.host_batch)
+    podium.runner.eager.device_metadata = direct.wrap(podium.runner.eager.device_metadata)
     runner.backend.prepare_metadata = direct.wrap(runner.backend.prepare_metadata)
     engine._take_tokens = direct.wrap(engine._take_tokens)
     engine._collect = direct.wrap(engine._collect)

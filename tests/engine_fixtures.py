@@ -34,3 +34,15 @@ def smollm2_gguf() -> pathlib.Path:
     if not path.exists():
         pytest.fail(f"{path} is missing")
     return path
+
+
+def run_engines_on(monkeypatch, platform) -> None:
+    """Every engine the test builds runs on ``platform`` (an in-process Platform object): discovery
+    finds the installed plugins as usual, but only this platform."""
+    from podium_plugin_api import Availability, PlatformEntry, Plugins, load_plugins
+
+    def plugins() -> Plugins:
+        real = load_plugins()
+        return Plugins(real.manager, real.origins, (PlatformEntry(platform, "test", "0", Availability(True)),))
+
+    monkeypatch.setattr("podium.platform_setup.load_plugins", plugins)

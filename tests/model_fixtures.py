@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from podium.loader import resolve_model
-from podium.models.context import ForwardContext
 from podium.models.registry import build_model
-from podium_plugin_api import AttentionBackend, AttentionMetadata, KVCacheSpec
+from podium_plugin_api import AttentionBackend, AttentionMetadata, ForwardContext, KVCacheSpec
 from podium_plugin_api.ops import build_op_table
 
 TINY = {

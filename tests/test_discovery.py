@@ -14,14 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from podium.discovery import (
-    PlatformSelectionError,
-    PluginError,
-    build_plugin_manager,
-    discover_platforms,
-    select_platform,
-)
 from podium_plugin_api import Platform, hookimpl
+from podium_plugin_api.discovery import PlatformSelectionError, PluginError, load_plugins
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "npu-plugin"
@@ -83,12 +77,12 @@ def test_installed_example_is_listed_available_but_not_preferred(example_site):
         True,
         1,
     )
-    assert npu["api_version"] == "1.0" and npu["selected"] is False
+    assert npu["api_version"] == "2.0" and npu["selected"] is False
     assert rows["cpu"]["selected"] is True  # priority 10 beats 1
 
 
 def test_example_is_not_there_without_its_distribution():
-    assert "example-npu" not in [e.name for e in discover_platforms()]
+    assert "example-npu" not in [e.name for e in load_plugins().platforms]
 
 
 def test_example_is_selectable_with_podium_device(example_site):
@@ -115,9 +109,10 @@ def test_table_shows_the_example_selected_with_device_and_why_others_are_unavail
 @pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is available here")
 def test_requesting_an_unavailable_platform_says_why_and_lists_the_choices(monkeypatch):
     monkeypatch.delenv("PODIUM_DEVICE", raising=False)
-    entries = discover_platforms()
+    plugins = load_plugins()
+    entries = plugins.platforms
     with pytest.raises(PlatformSelectionError) as info:
-        select_platform("cuda", entries)
+        plugins.select("cuda")
     message = str(info.value)
     cuda = next(e for e in entries if e.name == "cuda")
     assert message.startswith(f"platform 'cuda' is unavailable here: {cuda.availability.reason}")
@@ -130,11 +125,11 @@ def test_requesting_an_unavailable_platform_says_why_and_lists_the_choices(monke
 
 
 def test_requesting_an_unknown_platform_lists_the_choices(monkeypatch):
-    entries = discover_platforms()
+    plugins = load_plugins()
     monkeypatch.setenv("PODIUM_DEVICE", "nope")
     with pytest.raises(PlatformSelectionError, match=r"no platform named 'nope' is installed; choices:") as info:
-        select_platform(None, entries)
-    assert all(f"  {e.name} (" in str(info.value) for e in entries)
+        plugins.select(None)
+    assert all(f"  {e.name} (" in str(info.value) for e in plugins.platforms)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="cuda (priority 100) is available here")
@@ -150,8 +145,8 @@ def test_without_a_request_the_available_platform_of_highest_priority_wins(monke
         def podium_platforms(self):
             return [Better]
 
-    assert select_platform(None, discover_platforms()).name == "cpu"
-    assert select_platform(None, discover_platforms(extra_plugins={"better": Plugin()})).name == "better-npu"
+    assert load_plugins().select(None).name == "cpu"
+    assert load_plugins(extra_plugins={"better": Plugin()}).select(None).name == "better-npu"
 
 
 # --- plugins that break the contract --------------------------------------------------------------
@@ -173,12 +168,12 @@ def test_a_hook_with_an_argument_not_in_the_spec_fails_naming_the_plugin():
     with pytest.raises(
         PluginError, match=r"(?s)podium plugin podium-bad-signature .* breaks the hook contract: .*'device'"
     ):
-        build_plugin_manager(extra_plugins={"podium-bad-signature": ExtraArgument()})
+        load_plugins(extra_plugins={"podium-bad-signature": ExtraArgument()})
 
 
 def test_an_unknown_hook_fails_naming_the_plugin():
     with pytest.raises(PluginError, match=r"(?s)podium plugin podium-coffee .*does not define.*podium_make_coffee"):
-        build_plugin_manager(extra_plugins={"podium-coffee": UnknownHook()})
+        load_plugins(extra_plugins={"podium-coffee": UnknownHook()})
 
 
 def test_an_installed_broken_distribution_is_named_by_the_cli(tmp_path):
@@ -226,6 +221,31 @@ for platform in (podium_cuda.CudaPlatform(), podium_rocm.RocmPlatform(), podium_
     report[platform.name] = [a.ok, a.reason]
 print(json.dumps({"heavy_after_import": heavy, "availability": report}))
 """
+
+
+NO_SIDE_EFFECTS = """
+import json, os, sys
+before = dict(os.environ)
+from podium_plugin_api import load_plugins
+plugins = load_plugins()  # creates every installed platform and asks each availability()
+created = {e.name: type(e.platform).__name__ for e in plugins.platforms}
+heavy = [name for name in ("triton", "torch_xla") if name in sys.modules]
+print(json.dumps({"created": created, "env_changed": sorted(set(os.environ.items()) ^ set(before.items())),
+                  "heavy": heavy}))
+"""
+
+
+def test_discovery_creates_every_platform_without_side_effects():
+    """No environment written (CUBLAS_WORKSPACE_CONFIG waits for the cuda platform's activation), no
+    heavy runtime imported, and a bad option alias (read at activation) does not break discovery."""
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    env.update(PODIUM_CUDA_TUNING="no_such_field=1", PODIUM_CPU_ATTENTION="flash")
+    result = subprocess.run([sys.executable, "-c", NO_SIDE_EFFECTS], capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {"cpu", "cuda", "rocm", "tpu"} <= set(report["created"])
+    assert report["env_changed"] == [] and report["heavy"] == []
 
 
 def test_gpu_and_tpu_packages_import_lazily_and_report_unavailable_with_a_reason():

@@ -208,7 +208,7 @@ def test_profile_batch_is_the_largest_step_with_decodes_first():
     most ``max_num_seqs`` sequences, none longer than ``max_model_len``, decodes at the front."""
     import itertools
 
-    from podium.engine import profile_batch
+    from podium.kv_cache import profile_batch
 
     for budget, seqs, model_len, block in itertools.product((1, 2, 7, 300, 8192), (1, 2, 3, 256), (1, 2, 16, 1024), (1, 16)):
         query_lens, seq_lens = profile_batch(budget, seqs, model_len, block)
@@ -224,8 +224,7 @@ def test_profile_batch_is_the_largest_step_with_decodes_first():
 def test_profile_forward_runs_the_mixed_step_on_the_platform_backend(llm, monkeypatch):
     """The sizing forward (run where a platform sizes its cache from free memory) hands the platform's
     backend one mixed step that starts with decodes, and the model runs it."""
-    from podium.engine import profile_batch
-    from podium.kv_cache import kv_cache_spec
+    from podium.kv_cache import kv_cache_spec, profile_batch
 
     engine = llm.engine
     backend = engine.platform.attention_backend()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pluggy
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ from podium_plugin_api import (
     MemoryInfo,
     Platform,
     PluginApiDeprecationWarning,
+    discovery,
     hookimpl,
     hookspec,
     hookspecs,
@@ -24,7 +24,6 @@ from podium_plugin_api.testing.attention_checks import check_attention, check_at
 from podium_plugin_api.testing.batches import ATTENTION_CASES
 from podium_plugin_api.testing.generation import check_generation
 from podium_plugin_api.testing.kv_cache_checks import check_allocation, check_layout, check_write_read, kit_spec
-from podium_plugin_api.testing.lookup import register_plugin
 from podium_plugin_api.testing.op_checks import check_op
 from podium_plugin_api.testing.platform_checks import (
     check_api_version,
@@ -142,6 +141,17 @@ class HeadMajorDefaultIndexing(AttentionBackend):
 def test_lookup_finds_the_cpu_platform_through_entry_points():
     found = find_platform("cpu")
     assert found.platform.name == "cpu" and found.distribution == "podium-cpu"
+
+
+def test_lookup_activates_the_platform_with_its_options(monkeypatch):
+    monkeypatch.delenv("PODIUM_CPU_ATTENTION", raising=False)
+    assert find_platform("cpu", {"attention": "torch"}).platform.attention_backend().name == "cpu-paged"
+    monkeypatch.setenv("PODIUM_CPU_ATTENTION", "torch")  # the alias, as the engine reads it
+    assert find_platform("cpu").platform.attention_backend().name == "cpu-paged"
+    with pytest.raises(KitSetupError, match=r"attention='flash'.*choose one of auto, native, ipex, torch"):
+        find_platform("cpu", {"attention": "flash"})
+    with pytest.raises(KitSetupError, match=r"platform 'cpu' has no option 'tuning'; its options: attention"):
+        find_platform("cpu", {"tuning": "decode=16/64/4/2"})
 
 
 def test_lookup_of_an_unknown_platform_lists_the_installed_ones():
@@ -436,9 +446,9 @@ def test_memory_and_version_facts():
         check_device_and_memory(Inverted())
 
     class Future(Platform):
-        api_version = "2.0.0"
+        api_version = "3.0.0"
 
-    with pytest.raises(ConformanceError, match=r"Platform.api_version '2.0.0': .*major versions differ"):
+    with pytest.raises(ConformanceError, match=r"Platform.api_version '3.0.0': .*major versions differ"):
         check_api_version(Future())
 
 
@@ -478,10 +488,11 @@ def test_lookup_reports_deprecated_hooks_naming_the_distribution(monkeypatch):
             return 1
 
     monkeypatch.setattr(hookspecs, "podium_old_hook", podium_old_hook, raising=False)
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
-    messages = register_plugin(pm, OldPlugin(), "old", ("podium-old-npu", "0.2.0"))
-    assert messages == ["podium plugin podium-old-npu 0.2.0: podium_old_hook is deprecated; use podium_new_hook"]
+    installed = discovery._candidates
+    monkeypatch.setattr(discovery, "_candidates",
+                        lambda extra: [*installed(extra), ("old", OldPlugin(), ("podium-old-npu", "0.2.0"))])
+    assert find_platform("cpu").deprecations == (
+        "podium plugin podium-old-npu 0.2.0: podium_old_hook is deprecated; use podium_new_hook",)
 
 
 class _Fp8Backend(AttentionBackend):

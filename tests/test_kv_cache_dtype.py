@@ -13,13 +13,13 @@ import logging
 
 import pytest
 import torch
+from engine_fixtures import run_engines_on
 
 from podium import LLM, SamplingParams
 from podium.config import KV_CACHE_DTYPES, EngineConfig
-from podium.discovery import PlatformEntry
 from podium.kv_cache import resolve_kv_cache_dtype
 from podium_cpu import CpuPlatform
-from podium_plugin_api import AttentionBackend, Availability, Capabilities, Platform, fp8_dtypes, to_cache_dtype
+from podium_plugin_api import AttentionBackend, Capabilities, Platform, fp8_dtypes, to_cache_dtype
 
 
 class Fp8Platform(Platform):
@@ -114,7 +114,6 @@ def test_a_backend_without_fp8_refuses_it_at_startup(monkeypatch):
         def attention_backend(self):
             return AttentionBackend()
 
-    entry = PlatformEntry(NoFp8Cpu(), "test", "0", Availability(True))
-    monkeypatch.setattr("podium.engine.select_platform", lambda name: entry)
+    run_engines_on(monkeypatch, NoFp8Cpu())
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' \\(float8_e4m3fn\\) is not supported"):
         LLM("smollm2-135m-instruct", dtype="float32", kv_cache_dtype="fp8")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_fixtures import run_engines_on
 from transformers import LlamaConfig
 
 from podium import LLM, SamplingParams
-from podium.discovery import PlatformEntry
-from podium_plugin_api import Availability, Platform
+from podium_plugin_api import Platform
 
 
 class CountingModel(torch.nn.Module):
@@ -50,8 +50,7 @@ def tiny_config(tmp_path):
 
 def test_engine_runs_the_model_prepare_model_returns(tiny_config, monkeypatch):
     platform = PreparingPlatform()
-    entry = PlatformEntry(platform, "test", "0", Availability(True))
-    monkeypatch.setattr("podium.engine.select_platform", lambda name: entry)
+    run_engines_on(monkeypatch, platform)
     llm = LLM(tiny_config, dtype="float32", max_model_len=64)
     assert len(platform.seen) == 1
     model, training = platform.seen[0]

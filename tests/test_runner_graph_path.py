@@ -11,11 +11,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_fixtures import run_engines_on
 
+import podium.engine
 from podium import LLM, SamplingParams
-from podium.discovery import PlatformEntry
 from podium_cpu import CpuPlatform
-from podium_plugin_api import Availability, Capabilities, GraphRunner
+from podium_plugin_api import Capabilities, GraphRunner
 
 
 class RerunGraphRunner(GraphRunner):
@@ -64,18 +65,17 @@ def test_replayed_decode_equals_eager(tiny_model, monkeypatch, async_scheduling)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
     platform = GraphCpuPlatform()
-    entry = PlatformEntry(platform, "test", "0", Availability(True))
-    monkeypatch.setattr("podium.engine.select_platform", lambda name: entry)
+    run_engines_on(monkeypatch, platform)
     graphed = LLM(tiny_model, dtype="float32", block_size=4, max_num_seqs=16, async_scheduling=async_scheduling)
     runner = graphed.engine.runner
     assert sorted(runner.graphs) == [1, 2, 4, 8, 16]
-    used = []
-    original = runner.execute
+    used, launched = [], []
+    original, launch = runner.execute, podium.engine.launch
     monkeypatch.setattr(runner, "execute", lambda *args, **kwargs: used.append(r := original(*args, **kwargs)) or r)
+    monkeypatch.setattr(podium.engine, "launch", lambda *args: launched.append(r := launch(*args)) or r)
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert any(r.used_graph for r in used) and not all(r.used_graph for r in used)
-    deferred = [r for r in used if not hasattr(r, "sampled")]  # LaunchedStep: tokens read a step later
-    assert bool(deferred) == async_scheduling
+    assert bool(launched) == async_scheduling  # deferred steps: tokens read a step later
     stats = graphed.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks

@@ -1,6 +1,8 @@
 """The scheduler, driven by a simulated engine loop: budgets, chunked prefill, preemption, sharing
 for n > 1, no leaks. A fake KV store checks that every token a step reads holds the K/V of exactly
-its prefix, so a wrong prefix hit or a write into a shared block fails the test."""
+its prefix, so a wrong prefix hit or a write into a shared block fails the test. The loop reads
+block ids the way the runner does: from a block-table array kept from the plans' rows and
+new-block entries alone, so a plan that misstates a sequence's blocks fails the same check."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import pytest
 
 from podium.block_manager import BlockManager
 from podium.request import Sequence, SequenceStatus
+from podium.runner.block_table import BlockTable
+from podium.runner.plan import plan_step
 from podium.sampling_params import SamplingParams
 from podium.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 
@@ -38,6 +42,7 @@ class Engine:
         self.live: list[Sequence] = []
         self.done: list[Sequence] = []
         self.plans: list[SchedulerOutput] = []
+        self.table = BlockTable(max_num_seqs, -(-max_model_len // block_size))  # what a runner holds
 
     def add(self, seqs: list[Sequence]) -> list[Sequence]:
         for seq in seqs:
@@ -48,6 +53,7 @@ class Engine:
     def step(self) -> SchedulerOutput:
         plan = self.sched.schedule()
         self.check_plan(plan)
+        self.table.apply(plan_step(plan).new_blocks)
         for item in plan.scheduled:
             self.compute(item)
         self.sched.advance(plan)
@@ -83,10 +89,12 @@ class Engine:
         seq, size = item.seq, self.bm.block_size
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
         assert len(seq.block_table) * size >= end, "the block table must cover the scheduled tokens"
+        table = self.table.array[item.row].tolist()  # the blocks as the runner sees them
+        assert table[:len(seq.block_table)] == seq.block_table, "the plans misstate the sequence's blocks"
         for pos in range(start):  # what attention reads
-            assert self.kv.get((seq.block_table[pos // size], pos % size)) == tuple(seq.token_ids[:pos + 1])
+            assert self.kv.get((table[pos // size], pos % size)) == tuple(seq.token_ids[:pos + 1])
         for pos in range(start, end):  # what the step writes
-            self.kv[(seq.block_table[pos // size], pos % size)] = tuple(seq.token_ids[:pos + 1])
+            self.kv[(table[pos // size], pos % size)] = tuple(seq.token_ids[:pos + 1])
 
     def check_plan(self, plan: SchedulerOutput) -> None:
         sched = self.sched
@@ -96,7 +104,10 @@ class Engine:
         assert len({id(item.seq) for item in plan.scheduled}) == len(plan.scheduled)
         assert not {id(s) for s in plan.preempted} & {id(item.seq) for item in plan.scheduled}
         assert sched.num_running <= sched.max_num_seqs
+        rows = [s.table_row for s in sched.running()]
+        assert len(set(rows)) == len(rows) and all(0 <= r < sched.max_num_seqs for r in rows)  # one row each
         for item in plan.scheduled:
+            assert item.row == item.seq.table_row
             assert item.seq.status is SequenceStatus.RUNNING
             assert item.samples == (item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens)
 

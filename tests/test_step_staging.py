@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from podium.step_staging import FIELDS, StagingRing, StepLayout, fill_host
+from podium.runner.staging import FIELDS, StagingRing, StepLayout, fill_host
 
 
 def test_layout_slices_are_disjoint_typed_views_of_one_region():

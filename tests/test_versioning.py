@@ -9,7 +9,6 @@ from importlib.metadata import version
 import pytest
 import torch
 
-from podium.discovery import PluginError, build_plugin_manager, discover_platforms
 from podium_plugin_api import (
     API_VERSION,
     Platform,
@@ -20,6 +19,7 @@ from podium_plugin_api import (
     hookspecs,
     parse_version,
 )
+from podium_plugin_api.discovery import PluginError, load_plugins
 
 
 def test_api_version_is_semantic_and_matches_the_distribution():
@@ -27,6 +27,12 @@ def test_api_version_is_semantic_and_matches_the_distribution():
     assert API_VERSION.count(".") == 2
     assert parse_version(version("podium-plugin-api"))[:2] == (major, minor)
     assert Platform.api_version == API_VERSION  # a plugin that declares nothing targets this API
+
+
+def test_the_contract_starts_at_2_0_without_minor_history():
+    """1.x plugins (the contract before its renovation) are refused with the major-version reason."""
+    assert API_VERSION == "2.0.0"
+    assert "major versions differ" in compatibility_problem("1.6", API_VERSION)
 
 
 @pytest.mark.parametrize("plugin", ["1.0", "1.0.7", "1.2.0", "1.3"])
@@ -65,7 +71,7 @@ def plugin_for(api_version: str):
 def test_core_refuses_an_incompatible_major_naming_plugin_versions_and_fix():
     old_major = f"{parse_version(API_VERSION)[0] - 1}.9"
     with pytest.raises(PluginError) as info:
-        discover_platforms(extra_plugins={"podium-old-npu": plugin_for(old_major)})
+        load_plugins(extra_plugins={"podium-old-npu": plugin_for(old_major)})
     message = str(info.value)
     assert "podium plugin podium-old-npu" in message and "platform 'old-npu'" in message
     assert old_major in message and API_VERSION in message
@@ -73,15 +79,15 @@ def test_core_refuses_an_incompatible_major_naming_plugin_versions_and_fix():
 
 
 def test_core_accepts_a_plugin_declaring_the_current_major():
-    entries = discover_platforms(extra_plugins={"podium-old-npu": plugin_for(f"{parse_version(API_VERSION)[0]}.0")})
-    assert "old-npu" in [e.name for e in entries]
+    plugins = load_plugins(extra_plugins={"podium-old-npu": plugin_for(f"{parse_version(API_VERSION)[0]}.0")})
+    assert "old-npu" in [e.name for e in plugins.platforms]
 
 
 # --- deprecation: pluggy's warn_on_impl, surfaced by the core naming the distribution ---------------
 
 
 @hookspec(
-    warn_on_impl=PluginApiDeprecationWarning("podium_legacy_ops is deprecated; return ops from podium_custom_ops")
+    warn_on_impl=PluginApiDeprecationWarning("podium_legacy_ops is deprecated; return ops from Platform.custom_ops")
 )
 def podium_legacy_ops() -> dict:
     """A hook the API is phasing out (test-only: the real API has no deprecated hook yet)."""
@@ -96,55 +102,57 @@ class LegacyPlugin:
 def test_implementing_a_deprecated_hook_warns_naming_the_plugin_and_still_works(monkeypatch):
     monkeypatch.setattr(hookspecs, "podium_legacy_ops", podium_legacy_ops, raising=False)
     with pytest.warns(PluginApiDeprecationWarning) as caught:
-        pm, _ = build_plugin_manager(extra_plugins={"podium-legacy": LegacyPlugin()})
+        plugins = load_plugins(extra_plugins={"podium-legacy": LegacyPlugin()})
     messages = [str(w.message) for w in caught]
     assert any(
         m.startswith("podium plugin podium-legacy ") and "podium_legacy_ops is deprecated" in m for m in messages
     )
     assert caught[0].filename == __file__  # pointed at the plugin's implementation, not at the core
-    assert pm.hook.podium_legacy_ops() == [{"silu_and_mul": None}]
+    assert plugins.manager.hook.podium_legacy_ops() == [{"silu_and_mul": None}]
+    assert any("podium_legacy_ops is deprecated" in m for m in plugins.deprecations)  # for the kit
 
 
 def test_plugins_without_deprecated_hooks_do_not_warn(recwarn):
-    build_plugin_manager()
+    load_plugins()
     assert not [w for w in recwarn if issubclass(w.category, PluginApiDeprecationWarning)]
 
 
 # --- adding an argument to a hook breaks no plugin ------------------------------------------------
 
 
-def silu_and_mul(x):
-    return x
+class TinyModel(torch.nn.Module):
+    pass
 
 
 class WrittenForAnOlderSignature:
-    """Implements podium_custom_ops as if the hook had no ``platform`` argument yet."""
+    """Implements podium_model_architectures exactly as the spec declares it today (no arguments)."""
 
     @hookimpl
-    def podium_custom_ops(self):
-        return {"silu_and_mul": silu_and_mul}
-
-
-def test_an_impl_declaring_fewer_arguments_than_the_spec_is_called_with_what_it_declares():
-    pm, _ = build_plugin_manager(extra_plugins={"older": WrittenForAnOlderSignature()})
-    results = pm.hook.podium_custom_ops(platform=Platform())
-    assert {"silu_and_mul": silu_and_mul} in results
+    def podium_model_architectures(self):
+        return {"TinyForCausalLM": TinyModel}
 
 
 @hookspec
-def podium_custom_ops_v1_1(platform, dtype) -> dict | None:
-    """podium_custom_ops as a later minor version might declare it, with an extra ``dtype`` argument."""
+def podium_model_architectures_2_1(platform, dtype) -> dict:
+    """podium_model_architectures as a later minor version might declare it, with two more arguments."""
 
 
-def test_a_spec_that_gains_an_argument_still_calls_the_older_impl(monkeypatch):
-    monkeypatch.setattr(hookspecs, "podium_custom_ops", podium_custom_ops_v1_1)
+def test_a_spec_that_gains_arguments_still_calls_the_older_impl(monkeypatch):
+    monkeypatch.setattr(hookspecs, "podium_model_architectures", podium_model_architectures_2_1)
+    plugins = load_plugins(extra_plugins={"written-for-2.0": WrittenForAnOlderSignature()})
+    hook = plugins.manager.hook.podium_model_architectures
+    assert hook.spec.argnames == ("platform", "dtype")
+    assert {"TinyForCausalLM": TinyModel} in hook(platform=Platform(), dtype=torch.float16)
 
-    class WrittenFor1_0:
+
+def test_an_impl_declaring_some_of_the_arguments_gets_those(monkeypatch):
+    monkeypatch.setattr(hookspecs, "podium_model_architectures", podium_model_architectures_2_1)
+
+    class WrittenFor2_1:
         @hookimpl
-        def podium_custom_ops(self, platform):
-            return {"silu_and_mul": silu_and_mul} if isinstance(platform, Platform) else None
+        def podium_model_architectures(self, platform):
+            return {"TinyForCausalLM": TinyModel} if isinstance(platform, Platform) else {}
 
-    pm, _ = build_plugin_manager(extra_plugins={"written-for-1.0": WrittenFor1_0()})
-    assert pm.hook.podium_custom_ops.spec.argnames == ("platform", "dtype")
-    results = pm.hook.podium_custom_ops(platform=Platform(), dtype=torch.float16)
-    assert {"silu_and_mul": silu_and_mul} in results
+    plugins = load_plugins(extra_plugins={"written-for-2.1": WrittenFor2_1()})
+    assert {"TinyForCausalLM": TinyModel} in plugins.manager.hook.podium_model_architectures(
+        platform=Platform(), dtype=torch.float16)

@@ -67,11 +67,11 @@ def target_of(backend: PodiumBackend) -> Target:
 
 def target_without_engine(options: EngineOptions) -> Target:
     """Resolve the model and the platform the way the engine would, without building one."""
-    from podium.discovery import select_platform
     from podium.loader import resolve_model
+    from podium_plugin_api import load_plugins
 
     config = options.config
-    entry = select_platform(config.device)
+    entry = load_plugins().select(config.device)
     caps = entry.platform.capabilities()
     dtype = caps.default_dtype if config.dtype == "auto" else _DTYPES[config.dtype]
     source = resolve_model(config.model, config.tokenizer)

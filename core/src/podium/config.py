@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +64,15 @@ class EngineConfig:
     served_model_name: str | None = None
     generation_config: str = "auto"  # see GENERATION_CONFIG_SOURCES
     scheduling_policy: str = "fcfs"  # see SCHEDULING_POLICIES
+    # the selected platform's options by name (podium platforms --verbose lists them); given as a
+    # mapping, kept as sorted (name, value) pairs so the config stays frozen and picklable
+    platform_options: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
+    # convert a GGUF file's tokenizer once and keep it on disk (loader.tokenizer_cache); None: the
+    # alias $PODIUM_TOKENIZER_CACHE decides, on when unset
+    tokenizer_cache: bool | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -89,6 +97,13 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be {', '.join(GENERATION_CONFIG_SOURCES)} or a folder holding "
                              f"generation_config.json, got {self.generation_config!r}")
+        if self.tokenizer_cache is not None and not isinstance(self.tokenizer_cache, bool):
+            raise ValueError(f"tokenizer_cache must be True, False or None (the environment decides), "
+                             f"got {self.tokenizer_cache!r}")
+
+    @property
+    def platform_option_values(self) -> dict[str, Any]:
+        return dict(self.platform_options)
 
     @property
     def token_budget(self) -> int:
@@ -97,3 +112,13 @@ class EngineConfig:
     def with_defaults(self, defaults: dict[str, Any]) -> EngineConfig:
         """Fill the fields the caller left unset with a platform's suggestions (a new object)."""
         return with_fallbacks(self, defaults)
+
+
+def _option_pairs(options: tuple[tuple[str, Any], ...] | Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Platform options as sorted (name, value) pairs; the values are checked against the platform's
+    declared options when the engine has selected it."""
+    pairs = tuple(options.items()) if isinstance(options, Mapping) else tuple(options)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]):
+            raise ValueError(f"platform_options must map option names to values, got {options!r}")
+    return tuple(sorted(pairs, key=lambda pair: pair[0]))

@@ -1,12 +1,16 @@
 """``LLMEngine``: requests in, tokens out, one ``step()`` at a time.
 
-Startup: choose the platform -> resolve the model -> build it on the device -> size and allocate
-the KV cache -> capture decode graphs where the platform can. A step: the scheduler plans, the
-runner executes the plan, the scheduler advances computed tokens, the output processor appends
-sampled tokens and finishes sequences. Everything platform-specific goes through the platform.
+Startup: discover the plugins, select and activate the platform with its options, bind its device
+(``platform_setup``) -> resolve the model -> build it on the device (refused if its attention needs
+what the platform lacks) -> size and allocate the KV cache -> capture decode graphs where the
+platform can. A step: the scheduler plans (which sequences, how many tokens, which blocks), the
+plan goes to the runner as plain data (``runner.plan_step``), the runner executes it and returns
+the logits to sample, the sampler samples (now, or deferred), the scheduler advances computed
+tokens, the output processor appends sampled tokens and finishes sequences. Everything
+platform-specific goes through the platform.
 
 Async scheduling (``async_scheduling``; on where the platform asks for it: accelerators, whose
-steps run while the host goes on). A step N whose sampling needs nothing from the host is left
+steps run while the host goes on; never where the platform samples on the host). A step N whose sampling needs nothing from the host is left
 in flight: each of its sequences gets a placeholder token (-1) and ``step()`` returns. The next
 ``step()`` plans and launches N+1 at once (the placeholders read N's tokens on the device), and
 only then waits for N's tokens, fills the placeholders, applies the stop rules and reports N,
@@ -21,19 +25,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from podium_plugin_api import AttentionMetadata
+from podium_plugin_api import Platform
 from podium_plugin_api.ops import build_op_table
 
 from .block_manager import BLOCK_HASH_SCHEME, BlockManager
 from .config import EngineConfig
-from .discovery import build_plugin_manager, select_platform
 from .engine_args import engine_config
 from .explicit_fields import with_fallbacks
 from .kv_cache import (
@@ -43,18 +48,20 @@ from .kv_cache import (
     kv_sizing_note,
     num_kv_blocks,
     profile_activation_bytes,
+    profile_batch,
+    profile_forward,
     resolve_kv_cache_dtype,
 )
 from .loader import resolve_model, sampling_defaults
-from .model_runner import LaunchedStep, ModelRunner, StepResult, grad_off
-from .models.context import ForwardContext
 from .models.registry import build_model, init_random_weights
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
+from .platform_setup import check_attention_support, start_platform
 from .request import Sequence, SequenceStatus
+from .runner import LaunchedStep, ModelRunner, StepResult, launch, plan_step, prompt_logprobs, sample_now
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .startup import StartupTimer, format_startup
 
 logger = logging.getLogger(__name__)
@@ -91,37 +98,25 @@ def context_error(max_model_len: int, prompt_len: int) -> str:
     )
 
 
-def profile_batch(token_budget: int, max_num_seqs: int, max_model_len: int, block_size: int) -> tuple[list[int], list[int]]:
-    """(query_lens, seq_lens) of the largest step the scheduler can form: ``token_budget`` tokens (at
-    most ``max_num_seqs * max_model_len``), the running sequences' decodes first as the scheduler
-    orders them (at most half the tokens and ``max_num_seqs - 1`` sequences, each over one cached
-    block), then prompt chunks of up to ``max_model_len`` tokens. A step shaped like the serving
-    run's mixed steps also builds the kernels those launch before the first request arrives."""
-    tokens = min(token_budget, max_num_seqs * max_model_len)
-    decodes = 0
-    if max_model_len > 1:  # D decodes leave room for the chunks: D + ceil((tokens - D) / L) <= S
-        decodes = min(max_num_seqs - 1, tokens // 2, (max_num_seqs * max_model_len - tokens) // (max_model_len - 1))
-    context = min(block_size, max_model_len - 1)  # a decode's cached keys before its new one
-    prefill = tokens - decodes
-    chunk = min(max_model_len, prefill)
-    lens = [chunk] * (prefill // chunk) + ([prefill % chunk] if prefill % chunk else [])
-    return [1] * decodes + lens, [context + 1] * decodes + lens
+def grad_off(platform: Platform) -> Callable[[], AbstractContextManager]:
+    """torch.inference_mode where the platform supports it, torch.no_grad where not (torch_xla)."""
+    return torch.inference_mode if platform.capabilities().inference_mode else torch.no_grad
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         timer = StartupTimer()  # see podium.startup for the stages
         config = config if config is not None else engine_config(**kwargs)
-        entry = select_platform(config.device)
-        self.platform = platform = entry.platform
-        self.platform_name = entry.name
+        started = start_platform(config)
+        self.platform = platform = started.platform
+        self.platform_name = started.name
         self.config = config = config.with_defaults(platform.config_defaults())
+        self.grad_off = grad_off(platform)
         note = kv_sizing_note(config, platform)
         if note:
             logger.warning("%s", note)
-        pm, _ = build_plugin_manager()
-        timer.lap("platform", detail=entry.name)
-        source = resolve_model(config.model, config.tokenizer)
+        timer.lap("platform", detail=started.name)
+        source = resolve_model(config.model, config.tokenizer, config.tokenizer_cache)
         timer.lap("config", inner=source.load_seconds, detail=source.description)
         self.source, self.tokenizer = source, source.tokenizer
         self.sampling_defaults = sampling_defaults(config.generation_config, source)
@@ -135,32 +130,24 @@ class LLMEngine:
                                                      platform.attention_backend())
         self.device = platform.torch_device()
         platform.seed(config.seed)
-        overrides: dict = {}
-        for ops in pm.hook.podium_custom_ops(platform=platform):
-            overrides.update(ops or {})
-        extra_archs: dict = {}
-        for archs in pm.hook.podium_model_architectures():
-            extra_archs.update(archs or {})
-        timer.lap("custom_ops", detail=f"{len(overrides)} platform ops")
+        overrides = platform.custom_ops()
         self.ops = build_op_table(overrides)  # the reference ops with the platform's overrides
-        self.model = build_model(source.hf_config, self.ops, self.dtype, self.device, extra_archs)
+        timer.lap("custom_ops", detail=f"{len(overrides)} platform ops")
+        self.model = build_model(source.hf_config, self.ops, self.dtype, self.device,
+                                 started.plugins.model_architectures())
+        check_attention_support(self.model, platform, self.model_name)
         timer.lap("model_build", detail=dtype_name(self.dtype))
-        weights = source.weights()
-        if weights is None:
-            init_random_weights(self.model, config.seed)
-        else:
-            self.model.load_weights(weights)
-        self.model = platform.prepare_model(self.model.eval())  # device-specific transformations
-        timer.lap("weights", detail="random" if weights is None else "")
+        random_weights = self._load_weights(source, config.seed)
+        timer.lap("weights", detail="random" if random_weights else "")
         self._build_cache_and_runner(source)
         timer.lap("kv_cache", detail=f"{self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens")
         if platform.capabilities().graph_capture and not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs)
+            self.runner.capture_graphs(config.max_num_seqs, self.grad_off)
         timer.lap("graph_capture", detail=self._graphs_detail())
         self.startup_seconds = timer.finish()
         logger.info("%s (model %s on %s)", format_startup(self.startup_seconds), self.model_name, self.platform_name)
         self.processor = OutputProcessor(self.tokenizer, source.eos_token_ids, self.max_model_len)
-        self.async_scheduling = bool(config.async_scheduling) and not platform.capabilities().static_shapes
+        self.async_scheduling = bool(config.async_scheduling) and not self.runner.shaping.sample_on_host
         self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -195,6 +182,17 @@ class LLMEngine:
             raise ValueError(f"platform {platform.name!r} does not support dtype {name}; it supports {supported}")
         return dtype
 
+    def _load_weights(self, source, seed: int) -> bool:
+        """Load the weights (random ones for a shape without weights: returns True) and let the
+        platform prepare the model."""
+        weights = source.weights()
+        if weights is None:
+            init_random_weights(self.model, seed)
+        else:
+            self.model.load_weights(weights)
+        self.model = self.platform.prepare_model(self.model.eval())  # device-specific transformations
+        return weights is None
+
     def _build_cache_and_runner(self, source) -> None:
         config, platform = self.config, self.platform
         spec = kv_cache_spec(source.hf_config, config.block_size, self.kv_cache_dtype)
@@ -210,34 +208,19 @@ class LLMEngine:
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len,
                                    config.scheduling_policy)
-        vocab = source.hf_config.vocab_size
-        sample_on = torch.device("cpu") if platform.capabilities().static_shapes else self.device
-        self.sampler = Sampler(vocab, sample_on, ops=self.ops if sample_on == self.device else None,
-                               eos_token_ids=source.eos_token_ids, seed=config.seed)
-        self.runner = ModelRunner(self.model, platform, self.kv_caches, self.sampler, config.block_size,
-                                  config.max_num_seqs, self.max_model_len, self.device)
+        self.runner = ModelRunner(self.model, platform, self.kv_caches, config.block_size, config.max_num_seqs,
+                                  self.max_model_len, self.device)
+        on_host = self.runner.shaping.sample_on_host  # where the platform's steps sample
+        self.sampler = Sampler(source.hf_config.vocab_size, torch.device("cpu") if on_host else self.device,
+                               ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed)
 
     def _profile_forward(self, spec) -> None:
-        with grad_off(self.platform):
-            self._profile_forward_inner(spec)
-
-    def _profile_forward_inner(self, spec) -> None:
         """A forward pass at the largest batch the scheduler can form, into a throwaway cache."""
-        bs = spec.block_size
-        query_lens, seq_lens = profile_batch(self.config.token_budget, self.config.max_num_seqs, self.max_model_len, bs)
-        tables, next_block = [], 0
-        for n in seq_lens:
-            tables.append(list(range(next_block, next_block + -(-n // bs))))
-            next_block += len(tables[-1])
-        caches = self.platform.allocate_kv_cache(spec, next_block)
-        backend = self.platform.attention_backend()
-        meta = backend.prepare_metadata(AttentionMetadata.from_lengths(query_lens, seq_lens, tables, bs, self.device))
-        tokens = sum(query_lens)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n - q, n, device=self.device) for q, n in zip(query_lens, seq_lens)])
-        hidden = self.model(ids, positions, ForwardContext(meta, caches, backend))
-        self.model.compute_logits(hidden[: min(tokens, self.config.max_num_seqs)])
-        del caches, hidden
+        config = self.config
+        query_lens, seq_lens = profile_batch(config.token_budget, config.max_num_seqs, self.max_model_len,
+                                             spec.block_size)
+        with self.grad_off():
+            profile_forward(self.model, self.platform, spec, query_lens, seq_lens, config.max_num_seqs)
 
     # -- requests ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -303,7 +286,6 @@ class LLMEngine:
         return self._in_flight is not None
 
     def _forget(self, seq: Sequence) -> None:
-        self.runner.release(seq)
         self.sampler.forget(seq.seq_id)
 
     # -- the step ------------------------------------------------------------------------------
@@ -317,8 +299,6 @@ class LLMEngine:
         started = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
-        for seq in plan.preempted:
-            self.runner.release(seq)
         outputs: list[RequestOutput] = []
         several: dict[str, RequestState] = {}  # requests reported after the pass (n > 1, or ended early)
         for seq in plan.finished:  # sequences the scheduler ended itself (could never fit)
@@ -329,7 +309,7 @@ class LLMEngine:
         if plan.scheduled:
             now = time.time()
             defer = self.async_scheduling and self._can_defer(plan)
-            launched = self.runner.execute(plan, feed=previous, defer=defer)
+            launched = self._run(plan, previous, defer)
             for seq in plan.admitted:
                 req = self._requests.get(seq.request_id)
                 if req is not None and req.metrics.first_scheduled_time is None:
@@ -360,7 +340,20 @@ class LLMEngine:
         self._prefill_tokens += prompt
         self._prefill_seconds += seconds * prompt / plan.num_batched_tokens
 
-    def _can_defer(self, plan) -> bool:
+
+    def _run(self, output: SchedulerOutput, previous: LaunchedStep | None, defer: bool) -> StepResult | LaunchedStep:
+        """Execute the scheduler's plan on the device and sample: now, or deferred (``defer``), in
+        which case the tokens stay on the device until the next step reads them."""
+        plan = plan_step(output, previous.rows if previous is not None else None)
+        with self.grad_off():
+            step = self.runner.execute(plan, previous.tokens if previous is not None else None)
+            seqs = [output.scheduled[i].seq for i in plan.samples]
+            if defer:
+                return launch(self.sampler, step.logits, seqs, step.num_tokens, step.used_graph, self.device)
+            prompt = prompt_logprobs(self.sampler, output, plan, step.prompt_logits) if plan.prompt_spans else {}
+            return sample_now(self.sampler, step.logits, seqs, prompt, step.num_tokens, step.used_graph)
+
+    def _can_defer(self, plan: SchedulerOutput) -> bool:
         seqs = []
         for s in plan.scheduled:
             if s.seq.params.prompt_logprobs is not None:

@@ -20,6 +20,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from podium_plugin_api.options import parse_option_pairs
+
 from .config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from .engine_args import VLLM_ARGS
 
@@ -33,7 +35,7 @@ class Flag:
 
     field: str
     help: str
-    type: type | None = str  # bool: --name / --no-name; None: a switch that only turns on
+    type: type | None = str  # bool: --name / --no-name; None: a switch that only turns on; dict: NAME=VALUE, repeated
     choices: tuple | None = None
     default: str | None = None  # the default as --help shows it (None: the EngineConfig default)
     aliases: tuple[str, ...] = ()  # more names (after vLLM's and Podium's own)
@@ -77,6 +79,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "(SamplingParams' own), or a folder holding a generation_config.json"),
     Flag("scheduling_policy", "admission order: fcfs, or priority (lower value first, then arrival)",
          choices=SCHEDULING_POLICIES),
+    Flag("platform_options", "an option of the selected platform as NAME=VALUE, repeatable (podium platforms "
+         "--verbose lists them)", type=dict, default="none", aliases=("--platform-option",)),
+    Flag("tokenizer_cache", "keep a GGUF file's converted tokenizer on disk", type=bool,
+         default="on, unless $PODIUM_TOKENIZER_CACHE=0"),
 )
 
 
@@ -106,6 +112,8 @@ def _add(group, names: list[str], dest: str, kind: type | None, help: str, choic
                                help=f"the same as --no-{positive[0][2:]}")
     elif kind is None:
         group.add_argument(*names, dest=dest, action="store_true", default=None, help=help)
+    elif kind is dict:
+        group.add_argument(*names, dest=dest, action="append", default=None, metavar="NAME=VALUE", help=help)
     else:
         group.add_argument(*names, dest=dest, type=kind, choices=choices, default=None, help=help)
 
@@ -113,4 +121,8 @@ def _add(group, names: list[str], dest: str, kind: type | None, help: str, choic
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags given on the command line, as keyword arguments for ``LLM``/``engine_config``."""
     names = [flag.field for flag in ENGINE_FLAGS] + [row.name for row in VLLM_ARGS if row.field is None]
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    for flag in ENGINE_FLAGS:
+        if flag.type is dict and flag.field in given:
+            given[flag.field] = parse_option_pairs(given[flag.field])
+    return given

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from podium_plugin_api import AttentionBackend, KVCacheSpec, Platform, fp8_dtypes
+from podium_plugin_api import AttentionBackend, AttentionMetadata, ForwardContext, KVCacheSpec, Platform, fp8_dtypes
 
 from .config import EngineConfig, parse_size
 from .explicit_fields import explicit_fields
@@ -75,6 +75,43 @@ def profile_activation_bytes(platform: Platform, forward: Callable[[], None]) ->
     peak = platform.peak_memory()
     platform.empty_cache()
     return max(0, peak - base)
+
+
+def profile_batch(token_budget: int, max_num_seqs: int, max_model_len: int, block_size: int) -> tuple[list[int], list[int]]:
+    """(query_lens, seq_lens) of the largest step the scheduler can form: ``token_budget`` tokens (at
+    most ``max_num_seqs * max_model_len``), the running sequences' decodes first as the scheduler
+    orders them (at most half the tokens and ``max_num_seqs - 1`` sequences, each over one cached
+    block), then prompt chunks of up to ``max_model_len`` tokens. A step shaped like the serving
+    run's mixed steps also builds the kernels those launch before the first request arrives."""
+    tokens = min(token_budget, max_num_seqs * max_model_len)
+    decodes = 0
+    if max_model_len > 1:  # D decodes leave room for the chunks: D + ceil((tokens - D) / L) <= S
+        decodes = min(max_num_seqs - 1, tokens // 2, (max_num_seqs * max_model_len - tokens) // (max_model_len - 1))
+    context = min(block_size, max_model_len - 1)  # a decode's cached keys before its new one
+    prefill = tokens - decodes
+    chunk = min(max_model_len, prefill)
+    lens = [chunk] * (prefill // chunk) + ([prefill % chunk] if prefill % chunk else [])
+    return [1] * decodes + lens, [context + 1] * decodes + lens
+
+
+def profile_forward(model: torch.nn.Module, platform: Platform, spec: KVCacheSpec, query_lens: list[int],
+                    seq_lens: list[int], max_num_seqs: int) -> None:
+    """A forward pass of the step ``profile_batch`` describes (and the logits of up to ``max_num_seqs``
+    rows) on the platform's backend, into a throwaway cache."""
+    bs, device = spec.block_size, platform.torch_device()
+    tables, next_block = [], 0
+    for n in seq_lens:
+        tables.append(list(range(next_block, next_block + -(-n // bs))))
+        next_block += len(tables[-1])
+    caches = platform.allocate_kv_cache(spec, next_block)
+    backend = platform.attention_backend()
+    meta = backend.prepare_metadata(AttentionMetadata.from_lengths(query_lens, seq_lens, tables, bs, device))
+    tokens = sum(query_lens)
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n - q, n, device=device) for q, n in zip(query_lens, seq_lens)])
+    hidden = model(ids, positions, ForwardContext(meta, caches, backend))
+    model.compute_logits(hidden[: min(tokens, max_num_seqs)])
+    del caches, hidden
 
 
 def kv_cache_bytes(config: EngineConfig, platform: Platform, activation_bytes: int) -> int:

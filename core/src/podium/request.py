@@ -39,6 +39,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
     block_table: list[int] = field(default_factory=list)
+    table_row: int = -1  # the scheduler's block-table row for this sequence while it runs (-1: none)
+    num_planned_blocks: int = 0  # entries of block_table that step plans already carried
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # trailing placeholders in token_ids: sampled, not yet read back

@@ -17,6 +17,14 @@ so they find its full blocks in the cache and share them; each computes its own 
 A sequence that can never fit (more tokens than ``max_model_len`` or than the whole cache holds) is
 finished with ``"length"`` and reported in ``SchedulerOutput.finished`` rather than block the queue.
 Policy ``"priority"`` orders both queues by (priority, arrival), lower value first.
+
+The plan says which blocks each sequence uses. A running sequence holds one of ``max_num_seqs``
+block-table rows (taken when it is admitted, given back when it is preempted or finished), and each
+scheduled sequence carries the entries its table gained since the last plan that included it
+(``new_blocks`` from column ``first_new_block``; the whole table when it was just admitted). A
+runner that applies every plan's entries to its own [rows, columns] array holds every running
+sequence's table without being told when a sequence leaves: a row's next occupant rewrites it from
+column 0, and columns past a sequence's blocks are never read.
 """
 
 from __future__ import annotations
@@ -30,23 +38,38 @@ from .block_manager import BlockManager
 from .config import SCHEDULING_POLICIES as POLICIES
 from .request import Sequence, SequenceStatus
 
+_NO_BLOCKS: list[int] = []  # shared: most steps give a sequence no new block (never mutated)
+
 
 @dataclass(init=False, slots=True)
 class ScheduledSequence:
     """Compute ``seq.token_ids[start : start + num_new_tokens]`` this step (``start`` is
     ``seq.num_computed_tokens`` when scheduled); ``samples``: a token is sampled after them.
-    Both are fixed when scheduled, so they still hold after ``advance``."""
+    ``row``: the sequence's block-table row; ``new_blocks``: the block ids its table gained since
+    the last plan that carried it, from column ``first_new_block``. All are fixed when scheduled,
+    so they still hold after ``advance``."""
 
     seq: Sequence
     num_new_tokens: int
     start: int
     samples: bool
+    row: int
+    first_new_block: int
+    new_blocks: list[int]
 
     def __init__(self, seq: Sequence, num_new_tokens: int) -> None:  # one frame: built 256 times a step
         self.seq = seq
         self.num_new_tokens = num_new_tokens
         self.start = start = seq.num_computed_tokens
         self.samples = start + num_new_tokens == len(seq.token_ids)
+        self.row = seq.table_row
+        table, planned = seq.block_table, seq.num_planned_blocks
+        self.first_new_block = planned
+        if planned == len(table):
+            self.new_blocks = _NO_BLOCKS
+        else:
+            self.new_blocks = table[planned:]
+            seq.num_planned_blocks = len(table)
 
 
 @dataclass(slots=True)
@@ -85,6 +108,7 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished sequences
         self._arrival: dict[int, int] = {}  # seq id -> arrival rank
         self._ranks = itertools.count()
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # block-table rows, lowest taken first
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -143,6 +167,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
+            self._release_row(seq)
         elif not self._unhold(seq):
             self._waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -222,6 +247,7 @@ class Scheduler:
                 break
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.table_row = self._free_rows.pop()
             insort(self._running, seq, key=self._order_key)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             out.admitted.append(seq)
@@ -230,6 +256,7 @@ class Scheduler:
 
     def _preempt_newest(self, out: SchedulerOutput) -> Sequence:
         seq = self._running.pop()
+        self._release_row(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -238,6 +265,12 @@ class Scheduler:
         self._enqueue(seq, front=True)
         out.preempted.append(seq)
         return seq
+
+    def _release_row(self, seq: Sequence) -> None:
+        """``seq`` stops running: its row goes back, and its next admission plans its table anew."""
+        self._free_rows.append(seq.table_row)
+        seq.table_row = -1
+        seq.num_planned_blocks = 0
 
     def _finish_unfit(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.finish(seq, "length")

@@ -12,15 +12,14 @@ import os
 
 import pytest
 import torch
+from engine_fixtures import run_engines_on
 
 from podium import LLM, SamplingParams
-from podium.discovery import PlatformEntry
 from podium.engine import LLMEngine
 from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.ipex_support import ipex_status
 from podium_cpu.platform import ATTENTION_ENV
-from podium_plugin_api import Availability
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,"]
 
@@ -43,8 +42,7 @@ class UnpreparedCpuPlatform(CpuPlatform):
 
 
 def on_platform(monkeypatch, platform, dtype: str = "float32", **options) -> LLM:
-    entry = PlatformEntry(platform, "test", "0", Availability(True))
-    monkeypatch.setattr("podium.engine.select_platform", lambda name: entry)
+    run_engines_on(monkeypatch, platform)
     return LLM("smollm2-135m-instruct", dtype=dtype, max_model_len=256, **options)
 
 

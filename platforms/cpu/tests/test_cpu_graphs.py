@@ -97,17 +97,18 @@ def test_graphs_give_the_eager_engines_tokens_and_logprobs(graph_llm):
     # sequence i stops after 2 + i tokens: the batch shrinks one by one from 29 to 1
     params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True, logprobs=3) for i in range(len(prompts))]
     used = []
-    original = graph_llm.engine.runner._replay
+    graphs = graph_llm.engine.runner.decode_graphs
+    original = graphs.replay
 
     def counting(size, *args, **kwargs):
         used.append(size)
         return original(size, *args, **kwargs)
 
-    graph_llm.engine.runner._replay = counting
+    graphs.replay = counting
     try:
         got = [o.outputs[0] for o in graph_llm.generate(prompts, params, use_tqdm=False)]
     finally:
-        del graph_llm.engine.runner._replay
+        del graphs.replay
     want = [o.outputs[0] for o in eager.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]

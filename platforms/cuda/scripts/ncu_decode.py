@@ -6,18 +6,19 @@
 
 Runs ``bench_kernels.EngineDecodeSets`` (ragged lengths ``ctx`` +- 8, q / k / v views of one qkv row,
 the new token rotated and stored in the kernel) a few times with the platform's tuning, or with
-``--tuning`` (PODIUM_CUDA_TUNING's syntax, e.g. ``fp8_decode=16/32/1/2``); ``-s 3`` skips the
+``--tuning`` (the tuning option's syntax, e.g. ``fp8_decode=16/32/1/2``); ``-s 3`` skips the
 warm-up launches so the one profiled launch runs a compiled kernel over a set not in L2.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 from bench_kernels import BLOCK, DEV, DTYPE, FP8, HEAD, KV_HEADS, EngineDecodeSets  # the script's folder
 
-from podium_cuda.tuning import CUDA_TUNING, tuning_from_env
+from podium_cuda.tuning import CUDA_TUNING, parse_tuning
 
 
 def main() -> None:
@@ -25,9 +26,9 @@ def main() -> None:
     parser.add_argument("--cache", choices=("fp8", "bf16"), default="fp8")
     parser.add_argument("--ctx", type=int, default=640)
     parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--tuning", default="", help="PODIUM_CUDA_TUNING-style changes to the platform's tuning")
+    parser.add_argument("--tuning", default="", help="changes to the platform's tuning in the tuning option's syntax")
     args = parser.parse_args()
-    tuning = tuning_from_env(args.tuning, CUDA_TUNING) if args.tuning else CUDA_TUNING
+    tuning = replace(CUDA_TUNING, **parse_tuning(args.tuning))
     sets = EngineDecodeSets(args.ctx, torch.Generator().manual_seed(0))
     cache_dtype = FP8 if args.cache == "fp8" else DTYPE
     cache = torch.empty(2, sets.num_blocks, BLOCK, KV_HEADS, HEAD, dtype=DTYPE, device=DEV).normal_().to(cache_dtype)

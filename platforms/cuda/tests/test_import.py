@@ -1,4 +1,5 @@
-"""Importing the CUDA plugin is cheap and safe everywhere: no triton import, no CUDA needed."""
+"""Importing the CUDA plugin is cheap and safe everywhere: no triton import, no CUDA needed, no side
+effect until the platform is activated; its options are validated, naming what is allowed."""
 
 from __future__ import annotations
 
@@ -25,15 +26,35 @@ def test_importing_podium_cuda_does_not_import_triton():
     assert "AVAILABLE" in run.stdout
 
 
-def test_platform_turns_off_the_cublas_workspace_unless_the_user_set_one():
-    probe = "import os, podium_cuda; podium_cuda.CudaPlatform(); print(os.environ['CUBLAS_WORKSPACE_CONFIG'])"
+ACTIVATE = """
+import os, podium_cuda
+from podium_plugin_api import resolve_options
+platform = podium_cuda.CudaPlatform()
+print("CREATED", os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+platform.activate(resolve_options("cuda", platform.options()))
+print("ACTIVATED", os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+"""
+
+
+def test_activation_not_creation_turns_off_the_cublas_workspace_unless_the_user_set_one():
     for preset, want in ((None, ":0:0"), (":4096:8", ":4096:8")):
         env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
         if preset is not None:
             env["CUBLAS_WORKSPACE_CONFIG"] = preset
-        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+        run = subprocess.run([sys.executable, "-c", ACTIVATE], capture_output=True, text=True, timeout=120, env=env)
         assert run.returncode == 0, run.stderr
-        assert run.stdout.strip().splitlines()[-1] == want
+        assert f"CREATED {preset}" in run.stdout and f"ACTIVATED {want}" in run.stdout, run.stdout
+
+
+def test_a_bad_tuning_alias_fails_activation_not_import_or_discovery():
+    probe = ("import podium_cuda\nfrom podium_plugin_api import load_plugins, resolve_options\n"
+             "platform = next(e.platform for e in load_plugins().platforms if e.name == 'cuda')\nprint('DISCOVERED')\n"
+             "resolve_options('cuda', platform.options())\n")
+    env = {**os.environ, "PODIUM_CUDA_TUNING": "decode=3"}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert "DISCOVERED" in run.stdout and run.returncode != 0
+    assert "PODIUM_CUDA_TUNING='decode=3' (the alias of platform 'cuda'\'s option 'tuning'): decode takes " \
+           "block_m/block_n/num_warps/num_stages[/table_blocks]" in run.stderr
 
 
 def test_split_plan_is_a_power_of_two_and_grows_only_for_few_long_sequences():
@@ -51,35 +72,43 @@ def test_split_plan_is_a_power_of_two_and_grows_only_for_few_long_sequences():
             assert splits & (splits - 1) == 0 and 1 <= splits <= 64
 
 
-def test_fused_ops_env_override_names_known_ops_or_fails_clearly():
+def test_fused_ops_option_names_known_ops_or_fails_clearly():
     import pytest
 
-    from podium_cuda.tuning import fused_ops_from_env
+    from podium_cuda.tuning import parse_fused_ops
 
-    known = {"rms_norm": 1, "argmax": 2}
-    assert fused_ops_from_env(None, ("rms_norm",), known) == ("rms_norm",)
-    assert fused_ops_from_env("rms_norm, argmax", ("rms_norm",), known) == ("rms_norm", "argmax")
-    assert fused_ops_from_env("none", ("rms_norm",), known) == ()
-    assert fused_ops_from_env("", ("rms_norm",), known) == ()
-    with pytest.raises(ValueError, match=r"PODIUM_CUDA_FUSED_OPS.*'rms_nrom'.*known"):
-        fused_ops_from_env("rms_nrom", ("rms_norm",), known)
+    assert parse_fused_ops("auto") is None and parse_fused_ops("") is None  # the tuning's list
+    assert parse_fused_ops("rms_norm, argmax") == ("rms_norm", "argmax")
+    assert parse_fused_ops("none") == ()
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['rms_nrom'\]; ops: .*'rms_norm'"):
+        parse_fused_ops("rms_nrom")
 
 
-def test_tuning_env_overrides_int_bool_and_tiling_fields_or_fails_clearly():
+def test_the_platform_applies_its_options():
+    from podium_cuda import CudaPlatform
+    from podium_cuda.tuning import CUDA_TUNING
+    from podium_plugin_api import resolve_options
+
+    platform = CudaPlatform()
+    assert platform.tuning() is CUDA_TUNING  # not activated: the table as written
+    platform.activate(resolve_options("cuda", platform.options(), {"tuning": "reduce_num_warps=8,decode=16/128/8/3"}))
+    tuning = platform.tuning()
+    assert tuning.reduce_num_warps == 8 and tuning.decode.block_n == 128 and tuning.prefill == CUDA_TUNING.prefill
+
+
+def test_tuning_option_sets_int_bool_and_tiling_fields_or_fails_clearly():
     import pytest
 
-    from podium_cuda.tuning import KernelTuning, tuning_from_env
+    from podium_cuda.tuning import parse_tuning
 
-    base = KernelTuning()
-    assert tuning_from_env(None, base) is base
-    changed = tuning_from_env("decode_rotary_in_attention=0, reduce_num_warps=8", base)
-    assert changed.decode_rotary_in_attention is False and changed.reduce_num_warps == 8
-    assert changed.decode == base.decode
-    tilings = tuning_from_env("decode=16/128/8/3, fp8_decode=none", base)
-    assert (tilings.decode.block_n, tilings.decode.num_warps, tilings.decode.num_stages) == (128, 8, 3)
-    assert tilings.fp8_decode is None and tuning_from_env("fp8_decode=32/64/4/2", base).fp8_decode.block_m == 32
-    assert tilings.decode.table_blocks == 0 and tuning_from_env("prefill=64/32/4/3/16", base).prefill.table_blocks == 16
+    assert parse_tuning("") == {}
+    changed = parse_tuning("decode_rotary_in_attention=0, reduce_num_warps=8")
+    assert changed == {"decode_rotary_in_attention": False, "reduce_num_warps": 8}
+    tilings = parse_tuning("decode=16/128/8/3, fp8_decode=none")
+    assert (tilings["decode"].block_n, tilings["decode"].num_warps, tilings["decode"].num_stages) == (128, 8, 3)
+    assert tilings["fp8_decode"] is None and parse_tuning("fp8_decode=32/64/4/2")["fp8_decode"].block_m == 32
+    assert tilings["decode"].table_blocks == 0 and parse_tuning("prefill=64/32/4/3/16")["prefill"].table_blocks == 16
     for bad in ("decode=3", "decode=none", "decode=16/24/4/2", "fp8_decode=16/32", "prefill=64/32/4/3/48",
                 "prefill=64/32/4/3/16/1", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps", "reduce_num_warps=4.5"):
-        with pytest.raises(ValueError, match="PODIUM_CUDA_TUNING"):
-            tuning_from_env(bad, base)
+        with pytest.raises(ValueError, match="takes|settable|must be"):
+            parse_tuning(bad)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import podium_rocm.detection as detection
-from podium.discovery import discover_platforms, select_platform
+from podium_plugin_api.discovery import load_plugins
 from podium_plugin_api.testing.platform_checks import check_capabilities, check_distributed_backend
 from podium_rocm import RocmPlatform
 from podium_rocm.arch import TARGET_ARCH, parse_arch
@@ -73,22 +73,23 @@ def test_hip_build_with_an_mi300x_is_available_and_named(hip_build):
 
 def test_selection_on_a_hip_build_picks_rocm_and_cuda_says_why_not(hip_build):
     hip_build()
-    entries = by_name(discover_platforms())
+    plugins = load_plugins()
+    entries = by_name(plugins.platforms)
     assert entries["rocm"].availability.ok
     assert entries["cpu"].availability.ok  # so rocm wins on priority, not because it is alone
     assert entries["rocm"].platform.priority > entries["cpu"].platform.priority
     cuda = entries["cuda"].availability
     assert not cuda.ok and "ROCm/HIP build" in cuda.reason and "rocm" in cuda.reason
-    assert select_platform(entries=list(entries.values())).name == "rocm"
-    assert select_platform("cpu", entries=list(entries.values())).name == "cpu"
+    assert plugins.select().name == "rocm"
+    assert plugins.select("cpu").name == "cpu"
 
 
 def test_hip_build_without_a_gpu_is_unavailable_and_cpu_is_selected(hip_build, monkeypatch):
     hip_build(count=0)
-    entries = discover_platforms()
-    rocm = by_name(entries)["rocm"].availability
+    plugins = load_plugins()
+    rocm = by_name(plugins.platforms)["rocm"].availability
     assert not rocm.ok and "sees no AMD GPU" in rocm.reason and HIP_VERSION in rocm.reason
-    assert select_platform(entries=entries).name == "cpu"
+    assert plugins.select().name == "cpu"
 
 
 def test_hip_build_without_triton_is_unavailable_with_the_fix(hip_build, monkeypatch):

@@ -1,4 +1,4 @@
-"""The TPU plugin without a TPU: lazy import, availability reasons, backend selection, graph runner.
+"""The TPU plugin without a TPU: lazy import, availability reasons, backend selection, step shaping, graph runner.
 
 These run in the main environment (no torch_xla) and in ``make test-tpu``'s environment alike;
 torch_xla's runtime is faked where a test needs a particular device.
@@ -10,14 +10,17 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
 import podium_tpu.platform as tpu_platform
+from podium_plugin_api import HostBatch
 from podium_tpu import TpuPlatform
 from podium_tpu.graph import XlaGraphRunner
 from podium_tpu.pallas_attention import PallasAttentionBackend
 from podium_tpu.selection import pallas_layout_supported, select_attention, tpu_generation
+from podium_tpu.shaping import BucketShaping
 from podium_tpu.xla_attention import XlaAttentionBackend
 
 
@@ -117,10 +120,51 @@ def test_pallas_layout_support(kv_heads, head_size, dtype, ok):
     assert pallas_layout_supported(kv_heads, head_size, dtype) is ok
 
 
-def test_capabilities_declare_static_shapes_and_xla_collectives():
-    caps = TpuPlatform().capabilities()
-    assert caps.static_shapes and caps.distributed_backend == "xla" and caps.graph_capture
+def test_capabilities_declare_xla_collectives_and_the_platform_shapes_its_steps():
+    platform = TpuPlatform()
+    caps = platform.capabilities()
+    assert caps.distributed_backend == "xla" and caps.graph_capture and not caps.inference_mode
     assert caps.default_dtype in caps.dtypes
+    assert isinstance(platform.step_shaping(), BucketShaping) and platform.step_shaping().sample_on_host
+
+
+def host_batch(query_lens, seq_lens, rows):
+    """A HostBatch the way the core builds one (slots: row r's blocks are 100 r, 100 r + 1, ...)."""
+    cu = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    positions = np.concatenate([np.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).astype(np.int64)
+    owners = np.repeat(np.asarray(rows), query_lens)
+    slots = (owners * 100 + positions // 16) * 16 + positions % 16
+    return HostBatch(np.arange(100, 100 + cu[-1]), positions, slots, cu, np.asarray(seq_lens, dtype=np.int64),
+                     np.asarray(query_lens, dtype=np.int64), np.asarray(rows, dtype=np.int64))
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "tokens", "seqs"),
+                         [([1, 1, 1], [5, 9, 2], 16, 8), ([7, 1, 12, 1], [7, 40, 12, 3], 32, 8),
+                          ([1] * 9, [4] * 9, 16, 16), ([30], [30], 32, 8)])
+def test_bucket_shaping_pads_to_buckets_that_write_and_read_nothing(query_lens, seq_lens, tokens, seqs):
+    syncs = []
+    shaping = BucketShaping(lambda: syncs.append(1))
+    batch = host_batch(query_lens, seq_lens, rows=list(range(len(query_lens))))
+    padded = shaping.pad(batch)
+    assert (padded.num_tokens, padded.num_seqs) == (tokens, seqs)
+    n, s = batch.num_tokens, batch.num_seqs
+    for name in ("token_ids", "positions", "slot_mapping", "seq_lens", "query_lens", "table_rows"):
+        real = len(batch.token_ids) if name in ("token_ids", "positions", "slot_mapping") else s
+        assert np.array_equal(getattr(padded, name)[:real], getattr(batch, name)), name  # the real ones first
+    assert (padded.slot_mapping[n:] == -1).all()  # padding tokens write nowhere
+    assert (padded.seq_lens[s:] == 0).all() and (padded.query_lens[s:] == 0).all()  # nor attend
+    assert (padded.query_start_loc[s:] == n).all() and padded.query_start_loc.shape == (seqs + 1,)
+    rows = shaping.logits_rows(np.array([0, 2]), padded)
+    assert rows.tolist()[:2] == [0, 2] and len(rows) == seqs  # one logits shape per bucket
+    shaping.end_forward()
+    assert syncs == [1]  # the forward's graph is cut before the logits
+
+
+def test_bucket_shaping_bounds_table_widths_and_graph_sizes():
+    shaping = BucketShaping(lambda: None)
+    assert [shaping.table_width(w, 24) for w in (1, 2, 3, 5, 9, 17, 24)] == [1, 2, 4, 8, 16, 24, 24]
+    assert shaping.graph_batch_sizes([1, 2, 4, 8, 16, 24, 32, 48]) == [16, 32, 64]
+    assert shaping.replay_extent(3, 2, 16, 24) == (16, 24)  # whole copies: one shape per captured size
 
 
 def test_graph_runner_compiles_on_capture_and_syncs_every_replay():

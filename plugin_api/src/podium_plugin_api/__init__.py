@@ -1,8 +1,9 @@
 """Podium's platform plugin contract.
 
 A platform plugin depends on this package only: it subclasses ``Platform`` (and optionally
-``AttentionBackend`` and ``GraphRunner``) and returns its platforms from a ``podium_platforms``
-hook implementation registered under the ``podium`` entry-point group.
+``AttentionBackend``, ``GraphRunner`` and ``StepShaping``) and returns its platforms from a
+``podium_platforms`` hook implementation registered under the ``podium`` entry-point group.
+``discovery`` finds them, for the core and for the conformance kit.
 
 Names load on first use, so importing the package (as pytest does for the kit's entry point)
 does not import torch.
@@ -16,6 +17,12 @@ from typing import Any
 _EXPORTS = {
     "AttentionBackend": ".attention",
     "to_cache_dtype": ".attention",
+    "ForwardContext": ".context",
+    "PlatformEntry": ".discovery",
+    "PlatformSelectionError": ".discovery",
+    "PluginError": ".discovery",
+    "Plugins": ".discovery",
+    "load_plugins": ".discovery",
     "PROJECT_NAME": ".hookspecs",
     "PluginApiDeprecationWarning": ".hookspecs",
     "hookimpl": ".hookspecs",
@@ -32,6 +39,10 @@ _EXPORTS = {
     "GraphRunner": ".platform",
     "MemoryInfo": ".platform",
     "Platform": ".platform",
+    "PlatformOption": ".options",
+    "resolve_options": ".options",
+    "HostBatch": ".step_shape",
+    "StepShaping": ".step_shape",
     "reference_paged_attention": ".reference",
     "API_VERSION": ".version",
     "compatibility_problem": ".version",

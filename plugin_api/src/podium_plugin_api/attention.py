@@ -22,7 +22,7 @@ from .reference import indexable, reference_paged_attention
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``dtype`` stores it: a cast (round to nearest even); into an 8-bit float
     format, saturated to its largest finite value first (e5m2 would otherwise overflow to infinity,
-    which poisons attention). The definition every backend's fp8 store is tested against (API 1.4)."""
+    which poisons attention). The definition every backend's fp8 store is tested against."""
     if dtype.is_floating_point and torch.finfo(dtype).bits == 8 and x.dtype != dtype:
         limit = torch.finfo(dtype).max
         x = x.clamp(-limit, limit)
@@ -35,7 +35,7 @@ class AttentionBackend:
     name: str = "torch-reference"
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        """The dtypes this backend's cache may hold for a model running in ``model_dtype`` (API 1.4).
+        """The dtypes this backend's cache may hold for a model running in ``model_dtype``.
 
         The engine allocates the cache in the one the user asks for (``kv_cache_dtype``; "auto" is
         ``model_dtype``) and refuses any other with an error listing these. A backend that lists a
@@ -114,7 +114,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         rotary: RotaryInputs,
     ) -> torch.Tensor:
-        """``forward`` of query and key rotated by ``rotary``. Called by the model (plugin API 1.2).
+        """``forward`` of query and key rotated by ``rotary``. Called by the model.
 
         The default rotates through ``rotary.rotate`` and calls ``forward``; a backend may instead
         rotate inside its cache write and attention (one pass, no rotated copies), with the same result.

@@ -62,7 +62,7 @@ def fused_moe(
 
     Row t is the sum over k of ``topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
     ``e = topk_ids[t, k]``; ids < 0 are skipped. The reference groups the (token, k) assignments by
-    expert and runs each expert once over its tokens, summing in float32. Added in plugin API 1.7.
+    expert and runs each expert once over its tokens, summing in float32.
     """
     k = topk_ids.shape[1]
     order, counts = expert_groups(topk_ids, experts.num_experts)

@@ -1,10 +1,10 @@
 """Named ops a platform may override, with their pure-torch reference implementations.
 
 The core's layers call these through an op table (name -> callable) built from the defaults below
-and the selected platform's ``podium_custom_ops``; the test kit checks each override against the
+and the selected platform's ``custom_ops()``; the test kit checks each override against the
 reference here. Shapes: T tokens, H heads, D head size, B batch rows, V vocabulary.
 
-Two ops (API 1.5) join an elementwise op to the projection after it, for platforms whose kernels
+Two ops join an elementwise op to the projection after it, for platforms whose kernels
 fuse the pair (a one-row GEMV with the norm in its prologue, say): ``rms_norm_linear`` and
 ``silu_and_mul_linear``. They take the model's projection *module* (``linear``: an ``nn.Linear``,
 or whatever the platform's ``prepare_model`` made of it) and must equal calling it on the
@@ -12,7 +12,7 @@ elementwise op's result. Where a platform does not override them, ``build_op_tab
 from the table's own ``rms_norm`` / ``fused_add_rms_norm`` / ``silu_and_mul``, so a platform that
 overrides only those loses nothing.
 
-``fused_moe`` (API 1.7) is a mixture-of-experts layer's expert computation over the routed tokens;
+``fused_moe`` is a mixture-of-experts layer's expert computation over the routed tokens;
 its reference and the expert-weight layout live in ``podium_plugin_api.moe``.
 """
 
@@ -70,7 +70,6 @@ def _norm_linear(rms_norm: Callable, fused_add_rms_norm: Callable) -> Callable:
         """x [T, K], residual [T, K] or None -> (linear(rms_norm(x + residual)) [T, N], x + residual).
 
         A pre-norm block's norm and first projection (residual None: (linear(rms_norm(x)), x)).
-        Added in plugin API 1.5.
         """
         if residual is None:
             return linear(rms_norm(x, weight, eps)), x
@@ -83,7 +82,7 @@ def _norm_linear(rms_norm: Callable, fused_add_rms_norm: Callable) -> Callable:
 def _silu_linear(silu_and_mul: Callable) -> Callable:
     def silu_and_mul_linear(x, linear):
         """x [T, 2I] = [gate | up] -> linear(silu_and_mul(x)) [T, N]: a gated MLP's activation and down
-        projection. Added in plugin API 1.5."""
+        projection."""
         return linear(silu_and_mul(x))
 
     return silu_and_mul_linear
@@ -122,7 +121,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> int64 [B]: each row's first index of its maximum, NaN counting as the maximum.
 
-    What greedy sampling takes (torch.argmax's rule). Added in plugin API 1.3.
+    What greedy sampling takes (torch.argmax's rule).
     """
     return logits.argmax(dim=-1)
 

@@ -4,12 +4,17 @@ Every method has a working default aimed at a device that behaves like a CPU ten
 the smallest plugin sets ``name``/``device_type``/``priority`` and returns itself from the
 ``podium_platforms`` hook. The core never asks which vendor a platform is; it reads
 ``capabilities()`` and calls these methods.
+
+Lifecycle: discovery creates every installed platform and asks ``availability()`` (so creating one
+must have no side effects: no environment writes, no heavy imports); the engine then selects one,
+resolves its ``options()`` and calls ``activate(options)`` once, where process-wide settings belong,
+then ``device_count()`` / ``set_device(index)``, and uses the rest.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -17,6 +22,8 @@ import torch
 
 from .attention import AttentionBackend
 from .metadata import KVCacheSpec
+from .options import PlatformOption
+from .step_shape import StepShaping
 from .version import API_VERSION
 
 
@@ -38,18 +45,17 @@ class MemoryInfo:
 class Capabilities:
     """What a platform can do. The core branches on these, never on a platform's name."""
 
-    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
-    default_dtype: torch.dtype = torch.float32
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)  # model dtypes; the engine refuses others
+    default_dtype: torch.dtype = torch.float32  # dtype "auto"
     graph_capture: bool = False  # capture/replay of the decode step (GraphRunner)
-    sliding_window: bool = True
-    soft_cap: bool = True
-    fp8: str | None = None  # e.g. "e4m3fn" or "e4m3fnuz"; None = no fp8
-    distributed_backend: str = "gloo"
-    pinned_memory: bool = False
+    sliding_window: bool = True  # attention honours AttentionLayerSpec.sliding_window (else such models are refused)
+    soft_cap: bool = True  # attention honours AttentionLayerSpec.soft_cap (else such models are refused)
+    fp8: str | None = None  # e.g. "e4m3fn" or "e4m3fnuz"; None = no fp8 (kv_cache_dtype fp8)
+    distributed_backend: str = "gloo"  # the torch.distributed backend of this device (tensor parallelism)
+    pinned_memory: bool = False  # host staging buffers are pinned, so host -> device copies are asynchronous
     kv_cache_from_free_memory: bool = False  # size the cache from free memory after profiling
-    static_shapes: bool = False  # steps are padded to bucketed shapes (XLA-style compilation)
     inference_mode: bool = True  # steps may run under torch.inference_mode (False: torch.no_grad)
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # facts for people: podium platforms --verbose prints them
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -62,7 +68,6 @@ class Capabilities:
             "distributed_backend": self.distributed_backend,
             "pinned_memory": self.pinned_memory,
             "kv_cache_from_free_memory": self.kv_cache_from_free_memory,
-            "static_shapes": self.static_shapes,
             "inference_mode": self.inference_mode,
             **self.extra,
         }
@@ -70,7 +75,7 @@ class Capabilities:
 
 class GraphCaptureUnsupported(RuntimeError):
     """Raised by ``GraphRunner.capture`` when this step cannot be captured here (the model runs an
-    op the platform's graphs do not cover, say); the core then runs every step eagerly. (API 1.6)"""
+    op the platform's graphs do not cover, say); the core then runs every step eagerly."""
 
 
 class GraphRunner:
@@ -81,13 +86,13 @@ class GraphRunner:
     """
 
     # the largest batch worth a graph here (None: every size up to the engine's max_num_seqs); the
-    # core captures bucketed sizes up to it and runs larger decode steps eagerly (API 1.6)
+    # core captures bucketed sizes up to it and runs larger decode steps eagerly
     max_batch_size: int | None = None
 
     def capture(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """Run ``fn`` under capture; return a callable that replays it and returns its outputs.
 
-        May raise ``GraphCaptureUnsupported`` (the core then stays eager) (API 1.6)."""
+        May raise ``GraphCaptureUnsupported`` (the core then stays eager)."""
         raise NotImplementedError
 
 
@@ -111,14 +116,30 @@ class Platform:
         """Defaults this platform suggests for engine settings the user left unset."""
         return {}
 
+    # options, activation ----------------------------------------------------------------------
+    def options(self) -> tuple[PlatformOption, ...]:
+        """The settings this platform accepts (``podium_plugin_api.options``); default: none."""
+        return ()
+
+    def activate(self, options: Mapping[str, Any]) -> None:
+        """Called by the engine once, on the selected platform, before anything else it calls.
+
+        ``options`` holds a validated value for every option ``options()`` declares. Apply
+        process-wide settings here (environment for a runtime library, global hooks), never when
+        the platform is created: every installed platform is created at discovery. Default: nothing.
+        """
+        return None
+
     # device ---------------------------------------------------------------------------------
     def device_count(self) -> int:
+        """How many devices of this platform this process can use (the engine needs at least one)."""
         return 1
 
     def torch_device(self, index: int = 0) -> torch.device:
         return torch.device(self.device_type) if self.device_type == "cpu" else torch.device(self.device_type, index)
 
     def set_device(self, index: int) -> None:
+        """Bind this process to device ``index`` (< ``device_count()``); the engine calls it at startup."""
         return None
 
     def synchronize(self) -> None:
@@ -152,13 +173,19 @@ class Platform:
         device = self.torch_device()
         return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
-    # graphs, ops ----------------------------------------------------------------------------
+    # graphs, step shapes, ops ---------------------------------------------------------------
     def graph_runner(self) -> GraphRunner | None:
         """A GraphRunner when ``capabilities().graph_capture``; None otherwise."""
         return None
 
+    def step_shaping(self) -> StepShaping:
+        """How steps are shaped for this device (``podium_plugin_api.step_shape``); default: exact shapes."""
+        return StepShaping()
+
     def custom_ops(self) -> dict[str, Callable[..., Any]]:
-        """Named ops overriding the core's pure-torch versions (see ``podium_plugin_api.ops``)."""
+        """Named ops overriding the core's pure-torch versions (see ``podium_plugin_api.ops``).
+
+        The one route for a platform's ops: the engine asks once, after ``activate``."""
         return {}
 
     # model ----------------------------------------------------------------------------------
@@ -168,6 +195,6 @@ class Platform:
         Called by the core once, after the weights are loaded and before the first forward pass
         (KV-cache sizing included). A platform may swap modules for device-specific ones (pre-packed
         weights, fused layers) or return a new module; it must keep the model's interface
-        (``forward``, ``compute_logits``) and its outputs. Default: the model unchanged. (API 1.1)
+        (``forward``, ``compute_logits``) and its outputs. Default: the model unchanged.
         """
         return model

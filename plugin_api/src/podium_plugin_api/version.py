@@ -3,11 +3,18 @@
 A plugin declares the version it was built for (``Platform.api_version``). The core accepts a
 plugin whose major version equals ``API_VERSION``'s major and whose minor is not newer than ours;
 anything else is refused at discovery with an error naming the plugin and both versions.
+
+2.0.0 is the contract as it stands, with no minor-version history before it: the 1.x line grew by
+minors (prepare_model, forward_rotary, argmax, fp8 caches, fused linears, graph refusals) and then
+changed incompatibly (one route for custom ops, ForwardContext in the contract, typed options and
+activation, step shaping instead of a static-shapes flag). A plugin built for 1.x is refused with
+"major versions differ" rather than half working. From here, an addition is a minor version and a
+plugin built for 2.0 keeps running on every 2.x (hooks gain arguments without breaking it).
 """
 
 from __future__ import annotations
 
-API_VERSION = "1.7.0"
+API_VERSION = "2.0.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

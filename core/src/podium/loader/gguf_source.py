@@ -20,9 +20,10 @@ from .source import ModelSource, token_id_list
 from .tokenizer_cache import load_or_convert
 
 
-def gguf_tokenizer(path: Path):
-    """transformers' tokenizer for a GGUF file: from the tokenizer cache, else converted (and cached)."""
-    return load_or_convert(path, convert_gguf_tokenizer)
+def gguf_tokenizer(path: Path, cache: bool | None = None):
+    """transformers' tokenizer for a GGUF file: from the tokenizer cache, else converted (and cached);
+    ``cache``: the engine's tokenizer_cache setting (None: the environment decides)."""
+    return load_or_convert(path, convert_gguf_tokenizer, cache)
 
 
 def convert_gguf_tokenizer(path: Path):
@@ -32,7 +33,8 @@ def convert_gguf_tokenizer(path: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
 
 
-def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None = None) -> ModelSource:
+def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None = None,
+              tokenizer_cache: bool | None = None) -> ModelSource:
     """``path`` (a .gguf file) as a ModelSource; ``tokenizer`` replaces the file's own if given.
 
     A file without tokenizer metadata gets no tokenizer (None), like a folder without tokenizer files.
@@ -44,7 +46,7 @@ def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     started = time.perf_counter()
     if tokenizer is None and "tokenizer.ggml.model" in meta:
-        tokenizer = gguf_tokenizer(path)
+        tokenizer = gguf_tokenizer(path, tokenizer_cache)
     tokenizer_seconds = time.perf_counter() - started
 
     def stream():

@@ -38,13 +38,14 @@ def embedded_gguf_path() -> Path:
     )
 
 
-def resolve_tokenizer(tokenizer: str) -> Any:
-    """A tokenizer from a folder, a .gguf file or the embedded default's name."""
+def resolve_tokenizer(tokenizer: str, cache: bool | None = None) -> Any:
+    """A tokenizer from a folder, a .gguf file or the embedded default's name (``cache``: whether a
+    GGUF file's goes through the tokenizer cache; None: the environment decides)."""
     if tokenizer == EMBEDDED_DEFAULT:
-        return gguf_tokenizer(embedded_gguf_path())
+        return gguf_tokenizer(embedded_gguf_path(), cache)
     path = Path(tokenizer).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_tokenizer(path)
+        return gguf_tokenizer(path, cache)
     if path.is_dir():
         loaded = load_tokenizer(path)
         if loaded is not None:
@@ -71,42 +72,44 @@ def _single_gguf(folder: Path) -> Path | None:
     return files[0] if files else None
 
 
-def _from_path(path: Path, tokenizer: Any | None) -> ModelSource | None:
+def _from_path(path: Path, tokenizer: Any | None, cache: bool | None) -> ModelSource | None:
     if path.is_dir() and (path / "config.json").is_file():
         return load_folder(path, tokenizer)
     if path.is_dir():
         gguf = _single_gguf(path)
-        return load_gguf(gguf, tokenizer) if gguf else None
+        return load_gguf(gguf, tokenizer, tokenizer_cache=cache) if gguf else None
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, tokenizer)
+        return load_gguf(path, tokenizer, tokenizer_cache=cache)
     if path.is_file() and path.suffix == ".json":
         return _shape_source(shapes.shape_config(path), f"config {path} with random weights", tokenizer)
     return None
 
 
-def resolve_model(model: str, tokenizer: str | None = None) -> ModelSource:
-    """The ModelSource for ``model`` (see the module docstring); ValueError saying what was tried."""
+def resolve_model(model: str, tokenizer: str | None = None, tokenizer_cache: bool | None = None) -> ModelSource:
+    """The ModelSource for ``model`` (see the module docstring); ValueError saying what was tried.
+    ``tokenizer_cache``: whether GGUF tokenizers go through the tokenizer cache (None: the environment decides)."""
     if not isinstance(model, str | Path) or not str(model).strip():
         raise ValueError(f"model must be a non-empty string, got {model!r}")
     started = time.perf_counter()
-    own_tokenizer = resolve_tokenizer(tokenizer) if tokenizer else None
+    own_tokenizer = resolve_tokenizer(tokenizer, tokenizer_cache) if tokenizer else None
     own_seconds = time.perf_counter() - started
-    source = _resolve(str(model).strip(), own_tokenizer)
+    source = _resolve(str(model).strip(), own_tokenizer, tokenizer_cache)
     if own_tokenizer is not None:
         source.load_seconds["tokenizer"] = source.load_seconds.get("tokenizer", 0.0) + own_seconds
     return source
 
 
-def _resolve(model: str, own_tokenizer: Any | None) -> ModelSource:
+def _resolve(model: str, own_tokenizer: Any | None, cache: bool | None) -> ModelSource:
     """The ModelSource for a stripped model argument, with ``own_tokenizer`` (or its own) as tokenizer."""
     if model.lower() == EMBEDDED_DEFAULT:
         path = embedded_gguf_path()
-        return load_gguf(path, own_tokenizer, description=f"{EMBEDDED_DEFAULT} (embedded GGUF {path})")
+        return load_gguf(path, own_tokenizer, description=f"{EMBEDDED_DEFAULT} (embedded GGUF {path})",
+                         tokenizer_cache=cache)
     if model in shapes.NAMED_SHAPES:
         config = shapes.shape_config(model)
         return _shape_source(config, f"named shape {model} with random weights", own_tokenizer)
     path = Path(model).expanduser()
-    source = _from_path(path, own_tokenizer) if path.exists() else None
+    source = _from_path(path, own_tokenizer, cache) if path.exists() else None
     if source is not None:
         return source
     found = "exists but is not a folder with config.json or a .gguf, a .gguf file, or a config.json" \

@@ -16,7 +16,8 @@ a changed file, library or layout misses. Invariants:
   renamed into place. A process that loses the race to rename discards its copy.
 - The cache never fails a load: an entry that cannot be read is reported, replaced and converted
   anew; one that cannot be written is reported and skipped.
-- ``PODIUM_TOKENIZER_CACHE=0`` turns the cache off (every start converts, nothing is written).
+- ``EngineConfig.tokenizer_cache=False`` turns the cache off (every start converts, nothing is
+  written); left at None, its alias ``PODIUM_TOKENIZER_CACHE`` decides (0 turns it off).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ _ON, _OFF = ("", "1", "on", "true", "yes"), ("0", "off", "false", "no")
 ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 
 
-def cache_enabled() -> bool:
-    """Whether ``PODIUM_TOKENIZER_CACHE`` leaves the cache on (unset: on)."""
+def cache_enabled(setting: bool | None = None) -> bool:
+    """``setting`` when given; else whether ``PODIUM_TOKENIZER_CACHE`` leaves the cache on (unset: on)."""
+    if setting is not None:
+        return setting
     value = os.environ.get(CACHE_ENV, "").strip().lower()
     if value in _ON or value in _OFF:
         return value in _ON
@@ -70,9 +73,10 @@ def entry_folder(inputs: dict[str, Any]) -> Path:
     return cache_root() / f"{Path(inputs['path']).stem}-{key}"
 
 
-def load_or_convert(path: Path, convert: Callable[[Path], Any]) -> Any:
-    """The tokenizer of the GGUF file ``path``: the cached one, else ``convert(path)``, then cached."""
-    if not cache_enabled():
+def load_or_convert(path: Path, convert: Callable[[Path], Any], enabled: bool | None = None) -> Any:
+    """The tokenizer of the GGUF file ``path``: the cached one, else ``convert(path)``, then cached.
+    ``enabled``: the engine's ``tokenizer_cache`` setting (None: the environment's alias decides)."""
+    if not cache_enabled(enabled):
         return convert(path)
     try:
         inputs = key_inputs(path)
@@ -125,7 +129,7 @@ def _store(tokenizer: Any, folder: Path, inputs: dict[str, Any]) -> None:
         if folder.is_dir():  # another process renamed its copy into place first
             logger.debug("tokenizer cache: %s was written concurrently", folder)
         else:
-            logger.warning("tokenizer cache: cannot write %s (%s); set %s=0 to turn the cache off",
+            logger.warning("tokenizer cache: cannot write %s (%s); turn it off with tokenizer_cache=False or %s=0",
                            folder, error, CACHE_ENV)
     except Exception as error:  # save_pretrained's own failures: skip caching, keep the tokenizer
         logger.warning("tokenizer cache: cannot save the tokenizer to %s (%s: %s)", folder, type(error).__name__, error)

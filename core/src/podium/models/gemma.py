@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from podium_plugin_api import RotaryInputs
+from podium_plugin_api import ForwardContext, RotaryInputs
 
-from .context import ForwardContext
 from .layers import Attention, GatedMLP, Ops
 from .llama import LlamaForCausalLM
 from .rope_scaling import nested_rope

@@ -13,9 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from podium_plugin_api import AttentionLayerSpec, RotaryInputs
+from podium_plugin_api import AttentionLayerSpec, ForwardContext, RotaryInputs
 
-from .context import ForwardContext
 from .rotary import head_dim_of, rotate_partial
 
 Ops = dict[str, Callable]

@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from podium_plugin_api import RotaryInputs
+from podium_plugin_api import ForwardContext, RotaryInputs
 
-from .context import ForwardContext
 from .layers import Attention, GatedMLP, Ops, RMSNorm
 from .rotary import RotaryEmbedding
 from .weights import load_hf_weights

@@ -21,7 +21,7 @@ class BrokenNpuPlatform(Platform):
     name = "broken-npu"
     device_type = "cpu"
     priority = 0
-    api_version = "1.0"
+    api_version = "2.0"
 
     def attention_backend(self):
         return HeadMajorBackend()

@@ -7,7 +7,7 @@ class ExampleNpuPlatform(Platform):
     name = "example-npu"
     device_type = "cpu"  # a real NPU plugin names its torch device type here
     priority = 1
-    api_version = "1.0"
+    api_version = "2.0"
 
 
 @hookimpl

@@ -61,7 +61,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     # -- cache ---------------------------------------------------------------------------------
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        """The model's dtype, or fp8 (plugin API 1.4): fp8 caches take the torch paths (cast on
+        """The model's dtype, or fp8: fp8 caches take the torch paths (cast on
         store, upcast on load), not the native kernel; they halve a bf16 cache's memory."""
         return (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -7,13 +7,13 @@
 - silu_and_mul: native for bfloat16 and float32, rounding where torch's silu and mul round (silu
   in float32 of the gate, rounded to the dtype, times up, rounded); its e^x is not libm's, but a
   full sweep of bf16 gates gave torch's results bit for bit (float32: a few ulps).
-- rms_norm_linear, silu_and_mul_linear (API 1.5): where the linear is a ``NativeLinear`` that takes
+- rms_norm_linear, silu_and_mul_linear: where the linear is a ``NativeLinear`` that takes
   the batch, one native call: the norm or SiLU-mul runs row by row in the kernel's input pass
   (native/prologue.h, the same row code as the ops alone), so the result is "op, then linear" bit
   for bit, in one call and one OpenMP region instead of two. Other linears: the op, then the linear.
 - top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
   row are sorted instead of the whole vocabulary.
-- fused_moe (API 1.7): tokens grouped by expert, every expert on packed linears (``moe``).
+- fused_moe: tokens grouped by expert, every expert on packed linears (``moe``).
 Anything outside what a native op handles (other dtypes, odd strides) goes to the reference. The
 native ops are what lets a float32 decode step be captured as a CPU graph (graphs.py): every op
 of it is a native call.

@@ -12,24 +12,26 @@ Choices made here, from what the machine offers (``cpu_info``):
   the attention is the native kernel's; a model with an op outside the native kernels (a oneDNN
   linear, say) stays eager.
 - attention: the native C kernel (compiled on first use), else IPEX's paged attention when
-  ``intel_extension_for_pytorch`` imports (optional), else pure torch. ``PODIUM_CPU_ATTENTION``
-  (``native``, ``ipex`` or ``torch``; unset or ``auto``: that order) forces one, and an explicit
-  choice that cannot load is an error, never a silent fallback. ``attention_backend().name`` says
-  which one runs, ``attention_note`` why (a forced choice, or why not a faster one).
+  ``intel_extension_for_pytorch`` imports (optional), else pure torch. The platform option
+  ``attention`` (``native``, ``ipex`` or ``torch``; ``auto``: that order; alias
+  ``PODIUM_CPU_ATTENTION``) forces one, and an explicit choice that cannot load is an error, never a
+  silent fallback. ``attention_backend().name`` says which one runs, ``attention_note`` why (a
+  forced choice, or why not a faster one).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
+from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from podium_plugin_api import AttentionBackend, Capabilities, GraphRunner, KVCacheSpec, Platform
+from podium_plugin_api import AttentionBackend, Capabilities, GraphRunner, KVCacheSpec, Platform, PlatformOption
 
 from .attention import CpuAttentionBackend
 from .cpu_info import has_native_bf16, usable_cores
@@ -44,8 +46,12 @@ from .native_kernels import compiler_found, load_kernels
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_ENV = "PODIUM_CPU_ATTENTION"
+ATTENTION_ENV = "PODIUM_CPU_ATTENTION"  # the alias of the attention option
 ATTENTION_CHOICES = ("auto", "native", "ipex", "torch")
+ATTENTION_OPTION = PlatformOption(
+    "attention", str, "auto", "the paged attention that runs: the native C kernel, IPEX's, or pure torch "
+    "(auto: native, else IPEX, else torch); a forced choice that cannot load is an error",
+    choices=ATTENTION_CHOICES, env=ATTENTION_ENV)
 
 
 class CpuPlatform(Platform):
@@ -54,10 +60,19 @@ class CpuPlatform(Platform):
     priority = 10
 
     def __init__(self) -> None:
+        self._attention = "auto"  # the attention option; activate() sets it
         self._backend: AttentionBackend | None = None
         self._backend_note = ""
         self._capabilities: Capabilities | None = None
         self._linear_rules: dict[torch.dtype, LinearRule] | None = None
+
+    def options(self) -> tuple[PlatformOption, ...]:
+        return (ATTENTION_OPTION,)
+
+    def activate(self, options: Mapping[str, Any]) -> None:
+        """Take the attention choice (nothing process-wide to set: threads are sized in set_device)."""
+        self._attention = options["attention"]
+        self._backend, self._capabilities = None, None
 
     def capabilities(self) -> Capabilities:
         """Worked out once (the runner asks every step): reads /proc and /sys."""
@@ -66,10 +81,11 @@ class CpuPlatform(Platform):
             self._capabilities = Capabilities(
                 dtypes=(torch.float32, torch.bfloat16, torch.float16),
                 default_dtype=torch.bfloat16 if native_bf16 else torch.float32,
-                graph_capture=_graphs_possible(),
+                graph_capture=_graphs_possible(self._attention),
                 fp8="e4m3fn",  # fp8 KV caches (torch's CPU casts): see CpuAttentionBackend.kv_cache_dtypes
                 distributed_backend="gloo",
-                extra={"native_bf16": native_bf16, "threads": usable_cores(), "attention": _attention_setting(),
+                extra={"native_bf16": native_bf16, "threads": usable_cores(),
+                       "attention": _attention_setting(self._attention),
                        **{f"linears {str(dtype).removeprefix('torch.')}": rule.summary()
                           for dtype, rule in self.linear_rules().items()}},
             )
@@ -88,7 +104,7 @@ class CpuPlatform(Platform):
 
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
-            self._backend, self._backend_note = _make_backend(requested_attention())
+            self._backend, self._backend_note = _make_backend(self._attention)
         return self._backend
 
     @property
@@ -137,13 +153,9 @@ class CpuPlatform(Platform):
         return CpuGraphRunner() if self.capabilities().graph_capture else None
 
 
-def _graphs_possible() -> bool:
+def _graphs_possible(choice: str) -> bool:
     """Decode steps can be captured (graphs.py) where the attention is the native kernel's: not forced
     elsewhere, and a C compiler to build it (cheap to ask; the build itself happens on first use)."""
-    try:
-        choice = requested_attention()
-    except ValueError:
-        return False
     return choice in ("auto", "native") and compiler_found()
 
 
@@ -155,24 +167,11 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> 
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
-def requested_attention() -> str:
-    """``$PODIUM_CPU_ATTENTION`` validated: auto (unset), native, ipex or torch."""
-    value = os.environ.get(ATTENTION_ENV, "").strip().lower() or "auto"
-    if value not in ATTENTION_CHOICES:
-        raise ValueError(f"{ATTENTION_ENV}={os.environ[ATTENTION_ENV]!r} is not a CPU attention backend; "
-                         f"choose one of {', '.join(ATTENTION_CHOICES[1:])}, or unset it (auto)")
-    return value
-
-
-def _attention_setting() -> str:
+def _attention_setting(choice: str) -> str:
     """The attention choice as ``podium platforms --verbose`` shows it; cheap (builds nothing)."""
-    try:
-        value = requested_attention()
-    except ValueError as exc:
-        return f"invalid: {exc}"
-    if value == "auto":
-        return f"auto: native kernel, else IPEX, else torch ({ATTENTION_ENV}=native|ipex|torch forces one)"
-    return f"{value} (forced by {ATTENTION_ENV})"
+    if choice == "auto":
+        return "auto: native kernel, else IPEX, else torch (the attention option forces one)"
+    return f"{choice} (forced by the attention option)"
 
 
 def _make_backend(choice: str = "auto") -> tuple[AttentionBackend, str]:
@@ -183,7 +182,7 @@ def _make_backend(choice: str = "auto") -> tuple[AttentionBackend, str]:
     468 us (single_query_cached_kv_attention, attention alone). IPEX covers machines without a C
     compiler. A forced choice that cannot load raises RuntimeError saying why.
     """
-    forced, reason = f"forced by {ATTENTION_ENV}={choice}", ""
+    forced, reason = f"forced by the attention option ({choice}; alias {ATTENTION_ENV})", ""
     if choice == "torch":
         return CpuAttentionBackend(None), forced
     if choice in ("auto", "native"):
@@ -191,13 +190,15 @@ def _make_backend(choice: str = "auto") -> tuple[AttentionBackend, str]:
         if kernels is not None:
             return CpuAttentionBackend(kernels), forced if choice == "native" else ""
         if choice == "native":
-            raise RuntimeError(f"{ATTENTION_ENV}=native, but the native kernels did not load: {reason}")
+            raise RuntimeError(f"the cpu platform's attention option is native, but the native kernels did not "
+                               f"load: {reason}")
     ipex, why = ipex_status()
     if ipex is not None:
         from .ipex_attention import IpexAttentionBackend
 
         return IpexAttentionBackend(ipex), forced if choice == "ipex" else reason
     if choice == "ipex":
-        raise RuntimeError(f"{ATTENTION_ENV}=ipex, but {why or 'intel_extension_for_pytorch is not installed'} "
+        raise RuntimeError(f"the cpu platform's attention option is ipex, but "
+                           f"{why or 'intel_extension_for_pytorch is not installed'} "
                            "(install intel-extension-for-pytorch built for this torch release)")
     return CpuAttentionBackend(None), "; ".join(x for x in (reason, why) if x)

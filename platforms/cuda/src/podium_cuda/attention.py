@@ -32,7 +32,6 @@ except ImportError:  # plugin API < 1.4 (podium-cuda runs on any 1.x): no fp8 ca
     def fp8_dtypes(flavour):
         return {}
 
-from .compile_log import install_from_env
 from .fused_ops import rotary_embedding
 from .kv_write import rotary_write_kv, write_kv
 from .paged_attention import NewTokens, paged_attention
@@ -84,10 +83,9 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, tuning: KernelTuning = CUDA_TUNING, fp8_flavour: str | None = None) -> None:
         self.tuning = tuning
         self.fp8_flavour = fp8_flavour  # fp8 caches the kernels may hold (Capabilities.fp8); None: none
-        install_from_env()  # PODIUM_TRITON_COMPILE_LOG=1: log every kernel variant built (any platform using these kernels)
 
     def kv_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        """The model's dtype, and the fp8 formats of ``fp8_flavour`` (plugin API 1.4): the kernels
+        """The model's dtype, and the fp8 formats of ``fp8_flavour``: the kernels
         cast on store (round to nearest, saturating) and upcast on load, unit scale."""
         if model_dtype not in KERNEL_DTYPES:
             return (model_dtype,)
@@ -118,7 +116,7 @@ class TritonAttentionBackend(AttentionBackend):
         return layer.head_size <= self.tuning.max_head_size and query.dtype in KERNEL_DTYPES
 
     def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary):
-        """Rotary, the KV write and attention (plugin API 1.2). Pure-decode steps: one kernel
+        """Rotary, the KV write and attention. Pure-decode steps: one kernel
         (``paged_attention`` with ``NewTokens``, unless ``tuning.decode_rotary_in_attention`` is off);
         otherwise two: one pass rotates q and k, writing k and v straight into the cache
         (``rotary_write_kv``), then the paged attention.

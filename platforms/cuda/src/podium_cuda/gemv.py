@@ -193,21 +193,26 @@ def silu_and_mul_linear(x, linear, tuning: KernelTuning = CUDA_TUNING):
 class BatchOneLinear(nn.Linear):
     """nn.Linear whose one-row bf16/fp16 calls run the GEMV (o_proj, lm_head); others F.linear.
 
-    ``prepare_model`` turns a model's plain linears into these in place (same parameters).
+    ``prepare_model`` turns a model's plain linears into these in place (same parameters) and gives
+    each the platform's ``tuning``.
     """
 
+    tuning: KernelTuning = CUDA_TUNING
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if takes_gemv(x, self, CUDA_TUNING):
-            return gemv(x, self)
+        if takes_gemv(x, self, self.tuning):
+            return gemv(x, self, self.tuning)
         return F.linear(x, self.weight, self.bias)
 
 
-def use_batch_one_linears(model: nn.Module) -> int:
-    """Make every plain nn.Linear of ``model`` a BatchOneLinear (parameters kept); returns how many."""
+def use_batch_one_linears(model: nn.Module, tuning: KernelTuning = CUDA_TUNING) -> int:
+    """Make every plain nn.Linear of ``model`` a BatchOneLinear launched with ``tuning`` (parameters
+    kept); returns how many."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = BatchOneLinear
+            module.tuning = tuning
             count += 1
     return count
 

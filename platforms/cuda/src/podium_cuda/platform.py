@@ -1,24 +1,53 @@
-"""The CUDA platform: device memory sizing, CUDA graphs, Triton attention (imported lazily)."""
+"""The CUDA platform: device memory sizing, CUDA graphs, Triton attention (imported lazily).
+
+Options (``podium platforms --verbose``): ``tuning`` changes the kernels' launch table
+(``tuning.KernelTuning``; alias ``PODIUM_CUDA_TUNING``), ``fused_ops`` picks the fused Triton ops
+installed (alias ``PODIUM_CUDA_FUSED_OPS``), ``compile_log`` logs every Triton kernel variant built
+(alias ``PODIUM_TRITON_COMPILE_LOG``). They and the process-wide settings (the cuBLAS workspace,
+the compile-log hook) take effect in ``activate``, on the selected platform only.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
+from dataclasses import replace
+from functools import partial
+from typing import Any
 
 import torch
 
-from podium_plugin_api import AttentionBackend, Availability, Capabilities, GraphRunner, MemoryInfo, Platform
-from podium_plugin_api.ops import REFERENCE_OPS
+from podium_plugin_api import (
+    AttentionBackend,
+    Availability,
+    Capabilities,
+    GraphRunner,
+    MemoryInfo,
+    Platform,
+    PlatformOption,
+)
 
-from .tuning import CUDA_TUNING, FUSED_OPS_ENV, KernelTuning, fused_ops_from_env
+from .tuning import CUDA_TUNING, FUSED_OPS_ENV, TUNING_ENV, KernelTuning, parse_fused_ops, parse_tuning
 
 # No cuBLAS workspace by default. Without one cuBLAS picks GEMM kernels that do not split K into a
 # second reduction kernel: on the H200 batch-1 decode of the Llama-3.1-8B shape got ~3% faster (the
 # step's 64 split-K reduces and their launch gaps gone), and batch-256 throughput did not move.
 # torch reads the variable when it creates the process's first cuBLAS workspace, so it is set when
-# the platform is made, before any model runs; a value the user set is kept. Not on ROCm builds.
+# the platform is activated, before any model runs; a value the user set is kept. Not on ROCm builds.
 CUBLAS_WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_WORKSPACE_DEFAULT = ":0:0"
+COMPILE_LOG_ENV = "PODIUM_TRITON_COMPILE_LOG"  # the alias of the compile_log option
+
+TRITON_OPTIONS = (
+    PlatformOption("tuning", str, "", "changes to the kernels' launch table, 'field=value,...': int and bool "
+                   "fields of KernelTuning, tilings as block_m/block_n/num_warps/num_stages[/table_blocks] "
+                   "(e.g. decode_rotary_in_attention=0,decode=16/64/4/2)", env=TUNING_ENV, parse=parse_tuning),
+    PlatformOption("fused_ops", str, "auto", "the fused Triton ops installed: comma-separated op names, auto "
+                   "(the tuning's list) or none (the torch references)", env=FUSED_OPS_ENV, parse=parse_fused_ops),
+    PlatformOption("compile_log", bool, False, "log every Triton kernel variant this process builds or loads "
+                   "(finds variants compiled in the middle of serving)", env=COMPILE_LOG_ENV),
+)
 
 
 def cuda_availability() -> Availability:
@@ -65,12 +94,26 @@ class CudaPlatform(Platform):
     priority = 100
 
     def __init__(self) -> None:
-        if not getattr(torch.version, "hip", None):  # measured on NVIDIA only; hipBLAS keeps its default
-            os.environ.setdefault(CUBLAS_WORKSPACE_ENV, CUBLAS_WORKSPACE_DEFAULT)
         self._backend: AttentionBackend | None = None
+        self._changes: dict = {}  # the tuning option's field changes
+        self._fused_ops: tuple[str, ...] | None = None  # the fused_ops option (None: the tuning's list)
 
     def availability(self) -> Availability:
         return cuda_availability()
+
+    def options(self) -> tuple[PlatformOption, ...]:
+        return TRITON_OPTIONS
+
+    def activate(self, options: Mapping[str, Any]) -> None:
+        """Take the options; turn off the cuBLAS workspace (NVIDIA) and install the compile log if asked."""
+        self._changes, self._fused_ops = dict(options["tuning"]), options["fused_ops"]
+        self._backend = None
+        if not getattr(torch.version, "hip", None):  # measured on NVIDIA only; hipBLAS keeps its default
+            os.environ.setdefault(CUBLAS_WORKSPACE_ENV, CUBLAS_WORKSPACE_DEFAULT)
+        if options["compile_log"]:
+            from .compile_log import install  # triton is imported here, not before
+
+            install()
 
     def capabilities(self) -> Capabilities:
         bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -118,10 +161,13 @@ class CudaPlatform(Platform):
 
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
-            from .attention import TritonAttentionBackend  # triton is imported here, not before
-
-            self._backend = TritonAttentionBackend(fp8_flavour=self._fp8_cache_flavour())
+            self._backend = self._new_backend()
         return self._backend
+
+    def _new_backend(self) -> AttentionBackend:
+        from .attention import TritonAttentionBackend  # triton is imported here, not before
+
+        return TritonAttentionBackend(tuning=self.tuning(), fp8_flavour=self._fp8_cache_flavour())
 
     def _fp8_cache_flavour(self) -> str | None:
         """fp8 KV caches where Triton converts fp8 e4m3 in hardware: compute capability 8.9 (Ada) and up."""
@@ -132,25 +178,34 @@ class CudaPlatform(Platform):
     def graph_runner(self) -> GraphRunner:
         return CudaGraphRunner()
 
-    def tuning(self) -> KernelTuning:
-        """The launch parameters this platform gives the kernels (ROCm overrides it)."""
+    def base_tuning(self) -> KernelTuning:
+        """This platform's launch table before the tuning option (ROCm overrides it)."""
         return CUDA_TUNING
 
+    def tuning(self) -> KernelTuning:
+        """The launch parameters this platform gives the kernels: its table with the tuning option applied."""
+        base = self.base_tuning()
+        return replace(base, **self._changes) if self._changes else base
+
     def custom_ops(self) -> dict:
-        """The fused Triton ops that measured faster than the torch reference (KernelTuning.fused_ops)."""
-        kernels = op_kernels()
-        names = fused_ops_from_env(os.environ.get(FUSED_OPS_ENV), CUDA_TUNING.fused_ops, kernels)
-        # only ops this plugin API knows (argmax came in 1.3, the *_linear ops in 1.5, fused_moe in 1.7;
-        # podium-cuda runs on any 1.x)
-        return {name: kernels[name] for name in names if name in REFERENCE_OPS}
+        """The fused Triton ops of the fused_ops option, by default those that measured faster than the
+        torch reference (``KernelTuning.fused_ops``), launched with this platform's tuning."""
+        tuning, kernels = self.tuning(), op_kernels()
+        names = tuning.fused_ops if self._fused_ops is None else self._fused_ops
+        missing = [n for n in names if n not in kernels]
+        if missing:
+            raise ValueError(f"fused_ops: podium-cuda has no fused kernel for {missing}; it has {sorted(kernels)}")
+        return {name: kernels[name] if tuning is CUDA_TUNING else partial(kernels[name], tuning=tuning)
+                for name in names}  # (the kernels' default tuning is CUDA_TUNING: no wrapper on the default path)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """One-row bf16/fp16 linears (o_proj, lm_head at batch-1 decode) take the Triton GEMV
         (``KernelTuning.gemv_batch1``): the model's nn.Linear modules become BatchOneLinear in place."""
-        if self.tuning().gemv_batch1:
+        tuning = self.tuning()
+        if tuning.gemv_batch1:
             from .gemv import use_batch_one_linears  # triton is imported here, not before
 
-            use_batch_one_linears(model)
+            use_batch_one_linears(model, tuning)
         return model
 
 

@@ -7,8 +7,9 @@ Nothing here imports triton. ``KernelTuning`` is plain data; the kernels' launch
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
+
+from podium_plugin_api.ops import REFERENCE_OPS
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,9 @@ class KernelTuning:
     # Llama-3.1-8B shapes, 1..8192 tokens, in graph replay and eager)
     # argmax (greedy sampling over V / 4096 programs a row): faster than torch's one-block reduction
     # inside a graph at batch 1 and 256, which sped up batch-1 decode
-    # rms_norm_linear / silu_and_mul_linear (API 1.5): the batch-1 GEMV below, else the fused norm / SiLU
+    # rms_norm_linear / silu_and_mul_linear: the batch-1 GEMV below, else the fused norm / SiLU
     # then the linear
-    # fused_moe (API 1.7): the grouped Triton GEMMs (moe.py); the reference's per-expert loop reads
+    # fused_moe: the grouped Triton GEMMs (moe.py); the reference's per-expert loop reads
     # expert counts on the host, which a CUDA graph cannot capture
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
                                   "rms_norm_linear", "silu_and_mul_linear", "fused_moe")
@@ -137,7 +138,10 @@ class KernelTuning:
     attention_pdl: bool = True
 
 
-TUNING_ENV = "PODIUM_CUDA_TUNING"  # "field=value,...": int / bool fields of KernelTuning, tilings as m/n/w/s[/t]
+CUDA_TUNING = KernelTuning()  # the CUDA platform's table; the ``tuning`` option changes a copy of it
+
+TUNING_ENV = "PODIUM_CUDA_TUNING"  # the alias of the tuning option
+FUSED_OPS_ENV = "PODIUM_CUDA_FUSED_OPS"  # the alias of the fused_ops option
 
 
 def _tiling_value(name: str, text: str, optional: bool) -> AttentionTiling | None:
@@ -146,59 +150,53 @@ def _tiling_value(name: str, text: str, optional: bool) -> AttentionTiling | Non
         return None
     parts = text.split("/")
     if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts):
-        raise ValueError(f"{TUNING_ENV}: {name} takes block_m/block_n/num_warps/num_stages[/table_blocks]"
+        raise ValueError(f"{name} takes block_m/block_n/num_warps/num_stages[/table_blocks]"
                          f"{' or none' if optional else ''}, got {text!r}")
     try:
         return AttentionTiling(*map(int, parts))
     except ValueError as error:
-        raise ValueError(f"{TUNING_ENV}: {name}: {error}") from None
+        raise ValueError(f"{name}: {error}") from None
 
 
-def tuning_from_env(value: str | None, base: KernelTuning) -> KernelTuning:
-    """``base`` with the ``PODIUM_CUDA_TUNING`` overrides (A/B runs on the device); bad ones raise."""
-    if not value:
-        return base
+def parse_tuning(text: str) -> dict:
+    """The ``tuning`` option, ``"field=value,..."``, as KernelTuning field changes (A/B runs on the
+    device): int and bool fields, tilings as m/n/w/s[/t] (or none where optional). ValueError names
+    what is settable and how."""
+    base = KernelTuning()
     changes = {}
     kinds = {f.name: type(getattr(base, f.name)) for f in fields(base)}
     tilings = {f.name: "None" in str(f.type) for f in fields(base) if "AttentionTiling" in str(f.type)}  # -> optional
     settable = sorted(n for n, k in kinds.items() if k in (int, bool) or n in tilings)
-    for item in filter(None, (part.strip() for part in value.split(","))):
-        name, _, text = item.partition("=")
-        name, text = name.strip(), text.strip().lower()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
         kind = kinds.get(name)
-        if (kind not in (int, bool) and name not in tilings) or not text:
-            raise ValueError(f"{TUNING_ENV}: cannot set {item!r}; settable: {settable} as name=value")
+        if (kind not in (int, bool) and name not in tilings) or not value:
+            raise ValueError(f"cannot set {item!r}; settable: {settable} as name=value")
         if name in tilings:
-            changes[name] = _tiling_value(name, text, tilings[name])
+            changes[name] = _tiling_value(name, value, tilings[name])
         elif kind is bool:
-            if text not in ("0", "1", "true", "false"):
-                raise ValueError(f"{TUNING_ENV}: {name} takes 0/1/true/false, got {text!r}")
-            changes[name] = text in ("1", "true")
-        elif not text.lstrip("-").isdigit():
-            raise ValueError(f"{TUNING_ENV}: {name} takes an integer, got {text!r}")
+            if value not in ("0", "1", "true", "false"):
+                raise ValueError(f"{name} takes 0/1/true/false, got {value!r}")
+            changes[name] = value in ("1", "true")
+        elif not value.lstrip("-").isdigit():
+            raise ValueError(f"{name} takes an integer, got {value!r}")
         else:
-            changes[name] = int(text)
-    return replace(base, **changes)
+            changes[name] = int(value)
+    return changes
 
 
-CUDA_TUNING = tuning_from_env(os.environ.get(TUNING_ENV), KernelTuning())
-
-FUSED_OPS_ENV = "PODIUM_CUDA_FUSED_OPS"  # comma-separated op names, "none" for the torch references
-
-
-def fused_ops_from_env(value: str | None, default: tuple[str, ...], known) -> tuple[str, ...]:
-    """The fused ops to install: ``default`` unless ``PODIUM_CUDA_FUSED_OPS`` names them (A/B runs).
-
-    ``"none"`` (or an empty value) installs none; an unknown name is an error that lists the known.
-    """
-    if value is None:
-        return default
-    names = tuple(n.strip() for n in value.split(",") if n.strip())
-    if names in ((), ("none",)):
+def parse_fused_ops(text: str) -> tuple[str, ...] | None:
+    """The ``fused_ops`` option: None for ``auto`` (the tuning's list), () for ``none`` (the torch
+    references), else the named ops (names of ``podium_plugin_api.ops``; ValueError lists them)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names in ((), ("auto",)):
+        return None
+    if names == ("none",):
         return ()
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in REFERENCE_OPS]
     if unknown:
-        raise ValueError(f"{FUSED_OPS_ENV}: unknown fused op(s) {unknown}; known: {sorted(known)}")
+        raise ValueError(f"unknown op(s) {unknown}; ops: {sorted(REFERENCE_OPS)}, or auto, or none")
     return names
 
 

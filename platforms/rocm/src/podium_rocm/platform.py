@@ -10,11 +10,9 @@ the capabilities of the architecture (arch.py), e.g. the fp8 flavour ``e4m3fnuz`
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
-from podium_cuda.platform import CudaPlatform, op_kernels
+from podium_cuda.platform import CudaPlatform
 from podium_cuda.tuning import KernelTuning
 from podium_plugin_api import AttentionBackend, Availability, Capabilities
 
@@ -30,7 +28,6 @@ class RocmPlatform(CudaPlatform):
     def __init__(self) -> None:
         super().__init__()
         self._device: RocmDevice | None = None
-        self._rocm_backend: AttentionBackend | None = None
 
     def availability(self) -> Availability:
         return rocm_availability()
@@ -41,8 +38,8 @@ class RocmPlatform(CudaPlatform):
             self._device = probe_device()
         return self._device
 
-    def tuning(self) -> KernelTuning:
-        """The launch parameters this platform gives podium-cuda's kernels."""
+    def base_tuning(self) -> KernelTuning:
+        """The launch table this platform gives podium-cuda's kernels (before the tuning option)."""
         return tuning_for(self.rocm_device())
 
     def capabilities(self) -> Capabilities:
@@ -63,14 +60,7 @@ class RocmPlatform(CudaPlatform):
             },
         )
 
-    def attention_backend(self) -> AttentionBackend:
-        if self._rocm_backend is None:
-            from .attention import RocmAttentionBackend  # triton is imported here, not before
+    def _new_backend(self) -> AttentionBackend:
+        from .attention import RocmAttentionBackend  # triton is imported here, not before
 
-            self._rocm_backend = RocmAttentionBackend(tuning=self.tuning())
-        return self._rocm_backend
-
-    def custom_ops(self) -> dict:
-        """podium-cuda's fused Triton ops named in the tuning's ``fused_ops``, launched with its warps."""
-        tuning, kernels = self.tuning(), op_kernels()
-        return {name: partial(kernels[name], tuning=tuning) for name in tuning.fused_ops}
+        return RocmAttentionBackend(tuning=self.tuning())

@@ -1,4 +1,4 @@
-"""The TPU platform: KV cache on the XLA device, steps padded to bucketed shapes.
+"""The TPU platform: KV cache on the XLA device, steps padded to bucketed shapes (shaping.py).
 
 torch_xla is imported lazily (in ``availability`` and the device methods), never at import time.
 XLA's CPU device stands in for a TPU only when ``PODIUM_TPU_ALLOW_XLA_CPU=1``: a test-only switch
@@ -20,11 +20,13 @@ from podium_plugin_api import (
     KVCacheSpec,
     MemoryInfo,
     Platform,
+    StepShaping,
 )
 
 from .graph import XlaGraphRunner, cut_graph
 from .pallas_attention import PallasAttentionBackend
 from .selection import AttentionChoice, jax_available, probe_device_kind, select_attention
+from .shaping import BucketShaping
 from .xla_attention import XlaAttentionBackend
 
 ALLOW_XLA_CPU_ENV = "PODIUM_TPU_ALLOW_XLA_CPU"
@@ -78,7 +80,6 @@ class TpuPlatform(Platform):
             default_dtype=torch.bfloat16,
             graph_capture=True,
             distributed_backend="xla",
-            static_shapes=True,
             kv_cache_from_free_memory=True,
             # torch_xla 2.9 fails any nn.Linear under torch.inference_mode ("Cannot set version_counter
             # for inference tensor"): the core must run steps under torch.no_grad here
@@ -142,3 +143,7 @@ class TpuPlatform(Platform):
 
     def graph_runner(self) -> GraphRunner:
         return XlaGraphRunner(self.synchronize)
+
+    def step_shaping(self) -> StepShaping:
+        """Steps padded to bucketed shapes, logits cut from the forward, sampling on the host."""
+        return BucketShaping(self.synchronize)

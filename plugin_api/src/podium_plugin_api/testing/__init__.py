@@ -8,7 +8,7 @@ The pytest side lives in ``pytest_plugin`` (registered through pytest's ``pytest
 point, inactive without the option) and ``suite`` (the tests). The checks are plain functions
 that raise ``ConformanceError``, usable without pytest:
 
-- ``lookup``            find the platform with pluggy over the ``podium`` entry points
+- ``lookup``            find and activate the platform through the contract's discovery
 - ``platform_checks``   API version, capabilities, device, memory, distributed backend name
 - ``kv_cache_checks``   allocation, cache layout, writes by slot mapping
 - ``attention_checks``  attention against the reference on ragged batches; graph replay vs eager

@@ -141,7 +141,7 @@ def check_write_read(
 
 
 def extra_cache_dtypes(backend: AttentionBackend, model_dtype: torch.dtype) -> list[torch.dtype]:
-    """The cache dtypes other than the model's that the backend lists (API 1.4)."""
+    """The cache dtypes other than the model's that the backend lists."""
     return [d for d in backend.kv_cache_dtypes(model_dtype) if d != model_dtype]
 
 

@@ -3,9 +3,9 @@
 Inputs are random, in the dtype under test, on the platform's device; the reference runs on
 the same numbers in float64 on the CPU. ``top_k_top_p`` is compared by the set of tokens it
 keeps and their values, since which tokens survive is what sampling depends on; ``argmax`` by
-exact equality (ties and NaNs included). The norm/SiLU + linear ops (API 1.5) run at 1, 2 and 7
+exact equality (ties and NaNs included). The norm/SiLU + linear ops run at 1, 2 and 7
 rows, with and without a bias and a residual: a platform may take a different kernel for a
-batch-1 decode row than for a prefill chunk, and both must be right. ``fused_moe`` (API 1.7) runs
+batch-1 decode row than for a prefill chunk, and both must be right. ``fused_moe`` runs
 at 1 and 7 tokens, top-1 and top-2 of 4 experts, with an expert no token picks and an id of -1.
 """
 

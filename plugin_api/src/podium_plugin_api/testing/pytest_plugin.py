@@ -6,9 +6,10 @@ environment holding podium-plugin-api; without ``--podium-platform`` it does not
 1. before collection, the suite module (``suite.py`` beside this file) is added to the paths
    pytest collects, so ``pytest --podium-platform NAME`` runs the suite from any folder (and
    alongside the vendor's own tests when paths are given too);
-2. at configure time the platform is looked up with pluggy over the ``podium`` entry points
-   (never through the core); a missing, broken or unavailable platform stops the run with one
-   clear usage error instead of a wall of failing tests.
+2. at configure time the platform is looked up by the contract's discovery (never through the
+   core) and activated with its options (``--podium-platform-option NAME=VALUE``, repeated, then
+   their environment aliases); a missing, broken or unavailable platform, or a bad option, stops
+   the run with one clear usage error instead of a wall of failing tests.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="run Podium's platform conformance suite against the installed platform NAME",
     )
+    group.addoption(
+        "--podium-platform-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a platform option for the platform under test (repeatable; see podium platforms --verbose)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -54,11 +62,12 @@ def pytest_configure(config: pytest.Config) -> None:
     name = config.getoption("podium_platform", None)
     if not name:
         return
+    from ..options import parse_option_pairs
     from .lookup import KitSetupError, find_platform  # torch loads only when the kit is asked for
 
     try:
-        found = find_platform(name)
-    except KitSetupError as exc:
+        found = find_platform(name, parse_option_pairs(config.getoption("podium_platform_option")))
+    except (KitSetupError, ValueError) as exc:
         raise pytest.UsageError(f"podium platform kit: {exc}") from None
     config.stash[FOUND_KEY] = found
     for message in found.deprecations:

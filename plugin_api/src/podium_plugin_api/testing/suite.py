@@ -67,23 +67,17 @@ def _capabilities(found: FoundPlatform | None) -> Capabilities:
         return Capabilities()
 
 
-def _custom_ops(found: FoundPlatform | None) -> list[tuple[str, str, Any]]:
-    """(source, op name, callable) for every op the platform or a podium_custom_ops hook overrides.
+def _custom_ops(found: FoundPlatform | None) -> list[tuple[str, Any]]:
+    """(op name, callable) for every op ``platform.custom_ops()`` overrides.
 
-    A source that raises becomes one entry whose callable is the exception: its test reports it.
+    If it raises, one entry whose callable is the exception: its test reports it.
     """
     if found is None:
         return []
-    ops: list[tuple[str, str, Any]] = []
-    for source, get in (
-        ("platform.custom_ops()", found.platform.custom_ops),
-        ("the podium_custom_ops hook", found.hook_custom_ops),
-    ):
-        try:
-            ops += [(source, name, fn) for name, fn in (get() or {}).items()]
-        except Exception as exc:
-            ops.append((source, "raised", exc))
-    return ops
+    try:
+        return list((found.platform.custom_ops() or {}).items())
+    except Exception as exc:
+        return [("raised", exc)]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -95,7 +89,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
     if "custom_op" in metafunc.fixturenames:
         ops = _custom_ops(found) or [None]
-        metafunc.parametrize("custom_op", ops, ids=lambda o: f"{o[1]}-from-{o[0].split()[-1]}" if o else "none")
+        metafunc.parametrize("custom_op", ops, ids=lambda o: o[0] if o else "none")
 
 
 @pytest.fixture(scope="session")
@@ -150,7 +144,7 @@ def test_kv_write_read_by_slot_mapping(platform, backend, dtype):
 
 
 def test_extra_kv_cache_dtypes_store_the_cast_and_attend(platform, backend, dtype):
-    """Each cache dtype ``kv_cache_dtypes`` lists besides the model's (fp8, API 1.4)."""
+    """Each cache dtype ``kv_cache_dtypes`` lists besides the model's (fp8)."""
     extra = extra_cache_dtypes(backend, dtype)
     if not extra:
         pytest.skip(f"kv_cache_dtypes lists only {dtype_name(dtype)} itself")
@@ -180,17 +174,14 @@ def test_graph_capture_replay_equals_eager(platform, backend, caps, dtype):
 
 def test_custom_op_matches_reference(platform, custom_op, dtype):
     if custom_op is None:
-        pytest.skip("the platform overrides no ops (platform.custom_ops() and podium_custom_ops are empty)")
-    source, name, fn = custom_op
+        pytest.skip("the platform overrides no ops (platform.custom_ops() is empty)")
+    name, fn = custom_op
     if isinstance(fn, Exception):
-        pytest.fail(f"{source} raised {type(fn).__name__}: {fn}", pytrace=False)
-    run_check(check_op, name, fn, dtype, platform.torch_device(), source)
+        pytest.fail(f"platform.custom_ops() raised {type(fn).__name__}: {fn}", pytrace=False)
+    run_check(check_op, name, fn, dtype, platform.torch_device(), "platform.custom_ops()")
 
 
 def test_tiny_generation_matches_cpu_reference(found, caps):
-    def op_table() -> dict[str, Any]:
-        return {**(found.platform.custom_ops() or {}), **found.hook_custom_ops()}
-
-    ops = run_check(guarded, "custom_ops() / the podium_custom_ops hook", op_table)
+    ops = run_check(guarded, "custom_ops()", lambda: found.platform.custom_ops() or {})
     with torch.inference_mode():
         run_check(check_generation, found.platform, generation_dtype(caps.dtypes, caps.default_dtype), ops)

@@ -1,4 +1,8 @@
-"""What one forward pass needs besides token ids and positions, passed explicitly to the model."""
+"""What one forward pass needs besides token ids and positions, passed explicitly to the model.
+
+A model's ``forward(input_ids, positions, ctx)`` takes a ``ForwardContext``; it lives in the
+contract so that a plugin's own model class (``podium_model_architectures``) can type it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from podium_plugin_api import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend
+from .metadata import AttentionMetadata
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""``ModelRunner``: executes step plans on this process's device, returning the logits to sample.
+
+The pieces, one concept each:
+
+    plan.py         StepPlan: the step as plain ints (rows, lengths, tokens, block-table entries)
+    block_table.py  the host block-table array, kept from the plans alone
+    batch.py        a plan's flat batch on the host; its attention metadata on the device
+    eager.py        a step run eagerly, shaped as the platform asks (``StepShaping``)
+    graphs.py       captured decode steps and their replay (inputs staged by one copy: staging.py)
+    deferred.py     async scheduling: tokens sampled on the device, read a step later
+    sampling.py     sampling now: tokens and logprobs for the engine
+
+Per step the runner writes the plan's new block-table entries, builds the flat batch (for T new
+tokens of S sequences: input ids, positions and slots [T]; query_start_loc [S + 1], seq_lens [S],
+block tables [S, W]), replays a captured graph when the step is pure decode and a captured size
+holds it, else runs the model eagerly, and returns the logits of the rows that sample. Sampling is
+the caller's (the engine's): ``execute`` is the per-device half of a step.
+
+Tensor and pipeline parallelism plug in here without reshaping it. Tensor parallelism (issue 26)
+runs one worker process per rank, each with its own ``ModelRunner`` over its shard of the model
+(the model transformed by sharded linears and all-reduces; the runner does not know) and its own
+KV cache. Rank 0 owns the scheduler: each step it builds the ``StepPlan`` (plain lists, picklable)
+and broadcasts it; every rank calls ``execute(plan, feed_tokens)``, so every block table stays the
+same with no release messages; only rank 0 samples (``sampling`` / ``deferred``) and, with async
+scheduling, broadcasts the sampled tokens that the next step's placeholders read (``feed_tokens``).
+Pipeline parallelism would split ``execute`` at a layer boundary: the same plan goes to every stage,
+a stage's hidden states go to the next, and the last stage returns the logits; data-parallel
+replicas are separate engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from podium_plugin_api import Platform
+
+from .batch import host_batch
+from .block_table import BlockTable
+from .eager import EagerStep
+from .graphs import DecodeGraphs
+from .plan import StepPlan
+
+
+@dataclass
+class StepLogits:
+    """What a step computed for sampling: on the device, or the host where the platform samples there."""
+
+    logits: torch.Tensor | None  # [N, V]: the sequences of ``plan.samples``, in order (None: none samples)
+    prompt_logits: list[torch.Tensor]  # [rows, V] per ``plan.prompt_spans`` entry
+    num_tokens: int
+    used_graph: bool
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, platform: Platform, kv_caches: list[torch.Tensor], block_size: int,
+                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        self.model, self.platform, self.kv_caches = model, platform, kv_caches
+        self.backend = platform.attention_backend()
+        self.shaping = platform.step_shaping()
+        self.block_size, self.device = block_size, device
+        self.table = BlockTable(max_num_seqs, -(-max_model_len // block_size))
+        self.eager = EagerStep(model, self.backend, kv_caches, self.table, self.shaping, block_size, device)
+        self.decode_graphs = DecodeGraphs(model, self.backend, kv_caches, self.table, self.shaping, block_size,
+                                          device, platform.capabilities().pinned_memory)
+        self.last_used_graph = False
+
+    @property
+    def graphs(self) -> dict:
+        """Captured decode steps by batch size."""
+        return self.decode_graphs.captured
+
+    def execute(self, plan: StepPlan, feed_tokens: torch.Tensor | None = None) -> StepLogits:
+        """Run ``plan``. ``feed_tokens``: the previous step's sampled tokens [N] on the device, where
+        its placeholders (``plan.fill``) take them. Call under the platform's no-grad mode."""
+        self.table.apply(plan.new_blocks)
+        if plan.fill is not None and feed_tokens is None:
+            raise RuntimeError("the plan has placeholder tokens but no step's tokens were given to fill them")
+        batch = host_batch(plan, self.table, self.block_size)
+        size = self.decode_graphs.size_for(plan.num_seqs) if plan.is_pure_decode else None
+        self.last_used_graph = size is not None
+        if size is None:
+            logits, prompt = self.eager.run(plan, batch, feed_tokens)
+            return StepLogits(logits, prompt, plan.num_tokens, False)
+        logits = self.decode_graphs.replay(size, plan, batch, feed_tokens)[:plan.num_seqs]
+        if len(plan.samples) != plan.num_seqs:
+            logits = logits[torch.tensor(plan.samples).to(logits.device, non_blocking=True)]
+        return StepLogits(logits, [], plan.num_tokens, True)
+
+    def capture_graphs(self, max_batch: int, no_grad) -> float:
+        """Capture decode graphs up to ``max_batch`` sequences where the platform can; returns seconds."""
+        runner = self.platform.graph_runner()
+        if runner is None:
+            return 0.0
+        seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+        self.platform.synchronize()
+        return seconds
