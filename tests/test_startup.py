@@ -39,9 +39,9 @@ def test_engine_reports_each_stage_where_its_time_went(monkeypatch, caplog):
     real_tokenizer = gguf_source.gguf_tokenizer
     real_build = engine_module.build_model
 
-    def slow_tokenizer(path):
+    def slow_tokenizer(path, cache=None):
         time.sleep(DELAY)
-        return real_tokenizer(path)
+        return real_tokenizer(path, cache)
 
     def slow_build(*args, **kwargs):
         time.sleep(2 * DELAY)

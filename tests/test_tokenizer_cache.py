@@ -258,6 +258,17 @@ def test_disabled_cache_neither_reads_nor_writes(tokenizer_cache, fake_gguf, mon
     assert convert.calls == 3  # the entry there is not read either
 
 
+def test_the_engine_setting_wins_over_its_environment_alias(tokenizer_cache, fake_gguf, monkeypatch):
+    path, convert = fake_gguf
+    monkeypatch.setenv(cache.CACHE_ENV, "1")
+    cache.load_or_convert(path, convert, enabled=False)  # EngineConfig.tokenizer_cache=False
+    assert convert.calls == 1 and not tokenizer_cache.exists()
+    monkeypatch.setenv(cache.CACHE_ENV, "0")
+    cache.load_or_convert(path, convert, enabled=True)  # fills despite the alias
+    cache.load_or_convert(path, convert, enabled=True)
+    assert convert.calls == 2 and len(entries(tokenizer_cache)) == 1
+
+
 def test_an_unknown_switch_value_is_an_error(monkeypatch, fake_gguf):
     monkeypatch.setenv(cache.CACHE_ENV, "sometimes")
     with pytest.raises(ValueError, match="PODIUM_TOKENIZER_CACHE='sometimes'.*set it to 0"):

@@ -119,3 +119,23 @@ def test_compilations_stay_within_the_buckets(tiny_llama_on_xla):
     assert first_pass <= 2 * len(shapes), (
         f"{first_pass} compilations for {seen}: expected at most two graphs per bucket (the step, cut by a "
         f"synchronize after the forward; logits and sampling at the padded sequence count)")
+
+
+def test_captured_decode_replays_equal_eager_steps(tiny_llama_on_xla):
+    """Decode graphs captured at token buckets (16, 32, ...), replayed for batches smaller than the
+    bucket (padding rows write nowhere) with whole-bucket input copies: the same greedy tokens as the
+    eager XLA engine, and a second pass over the same batch sizes compiles nothing new."""
+    folder = tiny_llama_on_xla.engine.config.model
+    graphed = LLM(folder, device="tpu", **{**SETTINGS, "enforce_eager": False})
+    assert sorted(graphed.engine.runner.graphs) == [16]  # max_num_seqs 8: one token bucket
+    prompts = [{"prompt_token_ids": [101 + i + j for j in range(5 + 3 * i)]} for i in range(3)]
+    want = greedy_tokens(tiny_llama_on_xla, prompts, max_tokens=6)
+    replays = []
+    replay = graphed.engine.runner.decode_graphs.replay
+    graphed.engine.runner.decode_graphs.replay = lambda *args: replays.append(args[0]) or replay(*args)
+    assert greedy_tokens(graphed, prompts, max_tokens=6) == want
+    assert replays and set(replays) == {16}
+    before = compilations()
+    assert greedy_tokens(graphed, [{"prompt_token_ids": [t + 7 for t in p["prompt_token_ids"]]} for p in prompts],
+                         max_tokens=6)
+    assert compilations() == before
