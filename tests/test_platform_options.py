@@ -242,3 +242,9 @@ def test_soft_capped_layers_need_the_capability():
     check_attention_support(model, Platform(), "capped")  # the default claims soft-capping
     with pytest.raises(ValueError, match=r"soft-capped attention scores \(soft_cap=30.0 in 2 of 2"):
         check_attention_support(model, NoSoftCap(), "capped")
+
+
+def test_unparsed_values_are_what_the_user_wrote_validated_all_the_same():
+    assert dict(resolve_options("npu", OPTIONS, {"ops": "a,b"}, environ={}, parsed=False))["ops"] == "a,b"
+    with pytest.raises(ValueError, match="choose one of auto, fast, safe"):
+        resolve_options("npu", OPTIONS, {"kernel": "x"}, environ={}, parsed=False)

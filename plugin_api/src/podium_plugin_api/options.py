@@ -45,13 +45,16 @@ class PlatformOption:
         if self.choices and self.type is not str:
             raise TypeError(f"platform option {self.name!r}: choices need type str")
 
-    def convert(self, value: Any) -> Any:
-        """``value`` (typed, or text) as this option's type, checked against ``choices`` and ``parse``;
-        ValueError naming the allowed values otherwise."""
+    def convert(self, value: Any, parsed: bool = True) -> Any:
+        """``value`` (typed, or text) as this option's type, checked against ``choices`` and ``parse``
+        (and parsed, unless ``parsed`` is False); ValueError naming the allowed values otherwise."""
         typed = _as_type(self.type, value)
         if self.choices:
             typed = self._choice(typed)
-        return self.parse(typed) if self.parse is not None else typed
+        if self.parse is None:
+            return typed
+        result = self.parse(typed)
+        return result if parsed else typed
 
     def _choice(self, text: str) -> str:
         """The allowed value ``text`` names, ignoring case and surrounding blanks."""
@@ -80,9 +83,10 @@ def _as_type(kind: type, value: Any) -> Any:
 
 
 def resolve_options(platform: str, declared: Iterable[PlatformOption], given: Mapping[str, Any] | None = None,
-                    environ: Mapping[str, str] | None = None) -> Mapping[str, Any]:
+                    environ: Mapping[str, str] | None = None, parsed: bool = True) -> Mapping[str, Any]:
     """Every declared option's value for ``platform``: from ``given``, else its alias in ``environ``
-    (``os.environ`` by default), else its default. A read-only mapping.
+    (``os.environ`` by default), else its default. A read-only mapping. ``parsed=False`` keeps the
+    values as typed, before an option's ``parse`` (for showing them; they are validated all the same).
 
     An unknown name, or a value that does not convert, is a ValueError naming the option (or the
     alias), the platform and what is allowed."""
@@ -96,19 +100,20 @@ def resolve_options(platform: str, declared: Iterable[PlatformOption], given: Ma
     values = {}
     for name, option in options.items():
         if name in given:
-            values[name] = _checked(option, given[name], f"platform option {name}={given[name]!r} ({platform!r})")
+            where = f"platform option {name}={given[name]!r} ({platform!r})"
+            values[name] = _checked(option, given[name], where, parsed)
         elif option.env and environ.get(option.env, "").strip():
             text = environ[option.env]
-            values[name] = _checked(option, text, f"{option.env}={text!r} (the alias of platform {platform!r}'s "
-                                                  f"option {name!r})")
+            where = f"{option.env}={text!r} (the alias of platform {platform!r}'s option {name!r})"
+            values[name] = _checked(option, text, where, parsed)
         else:
-            values[name] = option.parse(option.default) if option.parse is not None else option.default
+            values[name] = option.parse(option.default) if parsed and option.parse is not None else option.default
     return MappingProxyType(values)
 
 
-def _checked(option: PlatformOption, value: Any, where: str) -> Any:
+def _checked(option: PlatformOption, value: Any, where: str, parsed: bool) -> Any:
     try:
-        return option.convert(value)
+        return option.convert(value, parsed)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 

@@ -55,7 +55,7 @@ def option_rows(platform: Platform) -> list[dict]:
     except Exception as exc:  # reported, not fatal to the listing
         return [{"error": f"options() raised {type(exc).__name__}: {exc}"}]
     try:
-        values = dict(resolve_options(platform.name, declared))
+        values = dict(resolve_options(platform.name, declared, parsed=False))
     except ValueError as exc:  # a bad alias in the environment: say so where the value would be
         values = {o.name: f"invalid: {exc}" for o in declared}
     return [{"name": o.name, "type": o.type.__name__, "default": o.default, "value": values.get(o.name),
@@ -70,7 +70,8 @@ def _option_lines(options: list[dict]) -> list[str]:
             continue
         allowed = f" ({'|'.join(o['choices'])})" if o["choices"] else ""
         alias = f"; alias ${o['env']}" if o["env"] else ""
-        lines.append(f"    option {o['name']}={o['value']!s}  [{o['type']}{allowed}, default {o['default']!r}{alias}]"
+        shown = "''" if o["value"] == "" else o["value"]
+        lines.append(f"    option {o['name']}={shown}  [{o['type']}{allowed}, default {o['default']!r}{alias}]"
                      f": {o['help']}")
     return lines
 
