@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "podium.llm",
     "SamplingParams": "podium.sampling_params",
+    "StructuredOutputsParams": "podium.sampling_params",
     "RequestOutput": "podium.outputs",
     "CompletionOutput": "podium.outputs",
     "EngineConfig": "podium.config",

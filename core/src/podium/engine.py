@@ -40,6 +40,7 @@ from podium_plugin_api.ops import build_op_table
 from .block_manager import BLOCK_HASH_SCHEME, BlockManager
 from .config import EngineConfig
 from .engine_args import engine_config
+from .errors import InvalidParameter
 from .explicit_fields import with_fallbacks
 from .kv_cache import (
     dtype_name,
@@ -250,6 +251,9 @@ class LLMEngine:
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
                              f"this engine runs {self.config.scheduling_policy}")
         params = params or SamplingParams()
+        if params.structured_outputs is not None:
+            raise InvalidParameter("structured_outputs: no grammar backend is installed in this engine yet",
+                                   param="structured_outputs")
         if self.sampling_defaults:
             params = with_fallbacks(params, self.sampling_defaults)
         if final_only:

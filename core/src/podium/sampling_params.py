@@ -8,6 +8,29 @@ from typing import Any
 from .explicit_fields import remembers_explicit_fields
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output, as vLLM names it: exactly one of ``json`` (a JSON schema, dict or
+    string), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF/GBNF) or ``json_object``
+    (any JSON object). ``backend`` picks the grammar backend (None: the engine's default)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+
+    def kind(self) -> str:
+        """The one constraint given (raises ValueError naming the fields when none or several are)."""
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        return given[0]
+
+
 @remembers_explicit_fields
 @dataclass
 class SamplingParams:
@@ -36,6 +59,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

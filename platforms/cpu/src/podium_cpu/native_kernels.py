@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,14 +148,23 @@ def _build(compiler: str, source: Path, flags: tuple[str, ...], target: Path) ->
             os.unlink(tmp)
 
 
-def _remove_stale(name: str, keep: Path) -> None:
-    """Drop builds of older sources (a process still using one keeps its mapping after unlink)."""
+# A build another checkout (or another version installed beside this one) may still be about to load
+# shares this folder: only builds untouched for this long are dropped, never one just written.
+STALE_AFTER_S = 7 * 24 * 3600
+
+
+def _remove_stale(name: str, keep: Path, now: float | None = None) -> None:
+    """Drop builds of other sources that nobody has built or loaded for ``STALE_AFTER_S`` (a process
+    still using one keeps its mapping after unlink; a fresh one would only rebuild it)."""
+    now = time.time() if now is None else now
     for old in keep.parent.glob(f"{name}-*.so"):
-        if old != keep:
-            try:
+        if old == keep:
+            continue
+        try:
+            if now - old.stat().st_mtime > STALE_AFTER_S:
                 old.unlink()
-            except OSError:
-                pass
+        except OSError:
+            pass
 
 
 class NativeEntry:
@@ -268,6 +278,11 @@ def _load() -> tuple[NativeKernels | None, str]:
         for name in missing:
             _remove_stale(name, targets[name])
         paths = list(targets.values())
+        for path in paths:  # a load counts as use: _remove_stale keeps builds in use anywhere
+            try:
+                os.utime(path)
+            except OSError:
+                pass
         libs = [ctypes.CDLL(str(p)) for p in paths]
         entries = _bind(libs)
         amx_ready = _amx_ready(libs)
