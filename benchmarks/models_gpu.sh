@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/podium_gpu_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
-python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu \
+python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu -e ./bench \
   -e ./platforms/cuda -e ./platforms/rocm 2>&1 | grep -v -i warning | tail -3
 run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
   local name=$1 limit=$2; shift 2
