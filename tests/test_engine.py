@@ -98,6 +98,22 @@ def test_prefix_cache_hits_are_counted_and_change_nothing():
     assert results[True] == results[False]
 
 
+def test_prompt_logprobs_cover_the_whole_prompt_after_a_prefix_hit(llm):
+    """A request that asks for prompt logprobs gets one entry per prompt token (None first) even when
+    its prompt is already in the prefix cache, equal to the entries computed without the cache."""
+    prompt = "You are a helpful assistant who answers questions about geography in detail. " * 3
+    asks = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # the prompt's full blocks are cached now
+    hit = llm.generate([prompt], asks, use_tqdm=False)[0]
+    fresh = make_llm(enable_prefix_caching=False).generate([prompt], asks, use_tqdm=False)[0]
+    assert len(hit.prompt_logprobs) == len(hit.prompt_token_ids) > 32
+    assert hit.prompt_logprobs[0] is None
+    for got, want in zip(hit.prompt_logprobs[1:], fresh.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
+    assert all_blocks_free(llm.engine)
+
+
 def test_abort_frees_every_block(llm):
     engine = llm.engine
     for i in range(6):

@@ -135,6 +135,9 @@ class BlockManager:
         hashing. Leaves at least the last token uncached (see the module docstring)."""
         if not self.enable_prefix_caching:
             return []
+        params = seq.params
+        if params.prompt_logprobs is not None and seq.sample_index == 0 and not seq.num_output_tokens:
+            return []  # its prompt logprobs are owed: every prompt position must be computed (as vLLM does)
         max_hits = (seq.num_tokens - 1) // self.block_size
         self._hash_full_blocks(seq, max_hits)
         hits = []
