@@ -100,8 +100,10 @@ class ScriptedEngine:
         self.kv_capacity_tokens = num_blocks * BLOCK
         self.num_blocks, self.free_blocks = num_blocks, num_blocks
         self.requests: dict[str, dict] = {}
+        self.tenants: dict[str, object] = {}  # request id -> the tenant it came with (None: default)
 
-    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, priority=0) -> None:
+    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, priority=0,
+                    tenant=None) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -114,7 +116,8 @@ class ScriptedEngine:
                 for i in range(params.n)]
         blocks = params.n * -(-len(ids) // BLOCK)
         self.free_blocks -= blocks
-        self.requests[request_id] = {"ids": ids, "params": params, "outs": outs, "blocks": blocks}
+        self.requests[request_id] = {"ids": ids, "params": params, "outs": outs, "blocks": blocks, "tenant": tenant}
+        self.tenants[request_id] = tenant
 
     def abort_request(self, request_id) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

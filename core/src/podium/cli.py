@@ -20,6 +20,7 @@ CORE_COMMANDS = ("podium.commands.platforms",)
 # commands other distributions add: name -> (help, distribution, how to install it)
 OPTIONAL_COMMANDS = {
     "serve": ("serve an OpenAI-compatible API", "podium-server", "pip install ./server"),
+    "run-batch": ("run an OpenAI batch file offline, resumably", "podium-server", "pip install ./server"),
     "bench": ("benchmark throughput, latency or a running server", "podium-bench", "pip install ./bench"),
 }
 

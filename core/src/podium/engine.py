@@ -58,7 +58,7 @@ from .models.registry import build_model, init_random_weights
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
 from .platform_setup import check_attention_support, start_platform
-from .request import Sequence, SequenceStatus
+from .request import DEFAULT_TENANT, Sequence, SequenceStatus, Tenant
 from .runner import LaunchedStep, ModelRunner, StepResult, launch, plan_step, prompt_logprobs, sample_now
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -238,7 +238,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, output_kind: OutputKind = "cumulative",
-                    final_only: bool = False) -> None:
+                    final_only: bool = False, tenant: Tenant | None = None) -> None:
         """Queue a request.
 
         ``output_kind`` says what ``step()`` reports for it (see ``output_processor``): "cumulative"
@@ -246,6 +246,8 @@ class LLMEngine:
         ``final_only=True`` is the older spelling of ``output_kind="final"``. ``priority`` orders
         admission under ``scheduling_policy="priority"`` (lower first); under "fcfs" only 0 is taken,
         as in vLLM. Sampling fields ``params`` leaves unset take the model's generation defaults.
+        ``tenant`` (a name and a weight) shares the engine fairly between tenants when it is
+        saturated (``fair_share``); requests without one share the default tenant.
         """
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
@@ -268,7 +270,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(context_error(self.max_model_len, len(ids)))
         arrival = time.time() if arrival_time is None else arrival_time
-        seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, arrival, priority) for i in range(params.n)]
+        if tenant is not None and not isinstance(tenant, Tenant):
+            raise ValueError(f"tenant must be a podium.request.Tenant, got {type(tenant).__name__}")
+        seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, arrival, priority,
+                         tenant=tenant or DEFAULT_TENANT) for i in range(params.n)]
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],
                                                   RequestMetrics(arrival_time=arrival), output_kind=output_kind)
         for seq in seqs:

@@ -19,6 +19,24 @@ from dataclasses import dataclass, field
 from .sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request is for, as fair share between tenants sees it (``fair_share``): a name and a
+    scheduling weight (twice the weight, about twice the tokens while both wait)."""
+
+    name: str = ""
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"tenant: the name must be a string, got {type(self.name).__name__}")
+        if not (isinstance(self.weight, (int, float)) and 0 < self.weight < float("inf")):
+            raise ValueError(f"tenant: the weight must be a positive number, got {self.weight!r}")
+
+
+DEFAULT_TENANT = Tenant()
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not yet scheduled, or preempted (its blocks were freed; it recomputes)
     RUNNING = "running"
@@ -34,6 +52,7 @@ class Sequence:
     params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    tenant: Tenant = DEFAULT_TENANT
     status: SequenceStatus = SequenceStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output, appended in place
     num_computed_tokens: int = 0

@@ -18,6 +18,10 @@ A sequence that can never fit (more tokens than ``max_model_len`` or than the wh
 finished with ``"length"`` and reported in ``SchedulerOutput.finished`` rather than block the queue.
 Policy ``"priority"`` orders both queues by (priority, arrival), lower value first.
 
+Between tenants (``Sequence.tenant``), waiting sequences are admitted by weighted fair queuing on
+the tokens each tenant was served (``fair_share.FairQueue``): a tenant flooding the queue delays
+only itself; the policy above orders each tenant's own queue. With one tenant nothing changes.
+
 The plan says which blocks each sequence uses. A running sequence holds one of ``max_num_seqs``
 block-table rows (taken when it is admitted, given back when it is preempted or finished), and each
 scheduled sequence carries the entries its table gained since the last plan that included it
@@ -31,11 +35,11 @@ from __future__ import annotations
 
 import itertools
 from bisect import insort
-from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import SCHEDULING_POLICIES as POLICIES
+from .fair_share import FairQueue
 from .request import Sequence, SequenceStatus
 
 _NO_BLOCKS: list[int] = []  # shared: most steps give a sequence no new block (never mutated)
@@ -102,7 +106,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._max_seq_tokens = min(max_model_len, block_manager.capacity_tokens)
         self._running: list[Sequence] = []  # sorted by _order_key: the oldest first, the victim last
-        self._waiting: deque[Sequence] = deque()
+        self._waiting = FairQueue(self._order_key, keep_sorted=policy == "priority")
         self._held: dict[str, list[Sequence]] = {}  # request id -> samples waiting for sample 0's prompt
         self._leaders: dict[str, Sequence] = {}  # request id -> its sample 0, until its prompt is computed
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished sequences
@@ -138,8 +142,13 @@ class Scheduler:
         return list(self._running)
 
     def waiting(self) -> list[Sequence]:
-        """The waiting queue in admission order, then samples held for their sample 0 (a copy)."""
+        """The waiting queue (by tenant, each in admission order), then samples held for their
+        sample 0 (a copy)."""
         return [*self._waiting, *(s for held in self._held.values() for s in held)]
+
+    def tenant_tokens(self) -> dict[str, int]:
+        """Tokens scheduled per tenant so far (counted only once a second tenant appears)."""
+        return self._waiting.tenant_tokens()
 
     # ---- requests in and out ---------------------------------------------------------------------
 
@@ -188,6 +197,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)
         budget = self._schedule_running(self.token_budget, out)
+        if self._waiting.multi_tenant:
+            for item in out.scheduled:
+                self._waiting.charge(item.seq, item.num_new_tokens)
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         out.num_batched_tokens = self.token_budget - budget
@@ -234,9 +246,9 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        block_manager = self.block_manager
-        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
-            seq = self._waiting[0]
+        block_manager, waiting = self.block_manager, self._waiting
+        while waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            seq = waiting.head()
             if seq.num_tokens > self._max_seq_tokens:
                 self._finish_unfit(seq, out)
                 continue
@@ -245,7 +257,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             if not block_manager.admit(seq, hits, num_cached + num_new):
                 break
-            self._waiting.popleft()
+            waiting.pop_head()
+            if waiting.multi_tenant:
+                waiting.charge(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             seq.table_row = self._free_rows.pop()
             insort(self._running, seq, key=self._order_key)
@@ -277,12 +291,7 @@ class Scheduler:
         out.finished.append(seq)
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
-        if self.policy == "priority":
-            insort(self._waiting, seq, key=self._order_key)
-        elif front:
-            self._waiting.appendleft(seq)
-        else:
-            self._waiting.append(seq)
+        self._waiting.push(seq, front)
 
     def _order_key(self, seq: Sequence) -> int | tuple[int, int]:
         rank = self._arrival[seq.seq_id]

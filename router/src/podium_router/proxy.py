@@ -9,7 +9,7 @@ or dropped connection also takes the replica out of routing until its next passi
 first chunk of a 200 commits the request to that replica: from then on its bytes are passed
 through unchanged and unbuffered, and if the replica goes away mid-stream the client gets one
 OpenAI-shaped error event and ``[DONE]``, never a hang. A 4xx is the request's own problem and
-is returned as the replica sent it. ``X-Request-Id`` is passed through (one is made if the client
+is returned as the replica sent it (with its ``Retry-After``). ``X-Request-Id`` is passed through (one is made if the client
 sent none) and returned, with ``X-Podium-Replica`` naming the replica that answered.
 """
 
@@ -191,6 +191,8 @@ class Proxy:
         self.metrics.routed(replica.name, candidate, time.perf_counter() - started)
         out_headers = {**ids, "X-Podium-Replica": replica.name,
                        "content-type": upstream.headers.get("content-type", "application/json")}
+        if "retry-after" in upstream.headers:  # a replica's 429 (a tenant over its limit) says when to retry
+            out_headers["Retry-After"] = upstream.headers["retry-after"]
         if first is None:
             await upstream.aclose()
             self._done(replica, hashes, "ok" if upstream.status_code < 400 else "client_error", content)

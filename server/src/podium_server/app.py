@@ -20,19 +20,22 @@ import podium
 
 from . import __version__
 from .async_engine import AsyncEngine
+from .audit import AuditLog
 from .errors import APIError, install_error_handlers, logger
 from .logprobs import TokenText
 from .logs import configure_logging
-from .metrics import ServerMetrics
+from .metrics import OPENMETRICS, ServerMetrics
 from .middleware import GuardMiddleware
 from .process_engine import ProcessEngine
 from .protocol import ModelCard, ModelList
 from .replica import KVEventLog, add_replica_routes
 from .serving_base import ServerContext
+from .service_middleware import ServiceMiddleware, TenantMetrics
 from .serving_chat import ChatHandler
 from .serving_completions import CompletionsHandler
 from .serving_tokens import DetokenizeHandler, TokenizeHandler
 from .settings import ServerSettings
+from .tenants import TenantRegistry
 from .thread_engine import ThreadEngine
 
 
@@ -72,6 +75,7 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
         else:
             served = engine if isinstance(engine, AsyncEngine) else ThreadEngine(engine)
         metrics = ServerMetrics(served.info.model_name)
+        metrics.registry.register(tenant_metrics)
         ctx = _context(served, settings)
         metrics.watch_engine(lambda: ctx.engine.stats)
         app.state.ctx, app.state.metrics, app.state.kv_log = ctx, metrics, KVEventLog()
@@ -85,10 +89,18 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
             if ctx.engine.num_open_requests:
                 logger.info("aborting %d requests still open at shutdown", ctx.engine.num_open_requests)
             await ctx.engine.stop()
+            if audit is not None:
+                audit.close()
 
     app = FastAPI(title="Podium", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the Podium inference engine")
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes)
+    # with a keys file the service middleware checks every key (--api-key among them)
+    guard_key = None if settings.api_keys_file else settings.api_key
+    app.add_middleware(GuardMiddleware, api_key=guard_key, max_body_bytes=settings.max_request_bytes)
+    tenants = TenantRegistry(settings.api_keys_file, settings.api_key if settings.api_keys_file else None)
+    audit = AuditLog(settings.audit) if settings.audit is not None else None
+    tenant_metrics = TenantMetrics()
+    app.add_middleware(ServiceMiddleware, tenants=tenants, audit=audit, metrics=tenant_metrics)  # outermost
     install_error_handlers(app)
     _add_routes(app)
     add_replica_routes(app)
@@ -131,6 +143,8 @@ def _add_routes(app: FastAPI) -> None:
         return {"version": __version__, "podium": podium.__version__}
 
     async def metrics(request: Request) -> Response:
+        if "application/openmetrics-text" in request.headers.get("accept", ""):  # with exemplars (request ids)
+            return Response(request.app.state.metrics.render(openmetrics=True), media_type=OPENMETRICS)
         return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_api_route("/v1/completions", completions, methods=["POST"])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from podium.outputs import RequestOutput
+from podium.request import Tenant
 from podium.sampling_params import SamplingParams
 
 from .engine_loop import Abort, Add, Report
@@ -77,6 +78,8 @@ class RequestStream:
         self.last_token_time: float | None = None
         self.num_generated = 0  # over all samples
         self.finished = False  # the final output arrived, or the request was aborted
+        self.final_output: RequestOutput | None = None  # the final output, once it arrived
+        self.trace_id: str | None = None  # the HTTP request's X-Request-Id (metrics exemplars)
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -89,6 +92,8 @@ class RequestStream:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
         self.finished = output.finished
+        if output.finished:
+            self.final_output = output
         self._latest = output
         self._event.set()
         return new_tokens
@@ -162,9 +167,11 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests (event loop) ----------------------------------------------------------------
-    async def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> RequestStream:
+    async def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
+                  tenant: Tenant | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; the engine's ValueError comes back here.
-        ``priority`` orders admission when the engine runs ``scheduling_policy="priority"`` (lower first)."""
+        ``priority`` orders admission when the engine runs ``scheduling_policy="priority"`` (lower first);
+        ``tenant`` shares a saturated engine fairly between tenants."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
         if request_id in self._streams or request_id in self._pending:
@@ -173,7 +180,7 @@ class AsyncEngine:
         accepted = self._loop.create_future()
         self._pending[request_id] = accepted
         self._streams[request_id] = stream
-        self._send(Add(request_id, prompt, params, priority))
+        self._send(Add(request_id, prompt, params, priority, tenant))
         try:
             await accepted
         except BaseException:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import ssl
 
 from podium.config import DEFAULT_MODEL, parse_size
 from podium.engine_args import engine_config
 from podium.engine_flags import add_engine_flags, engine_kwargs
 
+from .audit import AuditSettings
 from .logs import configure_logging
 from .settings import ENGINE_MODES, LOG_LEVELS, ServerSettings
+from .tls import TLSSettings
 
 
 def register(subparsers) -> None:
@@ -43,7 +46,30 @@ def register(subparsers) -> None:
     server.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                         help="uvicorn's and Podium's log level (default: info)")
     server.add_argument("--debug", action="store_true", help="show tracebacks (default: off)")
+    add_service_flags(parser)
     parser.set_defaults(func=run)
+
+
+def add_service_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS, tenants and the audit log (docs/operations.md)."""
+    tls = parser.add_argument_group("TLS")
+    tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM); with --ssl-certfile: HTTPS")
+    tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM)")
+    tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates must chain to")
+    tls.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=(0, 1, 2),
+                     help="client certificates: 0 not asked, 1 optional, 2 required (default: 0)")
+    service = parser.add_argument_group("tenants and audit")
+    service.add_argument("--api-keys-file", default=None,
+                         help="TOML or JSON file of API keys (as SHA-256) -> tenants with limits and a scheduling "
+                              "weight; reloaded when it changes (default: none)")
+    service.add_argument("--audit-log", default=None, metavar="FILE",
+                         help="write one JSON line per API request to FILE (default: none)")
+    service.add_argument("--audit-log-content", action="store_true",
+                         help="put the prompt and output text in the audit log too (default: off)")
+    service.add_argument("--audit-log-max-bytes", default="100MiB",
+                         help="rotate the audit log past this size (default: 100MiB)")
+    service.add_argument("--audit-log-backups", type=int, default=5,
+                         help="rotated audit logs kept as FILE.1 .. FILE.N (default: 5)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -55,7 +81,29 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(engine=engine_config(**kwargs), host=args.host, port=args.port,
                           api_key=args.api_key or None, log_level=args.log_level,
                           max_request_bytes=parse_size(args.max_request_bytes),
-                          shutdown_timeout=args.shutdown_timeout, engine_mode=args.engine_mode)
+                          shutdown_timeout=args.shutdown_timeout, engine_mode=args.engine_mode,
+                          api_keys_file=args.api_keys_file, audit=audit_settings(args),
+                          tls=TLSSettings.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
+                                                     args.ssl_cert_reqs))
+
+
+def audit_settings(args: argparse.Namespace) -> AuditSettings | None:
+    if args.audit_log is None:
+        if args.audit_log_content:
+            raise ValueError("--audit-log-content needs --audit-log FILE")
+        return None
+    return AuditSettings(args.audit_log, content=args.audit_log_content,
+                         max_bytes=parse_size(args.audit_log_max_bytes), backups=args.audit_log_backups)
+
+
+def uvicorn_config(app, settings: ServerSettings):
+    """uvicorn's configuration for ``app`` under ``settings`` (TLS included)."""
+    import uvicorn
+
+    tls = settings.tls.uvicorn_kwargs() if settings.tls else {}
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          timeout_graceful_shutdown=settings.shutdown_timeout or None,
+                          access_log=settings.log_level in ("debug", "trace"), **tls)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,10 +120,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         print(startup_banner(engine.info, settings), flush=True)
-        config = uvicorn.Config(create_app(settings, engine), host=settings.host, port=settings.port,
-                                log_level=settings.log_level,
-                                timeout_graceful_shutdown=settings.shutdown_timeout or None,
-                                access_log=settings.log_level in ("debug", "trace"))
+        config = uvicorn_config(create_app(settings, engine), settings)
         freeze_startup_objects()
         uvicorn.Server(config).run()
     finally:
@@ -85,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def startup_banner(info, settings: ServerSettings) -> str:
-    auth = "on" if settings.api_key else "off"
+    auth = f"tenants from {settings.api_keys_file}" if settings.api_keys_file else "on" if settings.api_key else "off"
     kv_dtype = "" if settings.engine.kv_cache_dtype == "auto" else f" ({settings.engine.kv_cache_dtype})"
     return (f"podium serve: platform {info.platform_name}, model {info.model_name} "
             f"(max_model_len {info.max_model_len}), KV cache {info.kv_capacity_tokens} tokens{kv_dtype}, "

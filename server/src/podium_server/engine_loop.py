@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podium.outputs import RequestOutput
+from podium.request import Tenant
 from podium.sampling_params import SamplingParams
 
 IDLE_WAIT_S = 0.005  # when a step made no progress, wait this long for a command before stepping again
@@ -31,6 +32,7 @@ class Add:
     prompt: list[int]
     params: SamplingParams
     priority: int = 0  # admission order under scheduling_policy="priority" (lower first)
+    tenant: Tenant | None = None  # fair share between tenants (None: the default tenant)
 
 
 @dataclass
@@ -114,9 +116,11 @@ class EngineLoop:
 
     def _apply(self, command: Any) -> bool:
         if isinstance(command, Add):
+            # an engine that knows nothing of tenants still serves requests that have none
+            extra = {"tenant": command.tenant} if command.tenant is not None else {}
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        priority=command.priority)
+                                        priority=command.priority, **extra)
             except Exception as exc:  # a bad request is that request's problem, never the loop's
                 self._answers.append((command.request_id, exc))
             else:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from .request_id import RequestIdLogFilter
+
 LOGGERS = ("podium", "podium_server")
 _FORMAT = "%(levelname)s:     %(name)s: %(message)s"  # aligned with uvicorn's "INFO:     ..." lines
 _TRACE = 5  # uvicorn's level below debug
@@ -24,6 +26,7 @@ def configure_logging(level: str) -> None:
         if not any(getattr(h, "_podium", False) for h in logger.handlers):
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter(_FORMAT))
+            handler.addFilter(RequestIdLogFilter())  # "[request id] ..." on lines about one request
             handler._podium = True
             logger.addHandler(handler)
             logger.propagate = False  # a root handler set up elsewhere would print each line twice

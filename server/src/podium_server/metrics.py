@@ -13,11 +13,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .async_engine import RequestStream
 
+OPENMETRICS = openmetrics_exposition.CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -76,8 +78,9 @@ class ServerMetrics:
     def watch_engine(self, read_stats: Callable[[], Any]) -> None:
         self.registry.register(EngineStatsCollector(read_stats, self._model))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, openmetrics: bool = False) -> bytes:
+        """Prometheus' text format, or OpenMetrics (which carries the request-id exemplars)."""
+        return openmetrics_exposition.generate_latest(self.registry) if openmetrics else generate_latest(self.registry)
 
     # -- OutputListener ------------------------------------------------------------------------
     def on_output(self, stream: RequestStream, output: Any, new_tokens: int) -> None:
@@ -98,4 +101,5 @@ class ServerMetrics:
             self.finished.labels(self._model, reason).inc()
         if longest > 1 and stream.first_token_time is not None and stream.last_token_time is not None:
             self.tpot.observe((stream.last_token_time - stream.first_token_time) / (longest - 1))
-        self.e2e.observe(time.monotonic() - stream.arrival_time)
+        exemplar = {"request_id": stream.trace_id} if stream.trace_id else None
+        self.e2e.observe(time.monotonic() - stream.arrival_time, exemplar)

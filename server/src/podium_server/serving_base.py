@@ -26,6 +26,7 @@ from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .errors import APIError, bad_request, context_length_error, from_validation_error, logger, not_supported
 from .logprobs import TokenText
 from .protocol import SamplingFields
+from .service_middleware import current_call, engine_tenant
 
 M = TypeVar("M", bound=BaseModel)
 _CONTEXT_ERROR = "maximum context length"
@@ -118,13 +119,20 @@ class ServingBase:
     # -- engine requests ------------------------------------------------------------------------
     async def add_all(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
                       param: str) -> list[RequestStream]:
-        """Add one engine request per prompt (ids ``request_id-i`` when several), all at once; all or none."""
+        """Add one engine request per prompt (ids ``request_id-i`` when several), all at once; all or none.
+        The HTTP request's tenant (service_middleware) goes with them and limits their max_tokens."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(*(self.ctx.engine.add(rid, prompt, p) for rid, prompt, p in
+        call = current_call.get()
+        tenant = engine_tenant(call, params)
+        results = await asyncio.gather(*(self.ctx.engine.add(rid, prompt, p, tenant=tenant) for rid, prompt, p in
                                          zip(ids, prompts, params)), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if not isinstance(r, RequestStream)]
         if not errors:
+            if call is not None:
+                for stream in streams:
+                    stream.trace_id = call.request_id
+                call.streams.extend(streams)
             return streams
         self.release(streams)
         exc = errors[0]

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from podium.config import EngineConfig
 
+from .audit import AuditSettings
+from .tenants import parse_keys_file
+from .tls import TLSSettings
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 ENGINE_MODES = ("process", "thread")  # where the model steps run: a child process or a thread (async_engine.py)
 
@@ -20,6 +24,9 @@ class ServerSettings:
     max_request_bytes: int = 16 * 2**20  # larger bodies get 413
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     engine_mode: str = "process"
+    api_keys_file: str | None = None  # keys -> tenants with limits (tenants.py); reloaded on change
+    audit: AuditSettings | None = None  # --audit-log (audit.py)
+    tls: TLSSettings | None = None  # --ssl-* (tls.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -32,8 +39,10 @@ class ServerSettings:
             raise ValueError(f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_keys_file is not None:
+            parse_keys_file(self.api_keys_file)  # a broken file fails at startup, naming the problem
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
