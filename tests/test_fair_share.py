@@ -11,6 +11,7 @@ import itertools
 import random
 
 import pytest
+from model_fixtures import single_thread  # noqa: F401 (a fixture)
 from test_scheduler import Engine, assert_all_free
 
 from podium.fair_share import FairQueue
@@ -60,7 +61,7 @@ def test_one_tenant_keeps_plain_fcfs_order():
     fair_order = [named.index(s) for step in admissions(fair) for s in step]
     plain_order = [default.index(s) for step in admissions(plain) for s in step]
     assert fair_order == plain_order == list(range(30))
-    assert fair.sched.tenant_tokens() == {}  # one tenant: no accounting at all
+    assert fair.sched.tenant_tokens() == {"team-a": 0}  # one tenant: no accounting at all
 
 
 def test_weights_share_tokens_while_both_wait():
@@ -89,8 +90,10 @@ def test_priority_orders_each_tenants_own_queue():
 
 def test_an_idle_tenant_earns_no_credit():
     engine = Engine(num_blocks=128, block_size=4, max_num_seqs=4, token_budget=32)
+    engine.add([request(B)])
     engine.add([request(A) for _ in range(100)])
-    admissions(engine, steps=30)  # A alone: its virtual time runs far ahead of B's zero
+    admissions(engine, steps=30)  # B's one request is long done: A's virtual time runs far ahead of B's
+    assert engine.sched.tenant_tokens()["team-a"] > 10 * engine.sched.tenant_tokens()["team-b"]
     late = engine.add([request(B) for _ in range(8)])
     following = [s for step in admissions(engine, steps=12) for s in step][:12]
     tenants = "".join("b" if s in late else "a" for s in following)
@@ -135,7 +138,7 @@ def test_queue_bookkeeping():
         Tenant("x", weight=0)
 
 
-def test_the_engine_takes_a_tenant_and_shares_fairly(tmp_path):
+def test_the_engine_takes_a_tenant_and_shares_fairly(tmp_path, single_thread):  # noqa: F811
     """A real (tiny, random) model: B's 8 requests get their first tokens while most of A's 200
     still wait, every request completes, greedy outputs equal a run without tenants, nothing leaks."""
     from model_fixtures import save_tiny_model

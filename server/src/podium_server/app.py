@@ -29,8 +29,8 @@ from .middleware import GuardMiddleware
 from .process_engine import ProcessEngine
 from .protocol import ModelCard, ModelList
 from .replica import KVEventLog, add_replica_routes
-from .serving_base import ServerContext
 from .service_middleware import ServiceMiddleware, TenantMetrics
+from .serving_base import ServerContext
 from .serving_chat import ChatHandler
 from .serving_completions import CompletionsHandler
 from .serving_tokens import DetokenizeHandler, TokenizeHandler

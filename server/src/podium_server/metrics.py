@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.registry import Collector
 
 from .async_engine import RequestStream

@@ -15,7 +15,7 @@ from contextvars import ContextVar
 
 HEADER = b"x-request-id"
 MAX_LENGTH = 100  # an OpenMetrics exemplar's labels may hold 128 characters in all
-_USABLE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,%d}" % MAX_LENGTH)
+_USABLE = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_LENGTH}}}")
 
 # the id of the request the current task serves, for log lines (set by the service middleware)
 current_request_id: ContextVar[str | None] = ContextVar("podium_request_id", default=None)
