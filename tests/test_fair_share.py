@@ -15,8 +15,9 @@ from model_fixtures import single_thread  # noqa: F401 (a fixture)
 from test_scheduler import Engine, assert_all_free
 
 from podium.fair_share import FairQueue
-from podium.request import Sequence, Tenant
+from podium.request import Sequence
 from podium.sampling_params import SamplingParams
+from podium.tenant import Tenant
 
 _ids = itertools.count()
 A, B = Tenant("team-a"), Tenant("team-b")

@@ -18,7 +18,7 @@ import pytest
 from scripted_engine import Knobs, ScriptedEngine, expected
 from test_server_plumbing import ThreadServer
 
-from podium.request import Tenant
+from podium.tenant import Tenant
 from podium_server.app import create_app
 from podium_server.audit import AuditSettings
 from podium_server.settings import ServerSettings

@@ -19,6 +19,7 @@ _LAZY = {
     "CompletionOutput": "podium.outputs",
     "EngineConfig": "podium.config",
     "LLMEngine": "podium.engine",
+    "Tenant": "podium.tenant",
     "decode_token": "podium.detokenizer",
     "token_bytes": "podium.detokenizer",
 }

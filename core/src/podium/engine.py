@@ -58,12 +58,13 @@ from .models.registry import build_model, init_random_weights
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
 from .platform_setup import check_attention_support, start_platform
-from .request import DEFAULT_TENANT, Sequence, SequenceStatus, Tenant
+from .request import Sequence, SequenceStatus
 from .runner import LaunchedStep, ModelRunner, StepResult, launch, plan_step, prompt_logprobs, sample_now
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .startup import StartupTimer, format_startup
+from .tenant import DEFAULT_TENANT, Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class LLMEngine:
             raise ValueError(context_error(self.max_model_len, len(ids)))
         arrival = time.time() if arrival_time is None else arrival_time
         if tenant is not None and not isinstance(tenant, Tenant):
-            raise ValueError(f"tenant must be a podium.request.Tenant, got {type(tenant).__name__}")
+            raise ValueError(f"tenant must be a podium.Tenant, got {type(tenant).__name__}")
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, arrival, priority,
                          tenant=tenant or DEFAULT_TENANT) for i in range(params.n)]
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],

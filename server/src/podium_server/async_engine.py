@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from podium.outputs import RequestOutput
-from podium.request import Tenant
 from podium.sampling_params import SamplingParams
+from podium.tenant import Tenant
 
 from .engine_loop import Abort, Add, Report
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podium.outputs import RequestOutput
-from podium.request import Tenant
 from podium.sampling_params import SamplingParams
+from podium.tenant import Tenant
 
 IDLE_WAIT_S = 0.005  # when a step made no progress, wait this long for a command before stepping again
 

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from podium.request import Tenant
+from podium.tenant import Tenant
 
 from .audit import AuditLog, AuditRecord
 from .errors import APIError
