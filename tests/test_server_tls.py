@@ -50,6 +50,11 @@ def pki(tmp_path_factory):
     return d
 
 
+def trusting(pki) -> ssl.SSLContext:
+    """A client context that trusts the test CA."""
+    return ssl.create_default_context(cafile=str(pki / "ca.pem"))
+
+
 class TLSServer:
     def __init__(self, tls: TLSSettings) -> None:
         settings = ServerSettings(port=_free_port(), tls=tls, log_level="warning")
@@ -73,7 +78,7 @@ class TLSServer:
 def test_openai_client_over_tls_and_plain_http_fails_cleanly(pki):
     with TLSServer(TLSSettings(str(pki / "server.key"), str(pki / "server.pem"))) as srv:
         assert srv.url.startswith("https://127.0.0.1:")
-        with httpx.Client(verify=str(pki / "ca.pem"), timeout=30) as http:
+        with httpx.Client(verify=trusting(pki), timeout=30) as http:
             client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", http_client=http)
             out = client.completions.create(model="letters", prompt="abc", max_tokens=5)
             assert out.choices[0].text == expected([0, 1, 2], 0, 5)
@@ -91,11 +96,11 @@ def test_client_certificates_when_required(pki):
     tls = TLSSettings(str(pki / "server.key"), str(pki / "server.pem"), ca_certs=str(pki / "ca.pem"),
                       cert_reqs=ssl.CERT_REQUIRED)
     with TLSServer(tls) as srv:
-        with_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        with_cert = trusting(pki)
         with_cert.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
         assert httpx.get(f"{srv.url}/health", verify=with_cert, timeout=10).status_code == 200
         with pytest.raises(httpx.TransportError):
-            httpx.get(f"{srv.url}/health", verify=str(pki / "ca.pem"), timeout=10)
+            httpx.get(f"{srv.url}/health", verify=trusting(pki), timeout=10)
 
 
 def test_tls_flags_are_checked(pki, tmp_path):
@@ -106,3 +111,21 @@ def test_tls_flags_are_checked(pki, tmp_path):
     with pytest.raises(ValueError, match="needs --ssl-ca-certs"):
         TLSSettings.from_flags(str(pki / "server.key"), str(pki / "server.pem"), cert_reqs=2)
     assert TLSSettings.from_flags(None, None) is None
+
+
+def test_serve_flags_build_the_settings(pki, tmp_path):
+    from podium.cli import build_parser
+    from podium_server.cli import settings_from_args
+
+    def settings(*flags: str) -> ServerSettings:
+        return settings_from_args(build_parser().parse_args(["serve", *flags]))
+
+    s = settings("--ssl-keyfile", str(pki / "server.key"), "--ssl-certfile", str(pki / "server.pem"),
+                 "--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-cert-reqs", "2", "--port", "8443",
+                 "--audit-log", str(tmp_path / "a.jsonl"), "--audit-log-content", "--audit-log-max-bytes", "1MiB")
+    assert s.url == "https://127.0.0.1:8443" and s.tls.cert_reqs == ssl.CERT_REQUIRED
+    assert (s.audit.path, s.audit.content, s.audit.max_bytes, s.audit.backups) == (str(tmp_path / "a.jsonl"), True,
+                                                                                    2**20, 5)
+    assert settings().tls is None and settings().audit is None and settings().url.startswith("http://")
+    with pytest.raises(ValueError, match="--audit-log-content needs --audit-log"):
+        settings("--audit-log-content")
