@@ -95,7 +95,7 @@ async def run_batch(settings: ServerSettings, input_path: Path, output_path: Pat
     if not todo:
         return summary
     app = create_app(settings, engine)
-    bar = _progress(len(lines), summary["skipped"], progress)
+    bar = _NoBar()
     with open(output_path, "ab") as out:
         def write(entry: dict) -> None:
             out.write(json.dumps(entry, ensure_ascii=False).encode() + b"\n")
@@ -104,7 +104,8 @@ async def run_batch(settings: ServerSettings, input_path: Path, output_path: Pat
             summary["errors"] += entry["error"] is not None
             bar.update(1)
 
-        async with app.router.lifespan_context(app):
+        async with app.router.lifespan_context(app):  # loads the model
+            bar = _progress(len(lines), summary["skipped"], progress)
             routes = _post_routes(app)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None) as client:
