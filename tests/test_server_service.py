@@ -308,3 +308,25 @@ def test_the_router_passes_request_ids_and_429s_through(tmp_path, keys_file):
     audited = {e["request_id"]: e for e in _audit_lines(path)}
     assert [audited[f"via-router-{i}"]["status"] for i in range(4)] == statuses
     assert all(audited[f"via-router-{i}"]["tenant"] == "a" for i in range(4))
+
+
+def test_log_lines_about_a_request_carry_its_id():
+    import logging
+
+    from podium_server.logs import configure_logging
+    from podium_server.request_id import RequestIdLogFilter, current_request_id
+
+    configure_logging("info")
+    handler = next(h for h in logging.getLogger("podium_server").handlers if getattr(h, "_podium", False))
+    assert any(isinstance(f, RequestIdLogFilter) for f in handler.filters)
+    record = logging.LogRecord("podium_server", logging.INFO, __file__, 1, "client went away", (), None)
+    token = current_request_id.set("req-42")
+    try:
+        RequestIdLogFilter().filter(record)
+        RequestIdLogFilter().filter(record)  # a second handler does not prefix it twice
+    finally:
+        current_request_id.reset(token)
+    assert record.getMessage() == "[req-42] client went away"
+    outside = logging.LogRecord("podium_server", logging.INFO, __file__, 1, "startup", (), None)
+    RequestIdLogFilter().filter(outside)
+    assert outside.getMessage() == "startup"
