@@ -109,13 +109,13 @@ async def run_batch(settings: ServerSettings, input_path: Path, output_path: Pat
             routes = _post_routes(app)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None) as client:
-                limit = asyncio.Semaphore(max_concurrency)
+                pending = iter(todo)  # shared by the workers: each line is taken once
 
-                async def one(line: BatchLine) -> None:
-                    async with limit:
+                async def worker() -> None:
+                    for line in pending:
                         write(await _result(client, routes, line))
 
-                await asyncio.gather(*(one(line) for line in todo))
+                await asyncio.gather(*(worker() for _ in range(min(max_concurrency, len(todo)))))
     bar.close()
     return summary
 

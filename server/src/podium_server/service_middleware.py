@@ -166,20 +166,23 @@ class ServiceMiddleware:
         if rejection is None:
             return None
         self.metrics.rejections.labels(tenant.name, rejection.reason).inc()
-        return _rate_limited(rejection)
+        return RateLimited(rejection)
 
 
-def _rate_limited(rejection: Rejection) -> APIError:
-    error = APIError(429, f"Rate limit reached: {rejection.message}. Retry after {rejection.retry_after_s} s.",
-                     code="rate_limit_exceeded", type="requests" if "requests" in rejection.reason else "tokens")
-    error.headers = {"retry-after": str(rejection.retry_after_s)}
-    return error
+class RateLimited(APIError):
+    """A 429 in OpenAI's shape (``type`` "requests" or "tokens"), sent with ``Retry-After``."""
+
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(429, f"Rate limit reached: {rejection.message}. Retry after {rejection.retry_after_s} s.",
+                         code="rate_limit_exceeded", type="requests" if "requests" in rejection.reason else "tokens")
+        self.retry_after_s = rejection.retry_after_s
 
 
 async def _send_error(send: Send, error: APIError) -> None:
     body = json.dumps(error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in getattr(error, "headers", {}).items()]
+    if isinstance(error, RateLimited):
+        headers.append((b"retry-after", str(error.retry_after_s).encode()))
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
