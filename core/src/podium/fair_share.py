@@ -46,6 +46,7 @@ class FairQueue:
         self._tenants: dict[str, _TenantQueue] = {}
         self._size = 0
         self._clock = 0.0
+        self._picked: _TenantQueue | None = None  # head()'s tenant, until the queue changes
 
     def __len__(self) -> int:
         return self._size
@@ -70,6 +71,7 @@ class FairQueue:
     # ---- in and out --------------------------------------------------------------------------
 
     def push(self, seq: Sequence, front: bool) -> None:
+        self._picked = None
         tenant = self._tenant(seq)
         if not tenant.queue:
             tenant.vtime = max(tenant.vtime, self._clock)  # no credit for having been idle
@@ -83,20 +85,37 @@ class FairQueue:
 
     def head(self) -> Sequence:
         """The next sequence to admit (the queue must not be empty)."""
-        return self._next_tenant().queue[0]
+        self._picked = self._next_tenant()
+        return self._picked.queue[0]
 
     def pop_head(self) -> Sequence:
-        tenant = self._next_tenant()
+        tenant = self._picked or self._next_tenant()
+        self._picked = None
         self._clock = max(self._clock, tenant.vtime)
         self._size -= 1
         return tenant.queue.popleft()
 
     def remove(self, seq: Sequence) -> None:
+        self._picked = None
         self._tenants[seq.tenant.name].queue.remove(seq)
         self._size -= 1
 
+    def charge_plan(self, scheduled: list) -> None:
+        """A step's ``ScheduledSequence`` items were planned: charge each tenant its tokens."""
+        per_tenant: dict[str, int] = {}
+        get = per_tenant.get
+        for item in scheduled:
+            name = item.seq.tenant.name
+            per_tenant[name] = get(name, 0) + item.num_new_tokens
+        self._picked = None
+        for name, num_tokens in per_tenant.items():
+            tenant = self._tenants[name]
+            tenant.served_tokens += num_tokens
+            tenant.vtime += num_tokens / tenant.weight
+
     def charge(self, seq: Sequence, num_tokens: int) -> None:
         """``num_tokens`` of ``seq`` were scheduled: its tenant's virtual time moves on."""
+        self._picked = None
         tenant = self._tenants.get(seq.tenant.name)
         if tenant is None:
             tenant = self._tenant(seq)

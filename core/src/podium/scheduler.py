@@ -198,8 +198,7 @@ class Scheduler:
         out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)
         budget = self._schedule_running(self.token_budget, out)
         if self._waiting.multi_tenant:
-            for item in out.scheduled:
-                self._waiting.charge(item.seq, item.num_new_tokens)
+            self._waiting.charge_plan(out.scheduled)
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         out.num_batched_tokens = self.token_budget - budget
