@@ -330,3 +330,15 @@ def test_log_lines_about_a_request_carry_its_id():
     outside = logging.LogRecord("podium_server", logging.INFO, __file__, 1, "startup", (), None)
     RequestIdLogFilter().filter(outside)
     assert outside.getMessage() == "startup"
+
+
+def test_a_tenant_crosses_to_an_engine_in_its_own_process(keys_file):
+    import functools
+
+    from podium_server.process_engine import ProcessEngine
+
+    engine = ProcessEngine.launch(functools.partial(ScriptedEngine, Knobs()))
+    with ThreadServer(create_app(ServerSettings(api_keys_file=str(keys_file)), engine)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = complete(c, "d", max_tokens=4)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected([0, 1, 2], 0, 4)
