@@ -117,11 +117,9 @@ class ServiceMiddleware:
     async def _serve_api(self, scope: Scope, receive: Receive, send: Send, request_id: str, status) -> None:
         arrival, started = time.time(), time.perf_counter()
         call = CallContext(request_id)
-        work = scope["method"] == "POST"
-        audit = self.audit if work else None
-        body = bytearray() if audit is not None and audit.content else None
+        work = scope["method"] == "POST"  # limited and audited; GETs are authenticated only
+        body = bytearray() if work and self.audit is not None and self.audit.content else None
         error = self._check_tenant(scope, call, limit=work)
-        admitted = error is None and work
         try:
             if error is not None:
                 await _send_error(send, error)
@@ -132,24 +130,31 @@ class ServiceMiddleware:
             finally:
                 current_call.reset(token)
         finally:
-            prompt_tokens = sum(s.num_prompt_tokens for s in call.streams)
-            completion_tokens = sum(s.num_generated for s in call.streams)
-            if call.tenant is not None:
-                name = call.tenant.name
-                if admitted:
-                    self.tenants.done(call.tenant, prompt_tokens + completion_tokens)
-                    self.metrics.prompt_tokens.labels(name).inc(prompt_tokens)
-                    self.metrics.generation_tokens.labels(name).inc(completion_tokens)
-                if work:
-                    self.metrics.requests.labels(name, str(status())).inc()
-            if audit is not None:
-                record = AuditRecord(arrival, request_id, call.tenant.name if call.tenant else None,
-                                     _model_name(scope), scope["path"], _client(scope), status(),
-                                     time.perf_counter() - started, prompt_tokens, completion_tokens,
-                                     _finish_reasons(call.streams))
-                if audit.content:
-                    record.prompt, record.output = _prompt_of(body), _outputs(call.streams)
-                audit.write(record)
+            if work:
+                self._account(call, admitted=error is None, status=status())
+                if self.audit is not None:
+                    self._audit(scope, call, arrival, time.perf_counter() - started, status(), body)
+
+    def _account(self, call: CallContext, admitted: bool, status: int) -> None:
+        """The tenant's concurrency slot back, its tokens counted, its metrics."""
+        if call.tenant is None:
+            return
+        name, tokens = call.tenant.name, _tokens(call.streams)
+        if admitted:
+            self.tenants.done(call.tenant, sum(tokens))
+            self.metrics.prompt_tokens.labels(name).inc(tokens[0])
+            self.metrics.generation_tokens.labels(name).inc(tokens[1])
+        self.metrics.requests.labels(name, str(status)).inc()
+
+    def _audit(self, scope: Scope, call: CallContext, arrival: float, latency_s: float, status: int,
+               body: bytearray | None) -> None:
+        prompt_tokens, completion_tokens = _tokens(call.streams)
+        record = AuditRecord(arrival, call.request_id, call.tenant.name if call.tenant else None, _model_name(scope),
+                             scope["path"], _client(scope), status, latency_s, prompt_tokens, completion_tokens,
+                             _finish_reasons(call.streams))
+        if self.audit.content:
+            record.prompt, record.output = _prompt_of(body), _outputs(call.streams)
+        self.audit.write(record)
 
     def _check_tenant(self, scope: Scope, call: CallContext, limit: bool) -> APIError | None:
         if not self.tenants.enabled:
@@ -197,6 +202,11 @@ def _recording(receive: Receive, body: bytearray) -> Receive:
         return message
 
     return recorded
+
+
+def _tokens(streams: list) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of the engine requests a call made."""
+    return sum(s.num_prompt_tokens for s in streams), sum(s.num_generated for s in streams)
 
 
 def _model_name(scope: Scope) -> str:
