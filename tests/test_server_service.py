@@ -278,9 +278,15 @@ def test_openmetrics_exemplars_carry_the_request_id():
     srv, _ = serve(ServerSettings())
     with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}, headers={"X-Request-Id": "trace-me-1"})
-        r = c.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        exemplar = r'podium[:_]e2e_request_latency_seconds_bucket\{.*\} 1.0 # \{request_id="trace-me-1"\}'
+        deadline = time.monotonic() + 10  # the engine loop records a request's end just after answering it
+        while True:
+            r = c.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+            if re.search(exemplar, r.text) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert r.headers["content-type"].startswith("application/openmetrics-text")
-    assert re.search(r'podium[:_]e2e_request_latency_seconds_bucket\{.*\} 1.0 # \{request_id="trace-me-1"\}', r.text)
+    assert re.search(exemplar, r.text)
 
 
 # -- through the fleet router --------------------------------------------------------------------
