@@ -4,6 +4,8 @@
 token of a request is ``(sum(prompt) + 7 * sample_index + k) % 26``, shown as one letter. So every
 stream's expected text is known exactly, whatever else runs. Blocks are accounted like the real
 block manager's (a block per 4 tokens, freed on finish and abort), so leaks show in ``/metrics``.
+Like the engine it renders a ``ChatPrompt``, raises ``podium.errors``' typed refusals, reports
+``output_kind="delta"`` (what the server asks for) and holds back text a stop string could cut.
 
 It lives in a module of its own (not a test module) so an engine process can import it: the
 server's tests run it on a thread and in a child process. ``Knobs`` are the settings a test turns
@@ -16,9 +18,12 @@ import multiprocessing as mp
 import time
 from dataclasses import dataclass
 
+from podium.chat_template import ChatPrompt, render_chat
 from podium.config import EngineConfig
+from podium.errors import InvalidParameter, check_context
 from podium.outputs import CompletionOutput, Logprob, RequestOutput
 from podium.sampling_params import SamplingParams
+from podium.stop import safe_text_len
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 BLOCK = 4
@@ -46,7 +51,9 @@ class LetterTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return {ch: i for i, ch in enumerate(LETTERS)}
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True) -> list[int]:
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **template_kwargs) -> list[int]:
+        if any(not isinstance(m.get("content"), str) for m in messages):
+            raise TypeError("the letters template takes text content only")
         return self.encode("".join(m["role"][0] + m["content"] for m in messages) + "a")
 
 
@@ -103,21 +110,24 @@ class ScriptedEngine:
         self.tenants: dict[str, object] = {}  # request id -> the tenant it came with (None: default)
 
     def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, priority=0,
-                    tenant=None) -> None:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                    output_kind="cumulative", tenant=None) -> int:
+        if isinstance(prompt, ChatPrompt):
+            ids = render_chat(self.tokenizer, prompt, self.model_name)
+        else:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
+            raise InvalidParameter("the prompt is empty; give at least one token", param="prompt")
         if any(not 0 <= t < 27 for t in ids):
-            raise ValueError("prompt token ids must be in [0, 27)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                             f"has {len(ids)} tokens")
+            raise InvalidParameter("prompt token ids must be in [0, 27)", param="prompt")
+        check_context(self.max_model_len, len(ids), params.max_tokens)
         outs = [CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
                 for i in range(params.n)]
         blocks = params.n * -(-len(ids) // BLOCK)
         self.free_blocks -= blocks
-        self.requests[request_id] = {"ids": ids, "params": params, "outs": outs, "blocks": blocks, "tenant": tenant}
+        self.requests[request_id] = {"ids": ids, "params": params, "outs": outs, "blocks": blocks, "tenant": tenant,
+                                     "kind": output_kind, "sent": [[0, 0, False] for _ in outs]}
         self.tenants[request_id] = tenant
+        return len(ids)
 
     def abort_request(self, request_id) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
@@ -139,9 +149,8 @@ class ScriptedEngine:
                 if out.finish_reason is None:
                     self._advance(req, out, p)
             finished = all(o.finish_reason for o in req["outs"])
-            outputs.append(RequestOutput(rid, None, req["ids"], [CompletionOutput(
-                o.index, o.text, list(o.token_ids), None, o.logprobs, o.finish_reason, o.stop_reason)
-                for o in req["outs"]], finished))
+            report = _deltas(req, p) if req["kind"] == "delta" else _whole(req, p)
+            outputs.append(RequestOutput(rid, None, req["ids"], report, finished))
             if finished:
                 self.abort_request(rid)
         return outputs
@@ -160,7 +169,8 @@ class ScriptedEngine:
             self.free_blocks -= 1
         for s in p.stop:
             if s in out.text:
-                out.text, out.finish_reason, out.stop_reason = out.text[: out.text.index(s)], "stop", s
+                cut = out.text.index(s) + (len(s) if p.include_stop_str_in_output else 0)
+                out.text, out.finish_reason, out.stop_reason = out.text[:cut], "stop", s
                 return
         if len(out.token_ids) >= (p.max_tokens or self.max_model_len - len(req["ids"])):
             out.finish_reason = "length"
@@ -168,6 +178,32 @@ class ScriptedEngine:
     def stats(self) -> Stats:
         used = self.num_blocks - self.free_blocks
         return Stats(len(self.requests), 0, self.free_blocks, self.num_blocks, used / self.num_blocks)
+
+
+def _visible(out: CompletionOutput, p: SamplingParams) -> int:
+    """As the engine: unfinished text that a stop string could still cut is held back."""
+    return len(out.text) if out.finish_reason or not p.stop else safe_text_len(out.text, p.stop)
+
+
+def _whole(req: dict, p: SamplingParams) -> list[CompletionOutput]:
+    return [CompletionOutput(o.index, o.text[:_visible(o, p)], list(o.token_ids), None,
+                             list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason)
+            for o in req["outs"]]
+
+
+def _deltas(req: dict, p: SamplingParams) -> list[CompletionOutput]:
+    """``output_kind="delta"``: per sample, what is new since its last report (nothing: left out)."""
+    report = []
+    for o, sent in zip(req["outs"], req["sent"]):
+        tokens, chars, finish_sent = sent
+        if len(o.token_ids) == tokens and (finish_sent or not o.finish_reason):
+            continue
+        visible = max(_visible(o, p), chars)
+        logprobs = o.logprobs[tokens:] if o.logprobs is not None else None
+        report.append(CompletionOutput(o.index, o.text[chars:visible], o.token_ids[tokens:], None, logprobs,
+                                       o.finish_reason, o.stop_reason))
+        sent[:] = [len(o.token_ids), visible, bool(o.finish_reason)]
+    return report
 
 
 def broken_engine() -> ScriptedEngine:

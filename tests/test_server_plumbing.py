@@ -26,7 +26,6 @@ from scripted_engine import LETTERS, Knobs, LetterTokenizer, ScriptedEngine, bro
 from podium_server.app import create_app
 from podium_server.async_engine import AsyncEngine
 from podium_server.process_engine import ProcessEngine
-from podium_server.serving_base import holdback
 from podium_server.settings import ENGINE_MODES, ServerSettings
 from podium_server.thread_engine import ThreadEngine
 
@@ -233,6 +232,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(server, clien
     ({"prompt": "a", "bogus": 1}, 400, "bogus"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "a", "suffix": "x"}, 400, "suffix"),
+    ({"prompt": "a", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),  # SamplingParams' typed error
 ])
 def test_invalid_completion_requests(client, body, status, param):
     r = client.post("/v1/completions", json=body)
@@ -307,12 +307,6 @@ def test_auth_and_dead_engine(mode):
         r = c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sesame"})
         assert r.status_code == 503
         assert c.get("/health").status_code == 503
-
-
-def test_holdback_keeps_possible_stop_prefixes():
-    assert holdback("hello wor", ["world"]) == 6
-    assert holdback("hello", ["xyz"]) == 5
-    assert holdback("abab", ["aba", "b"]) == 2
 
 
 # -- what only the process mode has ------------------------------------------------------------

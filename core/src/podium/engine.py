@@ -29,7 +29,6 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,9 +37,10 @@ from podium_plugin_api import Platform
 from podium_plugin_api.ops import build_op_table
 
 from .block_manager import BLOCK_HASH_SCHEME, BlockManager
+from .chat_template import ChatPrompt, render_chat
 from .config import EngineConfig
 from .engine_args import engine_config
-from .errors import InvalidParameter
+from .errors import InvalidParameter, check_context
 from .explicit_fields import with_fallbacks
 from .kv_cache import (
     dtype_name,
@@ -91,13 +91,6 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_steps: int = 0
     decode_seconds: float = 0.0
-
-
-def context_error(max_model_len: int, prompt_len: int) -> str:
-    return (
-        f"This model's maximum context length is {max_model_len} tokens, but the prompt has {prompt_len} "
-        f"tokens (at least one token must be left to generate). Please shorten the prompt."
-    )
 
 
 def grad_off(platform: Platform) -> Callable[[], AbstractContextManager]:
@@ -225,22 +218,26 @@ class LLMEngine:
             profile_forward(self.model, self.platform, spec, query_lens, seq_lens, config.max_num_seqs)
 
     # -- requests ------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: str | list[int] | ChatPrompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: text is tokenized, a ``ChatPrompt`` rendered by its template."""
+        if isinstance(prompt, ChatPrompt):
+            return None, render_chat(self.tokenizer, prompt, self.model_name)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompt token ids instead of text")
+                raise InvalidParameter("this model has no tokenizer; pass prompt token ids instead of text",
+                                       param="prompt")
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         vocab = self.source.hf_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+            raise InvalidParameter(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
         return None, ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int] | ChatPrompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, output_kind: OutputKind = "cumulative",
-                    final_only: bool = False, tenant: Tenant | None = None) -> None:
-        """Queue a request.
+                    final_only: bool = False, tenant: Tenant | None = None) -> int:
+        """Queue a request; returns its number of prompt tokens.
 
         ``output_kind`` says what ``step()`` reports for it (see ``output_processor``): "cumulative"
         (the whole output each step), "delta" (what is new each step) or "final" (once, finished).
@@ -249,11 +246,14 @@ class LLMEngine:
         as in vLLM. Sampling fields ``params`` leaves unset take the model's generation defaults.
         ``tenant`` (a name and a weight) shares the engine fairly between tenants when it is
         saturated (``fair_share``); requests without one share the default tenant.
+        Whatever is wrong with the request raises here, typed (``podium.errors``): a ``ChatPrompt`` the
+        template rejects, a prompt (plus an explicit ``max_tokens``) longer than the context.
         """
         if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
-                             f"this engine runs {self.config.scheduling_policy}")
+            raise InvalidParameter(f"priority={priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
+                             f"this engine runs {self.config.scheduling_policy}", param="priority")
         params = params or SamplingParams()
+        requested_max_tokens = params.max_tokens  # the caller's: a generation_config default is no request
         if params.structured_outputs is not None:
             raise InvalidParameter("structured_outputs: no grammar backend is installed in this engine yet",
                                    param="structured_outputs")
@@ -267,9 +267,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
         if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(context_error(self.max_model_len, len(ids)))
+            raise InvalidParameter("the prompt is empty; give at least one token", param="prompt")
+        check_context(self.max_model_len, len(ids), requested_max_tokens)
         arrival = time.time() if arrival_time is None else arrival_time
         if tenant is not None and not isinstance(tenant, Tenant):
             raise ValueError(f"tenant must be a podium.Tenant, got {type(tenant).__name__}")
@@ -279,6 +278,7 @@ class LLMEngine:
                                                   RequestMetrics(arrival_time=arrival), output_kind=output_kind)
         for seq in seqs:
             self.scheduler.add(seq)
+        return len(ids)
 
     def abort_request(self, request_id: str | Seq[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
@@ -475,25 +475,6 @@ class LLMEngine:
         """Token ids of ``messages`` through the model's chat template, or ``chat_template`` (a
         template's text or a file holding one); ``tools`` and ``template_kwargs`` are the template's
         variables (a template that uses no such variable ignores them)."""
-        template = read_chat_template(chat_template)
-        if self.tokenizer is None or not (template or getattr(self.tokenizer, "chat_template", None)):
-            raise ValueError(f"model {self.model_name!r} has no chat template; pass chat_template= or use "
-                             "completions with a plain prompt")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message=True continues the last message: set add_generation_prompt=False")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                 chat_template=template, tools=tools,
-                                                 continue_final_message=continue_final_message, **template_kwargs)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return render_chat(self.tokenizer, ChatPrompt(messages, add_generation_prompt, continue_final_message,
+                                                      chat_template, tools, template_kwargs), self.model_name)
 
-
-def read_chat_template(template: str | None) -> str | None:
-    """A chat template given as its text or as a file holding it (vLLM takes both)."""
-    if template is None or "{" in template:
-        return template
-    path = Path(template).expanduser()
-    if not path.is_file():
-        raise ValueError(f"chat_template {template!r} is neither a Jinja template nor a readable file")
-    return path.read_text()

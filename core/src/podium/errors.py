@@ -10,7 +10,11 @@ from __future__ import annotations
 
 
 class PodiumError(Exception):
-    """Base of the errors the engine raises on purpose."""
+    """Base of the errors the engine raises on purpose. They pickle with their fields (a server's
+    engine process sends them over a pipe)."""
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, self.__dict__)
 
 
 class InvalidParameter(PodiumError, ValueError):
@@ -39,3 +43,25 @@ class RequestFailed(PodiumError):
 
 class EngineDead(PodiumError):
     """The engine (device or worker process) is gone; every request fails fast until a restart."""
+
+
+def check_context(max_model_len: int, prompt_len: int, max_tokens: int | None) -> None:
+    """``PromptTooLong`` unless the prompt plus the requested tokens fit the context (OpenAI's wording)."""
+    if prompt_len >= max_model_len:
+        raise PromptTooLong(
+            f"This model's maximum context length is {max_model_len} tokens, but you requested {prompt_len} tokens "
+            f"in the prompt, which leaves none for the completion. Please reduce the length of the prompt.",
+            prompt_len, max_model_len, param="prompt")
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise PromptTooLong(
+            f"This model's maximum context length is {max_model_len} tokens, but you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            f"Please reduce the length of the prompt or the completion (max_tokens).",
+            prompt_len, max_model_len, param="prompt")
+
+
+def _rebuild(cls: type, args: tuple, fields: dict) -> PodiumError:
+    error = Exception.__new__(cls)
+    error.args = args
+    error.__dict__.update(fields)
+    return error

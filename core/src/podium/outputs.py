@@ -51,3 +51,28 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+    def add(self, delta: RequestOutput) -> None:
+        """Append a later ``output_kind="delta"`` report of the same request to this one (itself a delta
+        or the sum of earlier ones), as vLLM's ``RequestOutput.add``: texts, token ids and logprobs
+        grow, the rest is the newer report's. The sum of every delta is the cumulative output."""
+        mine = {c.index: c for c in self.outputs}
+        for c in delta.outputs:
+            have = mine.get(c.index)
+            if have is None:
+                mine[c.index] = c
+                self.outputs.append(c)
+                continue
+            have.text += c.text
+            have.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                if have.logprobs is None:
+                    have.logprobs = []
+                have.logprobs.extend(c.logprobs)
+            have.cumulative_logprob, have.finish_reason, have.stop_reason = \
+                c.cumulative_logprob, c.finish_reason, c.stop_reason
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished = delta.finished
+        self.metrics = delta.metrics or self.metrics
+        self.num_cached_tokens = delta.num_cached_tokens

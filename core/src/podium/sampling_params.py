@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InvalidParameter
 from .explicit_fields import remembers_explicit_fields
 
 
@@ -72,8 +73,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        def bad(name: str, rule: str) -> InvalidParameter:
+            return InvalidParameter(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -104,7 +105,7 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         if any(not s for s in self.stop):
-            raise ValueError("stop must not contain empty strings")
+            raise InvalidParameter("stop must not contain empty strings", param="stop")
 
     @property
     def greedy(self) -> bool:

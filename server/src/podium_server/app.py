@@ -26,8 +26,16 @@ from .logprobs import TokenText
 from .logs import configure_logging
 from .metrics import OPENMETRICS, ServerMetrics
 from .middleware import GuardMiddleware
+from .openapi import declare_request_bodies
 from .process_engine import ProcessEngine
-from .protocol import ModelCard, ModelList
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from .replica import KVEventLog, add_replica_routes
 from .service_middleware import ServiceMiddleware, TenantMetrics
 from .serving_base import ServerContext
@@ -157,3 +165,5 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/ping", health, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    declare_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})

@@ -7,10 +7,12 @@
 run the ``EngineLoop``; they differ only in how commands go in and reports come back, so
 everything here, and every handler, behaves the same in both modes.
 
-Invariants: only the event loop touches the streams. Outputs are cumulative (all text and token
-ids so far), so a stream keeps only the newest one: a slow reader skips intermediate outputs
-without losing anything. A request whose reader goes away is aborted at once (its blocks are
-freed by the next command the loop reads). If the engine dies, every open request fails with
+Invariants: only the event loop touches the streams. The engine reports each request as deltas
+(``output_kind="delta"``: only the text, token ids and logprobs new since its last report, its
+stop-string holdback already applied), and a stream adds the deltas its reader has not taken yet
+into one (``RequestOutput.add``): a slow reader gets fewer, larger deltas, never a lost one, and
+no output is ever copied whole. A request whose reader goes away is aborted at once (its blocks
+are freed by the next command the loop reads). If the engine dies, every open request fails with
 ``EngineDeadError`` and ``alive`` turns false (``/health`` answers 503); nothing waits forever.
 """
 
@@ -22,6 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from podium.chat_template import ChatPrompt
+from podium.errors import EngineDead
 from podium.outputs import RequestOutput
 from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
@@ -29,7 +33,7 @@ from podium.tenant import Tenant
 from .engine_loop import Abort, Add, Report
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(EngineDead, RuntimeError):
     """The engine stopped (a step raised, its process died, or the server is shutting down)."""
 
 
@@ -68,33 +72,43 @@ class EngineInfo:
 
 
 class RequestStream:
-    """The event loop's end of one request: the newest output, plus timing for metrics."""
+    """The event loop's end of one request: the deltas not read yet (added into one), plus timing."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
+        self.num_prompt_tokens = 0  # the engine's count, set when it accepts the request
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_generated = 0  # over all samples
+        self.sample_tokens: dict[int, int] = {}  # per sample index: tokens generated so far
+        self.finish_reasons: dict[int, str] = {}  # per finished sample index
         self.finished = False  # the final output arrived, or the request was aborted
-        self.final_output: RequestOutput | None = None  # the final output, once it arrived
+        self.sample_texts: dict[int, list[str]] = {}  # per sample index: its text pieces (the audit log)
         self.trace_id: str | None = None  # the HTTP request's X-Request-Id (metrics exemplars)
-        self._latest: RequestOutput | None = None
+        self._unread: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
 
-    def put(self, output: RequestOutput, now: float) -> int:
-        """Keep the newest output; returns how many tokens it adds over the previous one."""
-        total = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens, self.num_generated = total - self.num_generated, total
+    def put(self, delta: RequestOutput, now: float) -> int:
+        """Keep a delta for the reader; returns how many tokens it adds."""
+        new_tokens = 0
+        for c in delta.outputs:
+            new_tokens += len(c.token_ids)
+            self.sample_tokens[c.index] = self.sample_tokens.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finish_reasons[c.index] = c.finish_reason
+            if c.text:
+                self.sample_texts.setdefault(c.index, []).append(c.text)
+        self.num_generated += new_tokens
         if new_tokens > 0:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
-        self.finished = output.finished
-        if output.finished:
-            self.final_output = output
-        self._latest = output
+        self.finished = delta.finished
+        if self._unread is None:
+            self._unread = delta
+        else:
+            self._unread.add(delta)
         self._event.set()
         return new_tokens
 
@@ -104,11 +118,12 @@ class RequestStream:
         self._event.set()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Each newest output until the final one (``output.finished``)."""
+        """Deltas until the final one (``output.finished``): everything the engine reported since the
+        previous one, each sample's new text, token ids and logprobs."""
         while True:
             await self._event.wait()
             self._event.clear()
-            output, self._latest = self._latest, None
+            output, self._unread = self._unread, None
             if output is not None:
                 yield output
                 if output.finished:
@@ -117,10 +132,15 @@ class RequestStream:
                 raise self._error
 
     async def final(self) -> RequestOutput:
-        last = None
-        async for output in self.outputs():
-            last = output
-        return last
+        """The whole output: every delta added up, samples in index order."""
+        whole = None
+        async for delta in self.outputs():
+            if whole is None:
+                whole = delta
+            else:
+                whole.add(delta)
+        whole.outputs.sort(key=lambda c: c.index)
+        return whole
 
 
 class AsyncEngine:
@@ -167,16 +187,17 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests (event loop) ----------------------------------------------------------------
-    async def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-                  tenant: Tenant | None = None) -> RequestStream:
-        """Queue a request and wait until the engine took it; the engine's ValueError comes back here.
-        ``priority`` orders admission when the engine runs ``scheduling_policy="priority"`` (lower first);
-        ``tenant`` shares a saturated engine fairly between tenants."""
+    async def add(self, request_id: str, prompt: list[int] | str | ChatPrompt, params: SamplingParams,
+                  priority: int = 0, tenant: Tenant | None = None) -> RequestStream:
+        """Queue a request and wait until the engine took it; the engine's typed error (``podium.errors``)
+        comes back here. A ``ChatPrompt`` is rendered by the engine. ``priority`` orders admission when
+        the engine runs ``scheduling_policy="priority"`` (lower first); ``tenant`` shares a saturated
+        engine fairly between tenants."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
         if request_id in self._streams or request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, len(prompt))
+        stream = RequestStream(request_id)
         accepted = self._loop.create_future()
         self._pending[request_id] = accepted
         self._streams[request_id] = stream
@@ -220,8 +241,8 @@ class AsyncEngine:
         self.stats = report.stats
         if report.kv_events and self.on_kv_events is not None:
             self.on_kv_events(report.kv_events)
-        for request_id, error in report.answers:
-            self._answer(request_id, error)
+        for request_id, answer in report.answers:
+            self._answer(request_id, answer)
         if report.outputs:
             self._deliver(report.outputs)
 
@@ -238,14 +259,18 @@ class AsyncEngine:
             if output.finished:
                 del self._streams[output.request_id]
 
-    def _answer(self, request_id: str, error: BaseException | None) -> None:
+    def _answer(self, request_id: str, answer: int | BaseException) -> None:
+        """The engine's answer to an add: the prompt's token count, or why it refused the request."""
         accepted = self._pending.pop(request_id, None)
         if accepted is None or accepted.done():
             return
-        if error is None:
-            accepted.set_result(None)
-        else:
-            accepted.set_exception(error)
+        if isinstance(answer, BaseException):
+            accepted.set_exception(answer)
+            return
+        stream = self._streams.get(request_id)
+        if stream is not None:  # set now: this request's outputs may be delivered before add() resumes
+            stream.num_prompt_tokens = answer
+        accepted.set_result(answer)
 
     def _fail_all(self, error: BaseException) -> None:
         self._error = self._error or error

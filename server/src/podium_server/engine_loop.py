@@ -4,6 +4,9 @@
         apply every queued command; while there is work: one engine.step()
     report(Report) ◄── one Report per step: the answers to adds, the step's outputs, stats after it
 
+Every request is added with ``output_kind="delta"``: a step's outputs hold only what is new, so
+a report's size follows the step's new tokens, never the length of what was generated so far.
+
 Batching per step keeps the cost per token low: whoever receives the reports (the event loop,
 through a thread callback or a pipe) wakes once per step, not once per request. Answers to adds
 go out as soon as the adds are applied (a bad request hears about it without waiting for a step).
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from podium.chat_template import ChatPrompt
 from podium.outputs import RequestOutput
 from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
@@ -29,7 +33,7 @@ IDLE_WAIT_S = 0.005  # when a step made no progress, wait this long for a comman
 @dataclass
 class Add:
     request_id: str
-    prompt: list[int]
+    prompt: list[int] | str | ChatPrompt  # token ids, text, or messages for the engine's chat template
     params: SamplingParams
     priority: int = 0  # admission order under scheduling_policy="priority" (lower first)
     tenant: Tenant | None = None  # fair share between tenants (None: the default tenant)
@@ -49,8 +53,9 @@ class Report:
     """What one iteration of the loop did, sent as one message."""
 
     stats: Any  # the engine's stats() after it
-    answers: list[tuple[str, BaseException | None]] = field(default_factory=list)  # None: accepted
-    outputs: list[RequestOutput] = field(default_factory=list)
+    # per add: the prompt's token count (accepted) or the error that refused it
+    answers: list[tuple[str, int | BaseException]] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)  # deltas
     aborted: list[str] = field(default_factory=list)  # requests dropped by an Abort in this iteration
     kv_events: list[tuple[str, int]] = field(default_factory=list)  # the prefix cache's, in order (replica.py)
 
@@ -61,7 +66,7 @@ class EngineLoop:
         self._inbox = inbox
         self._report = report
         self._active: set[str] = set()  # accepted, not finished, not aborted
-        self._answers: list[tuple[str, BaseException | None]] = []
+        self._answers: list[tuple[str, int | BaseException]] = []
         self._aborted: list[str] = []
         # the prefix cache's block events, for routers (replica.py); the cache's state so far as "stored"
         self._take_kv_events = getattr(engine, "take_kv_events", list)
@@ -119,13 +124,13 @@ class EngineLoop:
             # an engine that knows nothing of tenants still serves requests that have none
             extra = {"tenant": command.tenant} if command.tenant is not None else {}
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        priority=command.priority, **extra)
+                num_prompt_tokens = self.engine.add_request(command.request_id, command.prompt, command.params,
+                                                            priority=command.priority, output_kind="delta", **extra)
             except Exception as exc:  # a bad request is that request's problem, never the loop's
                 self._answers.append((command.request_id, exc))
             else:
                 self._active.add(command.request_id)
-                self._answers.append((command.request_id, None))
+                self._answers.append((command.request_id, num_prompt_tokens))
         elif isinstance(command, Abort):
             if command.request_id in self._active:
                 self._active.discard(command.request_id)

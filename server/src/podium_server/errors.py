@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from podium.errors import ChatTemplateError, EngineDead, InvalidParameter, PromptTooLong, RequestFailed
+
 logger = logging.getLogger("podium_server")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -44,12 +46,23 @@ def not_supported(feature: str, param: str) -> APIError:
     return APIError(400, f"{feature} not supported yet by this server", param=param, code="not_supported")
 
 
-def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int, param: str) -> APIError:
-    requested = prompt_len + max_tokens
-    return bad_request(
-        f"This model's maximum context length is {max_model_len} tokens, but you requested {requested} tokens "
-        f"({prompt_len} in the prompt, {max_tokens} for the completion). Please reduce the length of the "
-        f"prompt or the completion (max_tokens).", param=param, code="context_length_exceeded")
+def from_engine_error(exc: BaseException, prompt_param: str | None = None) -> APIError | None:
+    """The API error for an exception the engine raised, chosen by its type (``podium.errors``);
+    None for one that is not the engine's to report (a bug: the caller lets it through).
+    ``prompt_param`` names the request field that holds the prompt ("prompt", "messages")."""
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, PromptTooLong):
+        return bad_request(str(exc), param=prompt_param or exc.param, code="context_length_exceeded")
+    if isinstance(exc, ChatTemplateError):
+        return bad_request(str(exc), param=exc.param if exc.param != "messages" else prompt_param or exc.param)
+    if isinstance(exc, InvalidParameter):
+        return bad_request(str(exc), param=exc.param)
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc), code="request_failed")
+    if isinstance(exc, ValueError):  # the engine refusing a request without a typed error
+        return bad_request(str(exc))
+    return None
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:

@@ -88,9 +88,9 @@ class ServerMetrics:
             self.generation_tokens.inc(new_tokens)
             if stream.num_generated == new_tokens:  # the first tokens of this request
                 self.ttft.observe(stream.first_token_time - stream.arrival_time)
-        if output.finished:
-            self._finish(stream, [c.finish_reason or "stop" for c in output.outputs],
-                         max((len(c.token_ids) for c in output.outputs), default=0))
+        if output.finished:  # a delta: the stream has the counts and reasons of every sample
+            self._finish(stream, list(stream.finish_reasons.values()) or ["stop"],
+                         max(stream.sample_tokens.values(), default=0))
 
     def on_abort(self, stream: RequestStream) -> None:
         self._finish(stream, ["abort"], 0)

@@ -22,7 +22,7 @@ _OPEN_PATHS = ("/health", "/version", "/metrics", "/ping")
 class GuardMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else None
         self._max = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -30,8 +30,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         if self._key is not None and scope["path"] not in _OPEN_PATHS and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._key):
+            if not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 await _send_error(send, APIError(401, "Incorrect or missing API key. Send it as "
                                                       "'Authorization: Bearer <key>'.", code="invalid_api_key"))
                 return
@@ -40,6 +39,11 @@ class GuardMiddleware:
             await _send_error(send, self._too_large())
             return
         await self.app(scope, self._counting(receive), send)
+
+    def _authorized(self, header: bytes) -> bool:
+        """``Bearer KEY``, the scheme in any case (RFC 7235: auth schemes are case-insensitive)."""
+        scheme, _, key = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._key)
 
     def _too_large(self) -> APIError:
         return APIError(413, f"The request body is larger than this server accepts ({self._max} bytes)",

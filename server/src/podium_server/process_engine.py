@@ -2,11 +2,11 @@
 
     server process (event loop)                          engine process
     add() / release() ── Add / Abort ──► command pipe ──► reader thread ──► SimpleQueue ──► EngineLoop
-    _on_report ◄── DeltaDecoder ◄── loop.add_reader ◄── report pipe ◄── DeltaEncoder ◄── one Report per step
+    _on_report ◄── from_wire ◄── loop.add_reader ◄── report pipe ◄── to_wire ◄── one Report per step (deltas)
 
 The engine and the HTTP server no longer share an interpreter: the model's Python work and the
 event loop's never wait for each other's GIL. A report is one pickled message per step, holding
-only what is new (output_deltas.py). The event loop never blocks on the pipes: it reads and
+the engine's delta outputs: only what is new (output_wire.py). The event loop never blocks on the pipes: it reads and
 writes them through asyncio's pipe transports (multiprocessing.Connection's framing, so the
 engine process uses plain ``Connection.recv``/``send``), and the commands of one event-loop turn
 go as one message (128 requests arriving at once are one write, not 128 that fill the pipe and
@@ -14,8 +14,8 @@ each wait for the engine process's reader thread to get the GIL: seen as 310 ms 
 
 Startup: ``ProcessEngine.launch(factory)`` spawns the child, which builds the engine with
 ``factory()`` (a picklable callable) and answers with its ``EngineInfo``, tokenizer included (the
-server tokenizes and renders chat templates itself), or with the exception that stopped it,
-raised again here.
+server tokenizes completions prompts and ``/tokenize`` itself; chat messages go to the engine,
+which renders them), or with the exception that stopped it, raised again here.
 
 Lifetime: the child ignores SIGINT and SIGTERM (a Ctrl-C or a SIGTERM to the whole process group
 must not kill it while the server drains requests); it stops on ``Stop``, or when the command
@@ -42,7 +42,7 @@ from typing import Any
 
 from .async_engine import AsyncEngine, EngineDeadError, EngineInfo
 from .engine_loop import Abort, Add, EngineLoop, Report, Stop
-from .output_deltas import DeltaDecoder, DeltaEncoder
+from .output_wire import from_wire, to_wire
 
 logger = logging.getLogger("podium_server")
 STOP_TIMEOUT_S = 60.0  # how long the engine process gets to finish its step and exit before it is killed
@@ -60,7 +60,6 @@ class ProcessEngine(AsyncEngine):
         self._writer: asyncio.WriteTransport | None = None
         self._reader: asyncio.ReadTransport | None = None
         self._outbox: list[Add | Abort | Stop] = []  # commands of this event-loop turn, sent as one message
-        self._decoder = DeltaDecoder()
         self._stopping = False  # a stop was asked for: the pipes closing is no news
         self._detached = False
 
@@ -103,10 +102,6 @@ class ProcessEngine(AsyncEngine):
         self._flush()
 
     def _send(self, command: Add | Abort | Stop) -> None:
-        if isinstance(command, Add):
-            self._decoder.open(command.request_id, command.prompt)
-        elif isinstance(command, Abort):
-            self._decoder.close(command.request_id)
         if not self._outbox:
             self._loop.call_soon(self._flush)
         self._outbox.append(command)
@@ -142,11 +137,7 @@ class ProcessEngine(AsyncEngine):
 
     def _decode(self, message: tuple) -> Report:
         _, stats, answers, deltas, aborted, kv_events = message
-        for request_id, error in answers:
-            if error is not None:
-                self._decoder.close(request_id)
-        outputs = [output for output in map(self._decoder.decode, deltas) if output is not None]
-        return Report(stats, answers, outputs, aborted, kv_events)
+        return Report(stats, answers, [from_wire(delta) for delta in deltas], aborted, kv_events)
 
     def _died(self, reason: str | None = None) -> None:
         """The report pipe closed (or said why first): the engine process is gone or going."""
@@ -228,13 +219,10 @@ def serve_engine(factory: Callable[[], Any], commands: Connection, reports: Conn
     freeze_startup_objects()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_forward, args=(commands, inbox), name="podium-commands", daemon=True).start()
-    encoder = DeltaEncoder()
 
     def report(r: Report) -> None:
-        encoder.forget(r.aborted)
-        answers = [(request_id, portable(error)) for request_id, error in r.answers]
-        reports.send(("report", r.stats, answers, [encoder.encode(output) for output in r.outputs], r.aborted,
-                      r.kv_events))
+        answers = [(request_id, portable(answer)) for request_id, answer in r.answers]
+        reports.send(("report", r.stats, answers, [to_wire(output) for output in r.outputs], r.aborted, r.kv_events))
 
     failure: list[BaseException] = []
     # Steps run on a thread other than the one that built the engine: on a crowded CPU, without
@@ -278,10 +266,11 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def portable(error: BaseException | None) -> BaseException | None:
-    """``error`` if it survives pickling, else a RuntimeError with its type and message."""
-    if error is None:
-        return None
+def portable(error: Any) -> Any:
+    """``error`` if it survives pickling, else a RuntimeError with its type and message (anything
+    but an exception passes as it is)."""
+    if not isinstance(error, BaseException):
+        return error
     try:
         pickle.loads(pickle.dumps(error))
         return error

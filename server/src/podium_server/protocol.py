@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -24,7 +24,8 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM's
+    include_obfuscation: bool | None = None  # OpenAI pads chunks against side channels; ignored here
 
 
 class SamplingFields(StrictModel):
@@ -52,10 +53,14 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # accepted and ignored: bookkeeping fields of OpenAI's API that do not change the output
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # vLLM's: admission order under --scheduling-policy priority
+    # accepted and ignored (a debug log line): bookkeeping fields of OpenAI's API that do not change
+    # the output here (IGNORED_FIELDS)
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching needs no key: it matches the prompt's blocks
+    safety_identifier: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -80,8 +85,17 @@ class SamplingFields(StrictModel):
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
+# fields accepted from OpenAI's API that change nothing here: a debug log line names them
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "user",
+                  "verbosity", "prediction", "web_search_options", "prompt_cache_retention", "parallel_tool_calls")
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Any  # checked by _check_prompt: pydantic's union errors are unreadable
+    # checked by _check_prompt (pydantic's union errors are unreadable); the schema declares the union
+    prompt: Any = Field(json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1}]})
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -146,10 +160,13 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls etc. are refused by the handler, not here
+    # tool_calls etc. are refused by the handler (with "not supported yet"), any other key too, so the
+    # schema declares no other keys
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    refusal: str | None = None  # an assistant message's refusal, as OpenAI returns it (not shown to the model)
 
 
 class ResponseFormat(BaseModel):
@@ -171,7 +188,15 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
+    # the chat template's thinking switch (enable_thinking) where the template has one
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None  # predicted output: for n-gram speculation once it exists
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # vLLM's extras
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatLogprobTop(BaseModel):
@@ -211,8 +236,14 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """Only the fields a chunk sets are written (OpenAI sends the role in the first chunk only)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

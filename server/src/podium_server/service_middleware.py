@@ -224,13 +224,15 @@ def _finish_reasons(streams: list) -> list[str] | None:
         return None
     reasons = []
     for stream in streams:
-        final = stream.final_output
-        reasons += [c.finish_reason or "stop" for c in final.outputs] if final is not None else ["abort"]
+        if stream.finish_reasons:
+            reasons += [stream.finish_reasons[i] for i in sorted(stream.finish_reasons)]
+        else:
+            reasons.append("abort")
     return reasons
 
 
 def _outputs(streams: list) -> list[str] | None:
-    texts = [c.text for s in streams if s.final_output is not None for c in s.final_output.outputs]
+    texts = ["".join(s.sample_texts[i]) for s in streams for i in sorted(s.sample_texts)]
     return texts or None
 
 

@@ -19,17 +19,18 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from podium.chat_template import ChatPrompt
+from podium.errors import InvalidParameter, PodiumError
 from podium.outputs import RequestOutput
 from podium.sampling_params import SamplingParams
 
-from .async_engine import AsyncEngine, EngineDeadError, RequestStream
-from .errors import APIError, bad_request, context_length_error, from_validation_error, logger, not_supported
+from .async_engine import AsyncEngine, RequestStream
+from .errors import APIError, bad_request, from_engine_error, from_validation_error, logger, not_supported
 from .logprobs import TokenText
-from .protocol import SamplingFields
+from .protocol import IGNORED_FIELDS, SamplingFields
 from .service_middleware import current_call, engine_tenant
 
 M = TypeVar("M", bound=BaseModel)
-_CONTEXT_ERROR = "maximum context length"
 
 
 class BodyTooLarge(Exception):
@@ -83,20 +84,6 @@ class ServingBase:
             if vocab is not None and not 0 <= int(key) < vocab:
                 raise bad_request(f"logit_bias: token id {key} is out of range [0, {vocab})", param="logit_bias")
 
-    def max_tokens_for(self, prompt_len: int, max_tokens: int | None, param: str) -> int | None:
-        """Checks the prompt plus the completion fit the context; None means 'until the context is full'."""
-        limit = self.ctx.max_model_len
-        if max_tokens is None:
-            if prompt_len >= limit:
-                raise bad_request(
-                    f"This model's maximum context length is {limit} tokens, but you requested {prompt_len} tokens "
-                    f"in the prompt, which leaves none for the completion. Please reduce the length of the prompt.",
-                    param=param, code="context_length_exceeded")
-            return None
-        if prompt_len + max_tokens > limit:
-            raise context_length_error(limit, prompt_len, max_tokens, param)
-        return max_tokens
-
     @staticmethod
     def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -113,18 +100,23 @@ class ServingBase:
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 **{k: v for k, v in unset_is_default.items() if v is not None})
+        except InvalidParameter as exc:
+            raise from_engine_error(exc) from None
         except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
+            raise bad_request(str(exc)) from None
 
     # -- engine requests ------------------------------------------------------------------------
-    async def add_all(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
-                      param: str) -> list[RequestStream]:
+    async def add_all(self, request_id: str, prompts: list[list[int] | ChatPrompt], params: list[SamplingParams],
+                      param: str, priority: int = 0) -> list[RequestStream]:
         """Add one engine request per prompt (ids ``request_id-i`` when several), all at once; all or none.
-        The HTTP request's tenant (service_middleware) goes with them and limits their max_tokens."""
+        The engine checks each (context length, chat template, parameters); its typed error becomes
+        the API error, ``param`` naming the field that holds the prompt. The HTTP request's tenant
+        (service_middleware) goes with them and limits their max_tokens."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         call = current_call.get()
         tenant = engine_tenant(call, params)
-        results = await asyncio.gather(*(self.ctx.engine.add(rid, prompt, p, tenant=tenant) for rid, prompt, p in
+        results = await asyncio.gather(*(self.ctx.engine.add(rid, prompt, p, priority, tenant=tenant)
+                                         for rid, prompt, p in
                                          zip(ids, prompts, params)), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         errors = [r for r in results if not isinstance(r, RequestStream)]
@@ -135,13 +127,10 @@ class ServingBase:
                 call.streams.extend(streams)
             return streams
         self.release(streams)
-        exc = errors[0]
-        if isinstance(exc, EngineDeadError):
-            raise APIError(503, str(exc)) from None
-        if isinstance(exc, ValueError):
-            code = "context_length_exceeded" if _CONTEXT_ERROR in str(exc) else None
-            raise bad_request(str(exc), param=param, code=code) from None
-        raise exc
+        error = from_engine_error(errors[0], param)
+        if error is None:
+            raise errors[0]
+        raise error from None
 
     def release(self, streams: list[RequestStream]) -> None:
         for stream in streams:
@@ -151,8 +140,8 @@ class ServingBase:
         """The final output of every stream (released whatever happens)."""
         try:
             return list(await asyncio.gather(*(s.final() for s in streams)))
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc)) from None
+        except PodiumError as exc:
+            raise from_engine_error(exc) from None
         finally:
             self.release(streams)
 
@@ -216,8 +205,8 @@ async def _sse(events: AsyncIterator[BaseModel | dict | str]) -> AsyncIterator[s
                 yield f"data: {event}\n\n"
             else:
                 yield f"data: {event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)}\n\n"
-    except (APIError, EngineDeadError) as exc:  # after the 200 went out: report in-band, then end
-        error = exc if isinstance(exc, APIError) else APIError(503, str(exc))
+    except (APIError, PodiumError) as exc:  # after the 200 went out: report in-band, then end
+        error = exc if isinstance(exc, APIError) else from_engine_error(exc)
         yield f"data: {json.dumps(error.body())}\n\n"
     except Exception as exc:
         logger.exception("a stream failed")
@@ -253,50 +242,13 @@ class ChunkTemplate:
 _json_string = json.JSONEncoder(ensure_ascii=False).encode
 
 
-@dataclass
-class StreamCursor:
-    """How much of one choice has been streamed; ``advance`` returns what is new."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    finished: bool = False
-
-    def advance(self, output: Any, stop: list[str]) -> tuple[str, list[int], list] | None:
-        """(new text, new token ids, their logprob positions), or None if nothing changed.
-
-        ``output`` is a cumulative CompletionOutput. Unfinished text that could still turn into a
-        stop string is held back; the final call releases everything left.
-        """
-        if self.finished:
-            return None
-        self.finished = output.finish_reason is not None
-        token_ids = output.token_ids  # a snapshot; ``output.logprobs`` may grow behind it
-        visible = len(output.text) if self.finished or not stop else holdback(output.text, stop)
-        text = output.text[self.text_len:visible] if visible > self.text_len else ""
-        new_ids = token_ids[self.num_tokens:]
-        positions = (output.logprobs or [])[self.num_tokens:len(token_ids)]
-        if not text and not new_ids and not self.finished:
-            return None
-        self.text_len, self.num_tokens = max(self.text_len, visible), len(token_ids)
-        return text, new_ids, positions
-
-
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
-
-
 def reject_unsupported(condition: Any, feature: str, param: str) -> None:
     if condition:
         raise not_supported(feature, param)
 
 
-def holdback(text: str, stop: list[str]) -> int:
-    """How many leading characters of unfinished ``text`` may be streamed: a suffix that could still
-    become a stop string is held back (the engine would cut the text there)."""
-    held = 0
-    for s in stop:
-        for k in range(min(len(s), len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    return len(text) - held
+def log_ignored(req: object) -> None:
+    """One debug line naming the OpenAI fields a request set that change nothing here."""
+    ignored = [name for name in IGNORED_FIELDS if getattr(req, name, None) is not None]
+    if ignored:
+        logger.debug("ignored request fields (accepted, no effect on this server): %s", ", ".join(ignored))

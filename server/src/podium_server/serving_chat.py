@@ -1,23 +1,24 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, ``n`` choices.
 
-Streaming sends, per choice, a role delta first, then content deltas, then a chunk with the
-finish reason; then a usage chunk if ``stream_options.include_usage``; then ``[DONE]``. Tools,
-images, audio and structured output are refused with a 400 "not supported yet".
+The messages go to the engine as a ``ChatPrompt``: it renders them with the model's chat template
+(``reasoning_effort`` sets the template's thinking switch where it has one) and checks the context.
+Streaming sends, per choice, a role delta first, then the engine's content deltas as they come,
+then a chunk with the finish reason; then a usage chunk if ``stream_options.include_usage``; then
+``[DONE]``. Tools, images, audio and structured output are refused with a 400 "not supported yet".
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from podium.outputs import RequestOutput
+from podium.chat_template import THINKING_SWITCH, ChatPrompt, template_source
 
 from .async_engine import RequestStream
-from .errors import bad_request
+from .errors import bad_request, logger
 from .logprobs import chat_logprobs
 from .protocol import (
     ChatChoice,
@@ -31,7 +32,7 @@ from .protocol import (
     Usage,
     random_id,
 )
-from .serving_base import ChunkTemplate, ServingBase, StreamCursor, reject_unsupported, stop_list
+from .serving_base import ChunkTemplate, ServingBase, log_ignored, reject_unsupported
 
 _PART_NAMES = {"image_url": "images are", "input_image": "images are", "input_audio": "audio input is",
                "file": "file inputs are", "video_url": "video inputs are"}
@@ -45,19 +46,29 @@ class ChatHandler(ServingBase):
         self.check_model(req.model)
         self.check_sampling(req)
         self.check_chat_features(req)
-        prompt = self.render(req.messages, req.add_generation_prompt)
-        max_tokens = self.max_tokens_for(len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+        log_ignored(req)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, self._template_kwargs(req))
         top_n = None
         if req.logprobs:
             top_n = req.top_logprobs or 0
         elif req.top_logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=top_n)
+        params = self.sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=top_n)
         request_id = random_id("chatcmpl")
-        streams = await self.add_all(request_id, [prompt], [params], "messages")
+        (stream,) = await self.add_all(request_id, [prompt], [params], "messages", req.priority)
         if req.stream:
-            return self.event_stream(self._chunks(req, request_id, len(prompt), streams[0]))
-        return await self.unless_disconnected(request, self._response(req, request_id, len(prompt), streams[0]))
+            return self.event_stream(self._chunks(req, request_id, stream))
+        return await self.unless_disconnected(request, self._response(req, request_id, stream))
+
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None and THINKING_SWITCH not in kwargs:
+            if THINKING_SWITCH in (template_source(self.ctx.tokenizer) or ""):
+                kwargs[THINKING_SWITCH] = req.reasoning_effort not in ("none", "minimal")
+            else:
+                logger.debug("reasoning_effort=%s ignored: the chat template has no thinking switch",
+                             req.reasoning_effort)
+        return kwargs
 
     @staticmethod
     def check_chat_features(req: ChatCompletionRequest) -> None:
@@ -69,12 +80,11 @@ class ChatHandler(ServingBase):
         reject_unsupported(req.modalities not in (None, ["text"]), "modalities other than text are", "modalities")
         reject_unsupported(req.audio, "audio output is", "audio")
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict | None = None) -> ChatPrompt:
+        """The messages as the engine's chat template takes them (checked here: only text content)."""
         conversation = [self._message(i, m) for i, m in enumerate(messages)]
-        try:
-            return chat_prompt(self.ctx.tokenizer, self.ctx.model_name, conversation, add_generation_prompt)
-        except Exception as exc:  # a template that rejects this conversation, or no template at all
-            raise bad_request(f"cannot apply the chat template to these messages: {exc}", param="messages") from None
+        return ChatPrompt(conversation, add_generation_prompt, template_kwargs=template_kwargs or {})
 
     @staticmethod
     def _message(i: int, message: ChatMessage) -> dict:
@@ -98,25 +108,26 @@ class ChatHandler(ServingBase):
         return {"role": role, "content": content or ""}
 
     # -- not streaming --------------------------------------------------------------------------
-    async def _response(self, req: ChatCompletionRequest, request_id: str, prompt_len: int,
-                        stream: RequestStream) -> Response:
+    async def _response(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream) -> Response:
         (out,) = await self.finals([stream])
         choices = []
-        for c in sorted(out.outputs, key=lambda c: c.index):
+        for c in out.outputs:
             logprobs = None
             if req.logprobs:
-                logprobs = chat_logprobs(list(c.token_ids), list(c.logprobs or []), req.top_logprobs or 0,
-                                         self.ctx.token_text)
+                logprobs = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0, self.ctx.token_text)
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         body = ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
-                                      usage=_usage(prompt_len, out))
+                                      usage=_usage(stream.num_prompt_tokens, completion_tokens))
         return Response(body.model_dump_json(), media_type="application/json")
 
     # -- streaming ------------------------------------------------------------------------------
-    async def _chunks(self, req: ChatCompletionRequest, request_id: str, prompt_len: int,
+    async def _chunks(self, req: ChatCompletionRequest, request_id: str,
                       stream: RequestStream) -> AsyncIterator[ChatCompletionChunk]:
-        created, stop, model = int(time.time()), stop_list(req.stop), self.ctx.model_name
+        """The engine's deltas as chunks: each new text goes out as it is (the engine held back what
+        a stop string might still cut), one chunk per choice that changed."""
+        created, model = int(time.time()), self.ctx.model_name
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
 
@@ -126,50 +137,38 @@ class ChatHandler(ServingBase):
         try:
             for index in range(req.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            cursors = [StreamCursor() for _ in range(req.n)]
             templates = [ChunkTemplate(chunk([ChatStreamChoice(index=index, delta=DeltaMessage(
                 content=ChunkTemplate.PLACEHOLDER))])) for index in range(req.n)]  # plain content deltas
-            last = None
-            async for out in stream.outputs():
-                last = out
-                for c in sorted(out.outputs, key=lambda c: c.index):
-                    choice = self._delta(req, c, cursors[c.index], stop)
+            completion_tokens = 0
+            async for delta in stream.outputs():
+                for c in sorted(delta.outputs, key=lambda c: c.index):
+                    completion_tokens += len(c.token_ids)
+                    choice = self._choice(req, c)
                     if choice is None:
                         continue
                     if not continuous and choice.logprobs is None and choice.finish_reason is None:
                         yield templates[c.index].render(choice.delta.content)
                     else:
-                        yield chunk([choice], _usage(prompt_len, out) if continuous else None)
-            if include_usage and last is not None:
-                yield chunk([], _usage(prompt_len, last))
+                        usage = _usage(stream.num_prompt_tokens, completion_tokens) if continuous else None
+                        yield chunk([choice], usage)
+            if include_usage:
+                yield chunk([], _usage(stream.num_prompt_tokens, completion_tokens))
         finally:
             self.release([stream])
 
-    def _delta(self, req: ChatCompletionRequest, c, cursor: StreamCursor, stop: list[str]) -> ChatStreamChoice | None:
-        new = cursor.advance(c, stop)
-        if new is None:
+    def _choice(self, req: ChatCompletionRequest, c) -> ChatStreamChoice | None:
+        """The chunk choice of one sample's delta ``c``; None when it brings nothing to send."""
+        finished = c.finish_reason is not None
+        if not c.text and not c.token_ids and not finished:
             return None
-        text, ids, positions = new
         logprobs = None
         if req.logprobs:
-            logprobs = chat_logprobs(ids, positions, req.top_logprobs or 0, self.ctx.token_text)
-        finished = c.finish_reason is not None
-        delta = DeltaMessage(content=text) if text or not finished else DeltaMessage()
+            logprobs = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0, self.ctx.token_text)
+        delta = DeltaMessage(content=c.text) if c.text or not finished else DeltaMessage()
         return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                 finish_reason=c.finish_reason if finished else None)
 
 
-def chat_prompt(tokenizer: Any, model_name: str, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-    """The conversation's token ids through the tokenizer's chat template (``LLMEngine.apply_chat_template``
-    does the same; here it runs in the server's process, whichever engine mode)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"model {model_name!r} has no chat template; use completions with a plain prompt")
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def _usage(prompt_len: int, out: RequestOutput) -> Usage:
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import Response
 
-from .errors import bad_request
+from podium.chat_template import render_chat
+from podium.errors import ChatTemplateError
+
+from .errors import bad_request, from_engine_error
 from .protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from .serving_base import ServingBase
 from .serving_chat import ChatHandler
@@ -21,7 +24,11 @@ class TokenizeHandler(ServingBase):
         if req.prompt is not None:
             ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
-            ids = ChatHandler(self.ctx).render(req.messages, req.add_generation_prompt)
+            prompt = ChatHandler(self.ctx).chat_prompt(req.messages, req.add_generation_prompt)
+            try:
+                ids = render_chat(tokenizer, prompt, self.ctx.model_name)
+            except ChatTemplateError as exc:
+                raise from_engine_error(exc, "messages") from None
         strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         body = TokenizeResponse(count=len(ids), max_model_len=self.ctx.max_model_len, tokens=ids, token_strs=strs)
         return Response(body.model_dump_json(), media_type="application/json")
