@@ -53,9 +53,9 @@ def register(subparsers) -> None:
 def add_service_flags(parser: argparse.ArgumentParser) -> None:
     """TLS, tenants and the audit log (docs/operations.md)."""
     tls = parser.add_argument_group("TLS")
-    tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM); with --ssl-certfile: HTTPS")
-    tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM)")
-    tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates must chain to")
+    tls.add_argument("--ssl-keyfile", default=None, help="the server's private key (PEM); with --ssl-certfile: HTTPS (default: none, plain HTTP)")
+    tls.add_argument("--ssl-certfile", default=None, help="the server's certificate chain (PEM) (default: none)")
+    tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates that client certificates must chain to (default: none)")
     tls.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=(0, 1, 2),
                      help="client certificates: 0 not asked, 1 optional, 2 required (default: 0)")
     service = parser.add_argument_group("tenants and audit")
