@@ -248,7 +248,8 @@ def test_profile_forward_runs_the_mixed_step_on_the_platform_backend(llm, monkey
     seen = []
     prepare = backend.prepare_metadata
     monkeypatch.setattr(backend, "prepare_metadata", lambda meta: seen.append(meta) or prepare(meta))
-    engine._profile_forward(kv_cache_spec(engine.source.hf_config, engine.config.block_size, engine.kv_cache_dtype))
+    engine.shard._profile_forward(kv_cache_spec(engine.source.hf_config, engine.config.block_size,
+                                                engine.kv_cache_dtype))
     (meta,) = seen
     want = profile_batch(engine.config.token_budget, engine.config.max_num_seqs, engine.max_model_len,
                          engine.config.block_size)

@@ -19,7 +19,6 @@ from podium.explicit_fields import explicit_fields, with_fallbacks
 
 # row -> (a value vLLM users pass, what it does: "accepted" (field, value) / "ignored" / "refused" + text)
 EXPECTED = {
-    "tensor_parallel_size": [(1, "quiet"), (2, "refused", "tensor parallelism is not implemented")],
     "pipeline_parallel_size": [(1, "quiet"), (4, "refused", "pipeline parallelism")],
     "trust_remote_code": [(False, "quiet"), (True, "refused", "runs no code from a model folder")],
     "revision": [(None, "quiet"), ("main", "refused", "downloads nothing")],
@@ -87,8 +86,8 @@ def test_unknown_and_conflicting_arguments_name_the_problem():
     assert resolve_args({"kv_cache_memory": "1GiB", "kv_cache_memory_bytes": "1GiB"})[0] == {"kv_cache_memory": "1GiB"}
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         engine_config(scheduling_policy="lifo")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        LLM("smollm2-135m-instruct", tensor_parallel_size=2)  # refused before anything loads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's attention heads \(9\)"):
+        LLM("smollm2-135m-instruct", tensor_parallel_size=2, device="cpu")  # refused before any worker starts
 
 
 def test_a_value_the_user_set_beats_the_platforms_suggestion_even_when_it_is_the_default():
@@ -182,12 +181,13 @@ def test_serve_flags_and_aliases_reach_the_engine_config():
         ("m.gguf", False, "2GiB", 64)
     assert (engine.generation_config, engine.scheduling_policy, engine.block_size) == ("vllm", "priority", 16)
     assert explicit_fields(engine) == {"model", "enable_prefix_caching", "kv_cache_memory", "num_kv_blocks",
-                                       "generation_config", "scheduling_policy", "block_size"}
+                                       "generation_config", "scheduling_policy", "block_size", "tensor_parallel_size"}
     assert cli.settings_from_args(parser.parse_args(["serve", "--model", "x.gguf"])).engine.model == "x.gguf"
     with pytest.raises(ValueError, match="two models given"):
         cli.settings_from_args(parser.parse_args(["serve", "a.gguf", "--model", "b.gguf"]))
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        cli.settings_from_args(parser.parse_args(["serve", "--tensor-parallel-size", "2"]))
+    assert cli.settings_from_args(parser.parse_args(["serve", "-tp", "2"])).engine.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        cli.settings_from_args(parser.parse_args(["serve", "--tensor-parallel-size", "0"]))
 
 
 def test_the_vllm_guide_names_every_argument_and_flag():

@@ -80,6 +80,7 @@ def test_kit_passes_for_the_example_npu(tmp_path, site):
     code, out = run_pytest(tmp_path, "--podium-platform", "example-npu", "-v", site=site)
     assert code == 0, out
     assert "podium-kit::test_tiny_generation_matches_cpu_reference PASSED" in out
+    assert "podium-kit::test_communicator_two_processes PASSED" in out  # two spawned ranks over gloo
     assert "podium-kit::test_attention_matches_reference[float32-sliding-window-small] PASSED" in out
 
 

@@ -16,6 +16,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # the order the scheduler admits waiting requests in: arrival, or (priority, arrival), lower first
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# how rank 0 sends each step's plan to the other tensor-parallel ranks: a shared-memory ring
+# ("shm") or a torch.distributed broadcast over a gloo group ("torch"); see parallel.channel
+PLAN_BROADCASTS = ("shm", "torch")
 # where sampling defaults come from: the model's generation_config.json ("auto"), none ("vllm", as
 # vLLM's own defaults, or "none"), or a folder holding a generation_config.json
 GENERATION_CONFIG_SOURCES = ("auto", "vllm", "none")
@@ -70,6 +73,9 @@ class EngineConfig:
     # convert a GGUF file's tokenizer once and keep it on disk (loader.tokenizer_cache); None: the
     # alias $PODIUM_TOKENIZER_CACHE decides, on when unset
     tokenizer_cache: bool | None = None
+    # ranks one model is sharded over (one process each; parallel.sharding says how)
+    tensor_parallel_size: int = 1
+    plan_broadcast: str = "shm"  # see PLAN_BROADCASTS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
@@ -97,6 +103,10 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be {', '.join(GENERATION_CONFIG_SOURCES)} or a folder holding "
                              f"generation_config.json, got {self.generation_config!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        if self.plan_broadcast not in PLAN_BROADCASTS:
+            raise ValueError(f"plan_broadcast must be one of {', '.join(PLAN_BROADCASTS)}, got {self.plan_broadcast!r}")
         if self.tokenizer_cache is not None and not isinstance(self.tokenizer_cache, bool):
             raise ValueError(f"tokenizer_cache must be True, False or None (the environment decides), "
                              f"got {self.tokenizer_cache!r}")

@@ -7,7 +7,9 @@ platform can. A step: the scheduler plans (which sequences, how many tokens, whi
 plan goes to the runner as plain data (``runner.plan_step``), the runner executes it and returns
 the logits to sample, the sampler samples (now, or deferred), the scheduler advances computed
 tokens, the output processor appends sampled tokens and finishes sequences. Everything
-platform-specific goes through the platform.
+platform-specific goes through the platform. With ``tensor_parallel_size`` n > 1 this process is
+rank 0 of n (``parallel.worker``): its ``ModelShard`` holds one shard, it sends each plan to the
+other ranks before running it, and it alone schedules and samples; a dead rank is ``EngineDead``.
 
 Async scheduling (``async_scheduling``; on where the platform asks for it: accelerators, whose
 steps run while the host goes on; never where the platform samples on the host). A step N whose sampling needs nothing from the host is left
@@ -34,7 +36,6 @@ from typing import Any
 import torch
 
 from podium_plugin_api import Platform
-from podium_plugin_api.ops import build_op_table
 
 from .block_manager import BLOCK_HASH_SCHEME, BlockManager
 from .chat_template import ChatPrompt, render_chat
@@ -42,34 +43,24 @@ from .config import EngineConfig
 from .engine_args import engine_config
 from .errors import InvalidParameter, check_context
 from .explicit_fields import with_fallbacks
-from .kv_cache import (
-    dtype_name,
-    kv_cache_bytes,
-    kv_cache_spec,
-    kv_sizing_note,
-    num_kv_blocks,
-    profile_activation_bytes,
-    profile_batch,
-    profile_forward,
-    resolve_kv_cache_dtype,
-)
+from .kv_cache import dtype_name, kv_sizing_note
 from .loader import resolve_model, sampling_defaults
-from .models.registry import build_model, init_random_weights
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
-from .platform_setup import check_attention_support, start_platform
+from .parallel.worker import start_workers
+from .platform_setup import start_platform
 from .request import Sequence, SequenceStatus
-from .runner import LaunchedStep, ModelRunner, StepResult, launch, plan_step, prompt_logprobs, sample_now
+from .runner import LaunchedStep, StepResult, launch, plan_step, prompt_logprobs, sample_now
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .shard import ModelShard
 from .startup import StartupTimer, format_startup
 from .tenant import DEFAULT_TENANT, Tenant
 
 logger = logging.getLogger(__name__)
 
 _FINISHED = SequenceStatus.FINISHED
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -102,7 +93,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         timer = StartupTimer()  # see podium.startup for the stages
         config = config if config is not None else engine_config(**kwargs)
-        started = start_platform(config)
+        started = start_platform(config, rank=0 if config.tensor_parallel_size > 1 else None)
         self.platform = platform = started.platform
         self.platform_name = started.name
         self.config = config = config.with_defaults(platform.config_defaults())
@@ -120,24 +111,21 @@ class LLMEngine:
                         "values win): %s", config.generation_config, self.sampling_defaults)
         self.model_name = config.served_model_name or config.model
         self.max_model_len = self._max_model_len(config, source.max_model_len)
-        self.dtype = self._resolve_dtype(config.dtype, platform)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, platform,
-                                                     platform.attention_backend())
-        self.device = platform.torch_device()
-        platform.seed(config.seed)
-        overrides = platform.custom_ops()
-        self.ops = build_op_table(overrides)  # the reference ops with the platform's overrides
-        timer.lap("custom_ops", detail=f"{len(overrides)} platform ops")
-        self.model = build_model(source.hf_config, self.ops, self.dtype, self.device,
-                                 started.plugins.model_architectures())
-        check_attention_support(self.model, platform, self.model_name)
-        timer.lap("model_build", detail=dtype_name(self.dtype))
-        random_weights = self._load_weights(source, config.seed)
-        timer.lap("weights", detail="random" if random_weights else "")
-        self._build_cache_and_runner(source)
-        timer.lap("kv_cache", detail=f"{self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens")
-        if platform.capabilities().graph_capture and not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs, self.grad_off)
+        self.tp = start_workers(config, platform, source.hf_config) if config.tensor_parallel_size > 1 else None
+        try:
+            self.shard = shard = ModelShard(config, started, source, self.max_model_len, self.grad_off, timer, self.tp)
+            self.dtype, self.kv_cache_dtype, self.device, self.ops = shard.dtype, shard.kv_cache_dtype, shard.device, \
+                shard.ops
+            self.model, self.kv_caches, self.runner = shard.model, shard.kv_caches, shard.runner
+            self.num_kv_blocks, self.kv_capacity_tokens = shard.num_kv_blocks, shard.kv_capacity_tokens
+            logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB", shard.num_kv_blocks,
+                        config.block_size, shard.kv_capacity_tokens, dtype_name(shard.kv_cache_dtype),
+                        shard.kv_bytes / 2**30)
+            self._build_scheduler_and_sampler(source)
+            shard.capture_graphs()
+        except BaseException:
+            self.shutdown()
+            raise
         timer.lap("graph_capture", detail=self._graphs_detail())
         self.startup_seconds = timer.finish()
         logger.info("%s (model %s on %s)", format_startup(self.startup_seconds), self.model_name, self.platform_name)
@@ -168,54 +156,25 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_len}")
         return config.max_model_len
 
-    @staticmethod
-    def _resolve_dtype(name: str, platform) -> torch.dtype:
-        caps = platform.capabilities()
-        dtype = caps.default_dtype if name == "auto" else _DTYPES[name]
-        if dtype not in caps.dtypes:
-            supported = ", ".join(str(d).replace("torch.", "") for d in caps.dtypes)
-            raise ValueError(f"platform {platform.name!r} does not support dtype {name}; it supports {supported}")
-        return dtype
-
-    def _load_weights(self, source, seed: int) -> bool:
-        """Load the weights (random ones for a shape without weights: returns True) and let the
-        platform prepare the model."""
-        weights = source.weights()
-        if weights is None:
-            init_random_weights(self.model, seed)
-        else:
-            self.model.load_weights(weights)
-        self.model = self.platform.prepare_model(self.model.eval())  # device-specific transformations
-        return weights is None
-
-    def _build_cache_and_runner(self, source) -> None:
-        config, platform = self.config, self.platform
-        spec = kv_cache_spec(source.hf_config, config.block_size, self.kv_cache_dtype)
-        activation = 0
-        if platform.capabilities().kv_cache_from_free_memory and config.num_kv_blocks is None:
-            activation = profile_activation_bytes(platform, lambda: self._profile_forward(spec))
-        nbytes = 0 if config.num_kv_blocks else kv_cache_bytes(config, platform, activation)
-        blocks = num_kv_blocks(config, spec, nbytes, self.max_model_len)
-        self.num_kv_blocks, self.kv_capacity_tokens = blocks, blocks * config.block_size
-        self.kv_caches = platform.allocate_kv_cache(spec, blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB", blocks, config.block_size,
-                    self.kv_capacity_tokens, dtype_name(spec.dtype), blocks * spec.bytes_per_block / 2**30)
-        self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+    def _build_scheduler_and_sampler(self, source) -> None:
+        config = self.config
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len,
                                    config.scheduling_policy)
-        self.runner = ModelRunner(self.model, platform, self.kv_caches, config.block_size, config.max_num_seqs,
-                                  self.max_model_len, self.device)
         on_host = self.runner.shaping.sample_on_host  # where the platform's steps sample
         self.sampler = Sampler(source.hf_config.vocab_size, torch.device("cpu") if on_host else self.device,
                                ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed)
 
-    def _profile_forward(self, spec) -> None:
-        """A forward pass at the largest batch the scheduler can form, into a throwaway cache."""
-        config = self.config
-        query_lens, seq_lens = profile_batch(config.token_budget, config.max_num_seqs, self.max_model_len,
-                                             spec.block_size)
-        with self.grad_off():
-            profile_forward(self.model, self.platform, spec, query_lens, seq_lens, config.max_num_seqs)
+    def check_alive(self) -> None:
+        """Raise EngineDead if the engine can no longer serve (a tensor-parallel rank is gone)."""
+        if self.tp is not None:
+            self.tp.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); the engine serves no more."""
+        tp, self.tp = getattr(self, "tp", None), None
+        if tp is not None:
+            tp.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | ChatPrompt) -> tuple[str | None, list[int]]:
@@ -307,6 +266,8 @@ class LLMEngine:
         async scheduling the tokens reported are those of the step launched by the previous call.
         """
         started = time.perf_counter()
+        if self.tp is not None:
+            self.tp.check()  # a worker that died between steps: EngineDead before planning
         previous, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
@@ -355,8 +316,14 @@ class LLMEngine:
         """Execute the scheduler's plan on the device and sample: now, or deferred (``defer``), in
         which case the tokens stay on the device until the next step reads them."""
         plan = plan_step(output, previous.rows if previous is not None else None)
+        feed = previous.tokens if previous is not None else None
         with self.grad_off():
-            step = self.runner.execute(plan, previous.tokens if previous is not None else None)
+            if self.tp is None:
+                step = self.runner.execute(plan, feed)
+            else:  # every rank runs the same plan; the collectives inside keep them in step
+                with self.tp.guard():
+                    self.tp.send_step(plan, feed)
+                    step = self.runner.execute(plan, feed)
             seqs = [output.scheduled[i].seq for i in plan.samples]
             if defer:
                 return launch(self.sampler, step.logits, seqs, step.num_tokens, step.used_graph, self.device)

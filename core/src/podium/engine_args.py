@@ -10,8 +10,8 @@ the other arguments vLLM users pass, each one:
     ignored    runs as asked but changes nothing here; a warning names the argument and says why
     refused    the values outside ``supported`` raise ValueError with the reason
 
-A row may combine them: ``tensor_parallel_size`` is accepted at 1 and refused above. When
-tensor parallelism lands, its row becomes ``Row("tensor_parallel_size", field="tensor_parallel_size")``.
+A row may combine them: ``pipeline_parallel_size`` is accepted at 1 and refused above.
+``tensor_parallel_size`` is an ``EngineConfig`` field of the same name (``-tp`` on the command line).
 ``podium serve`` and ``podium bench`` build their flags from the same rows (``engine_flags``).
 """
 
@@ -71,8 +71,6 @@ class Row:
 OFF = (None, False, 0)
 
 VLLM_ARGS: tuple[Row, ...] = (
-    Row("tensor_parallel_size", supported=(1,), type=int, default=1, aliases=("-tp",),
-        refused="tensor parallelism is not implemented yet; Podium runs a model on one device"),
     Row("pipeline_parallel_size", supported=(1,), type=int, default=1, aliases=("-pp",),
         refused="pipeline parallelism is not implemented; Podium runs a model on one device"),
     Row("trust_remote_code", supported=(False, None), type=bool, default=False,

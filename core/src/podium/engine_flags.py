@@ -22,7 +22,7 @@ from typing import Any
 
 from podium_plugin_api.options import parse_option_pairs
 
-from .config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
+from .config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, PLAN_BROADCASTS, SCHEDULING_POLICIES, EngineConfig
 from .engine_args import VLLM_ARGS
 
 GROUP_TITLE = "engine"
@@ -75,6 +75,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("async_scheduling", "plan and launch step N+1 before reading step N's tokens", type=bool,
          default="the platform's choice: on for CUDA/ROCm, off for CPU/TPU"),
     Flag("seed", "seeds sampling (and the random weights of a shape model)", type=int),
+    Flag("tensor_parallel_size", "ranks (processes, one device each) the model is sharded over", type=int,
+         aliases=("-tp",)),
+    Flag("plan_broadcast", "how rank 0 sends each step's plan to the other ranks (tensor parallelism)",
+         choices=PLAN_BROADCASTS),
     Flag("generation_config", "sampling defaults: auto (the model's generation_config.json), vllm or none "
          "(SamplingParams' own), or a folder holding a generation_config.json"),
     Flag("scheduling_policy", "admission order: fcfs, or priority (lower value first, then arrival)",

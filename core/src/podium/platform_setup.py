@@ -27,13 +27,15 @@ class StartedPlatform:
     plugins: Plugins
 
 
-def start_platform(config: EngineConfig, device_index: int = 0) -> StartedPlatform:
+def start_platform(config: EngineConfig, device_index: int = 0, rank: int | None = None) -> StartedPlatform:
     """Discover the plugins, select ``config.device`` (or the best available), activate it with its
-    options and bind ``device_index`` (the rank's device, when there are several)."""
+    options and bind ``device_index``, or tensor-parallel rank ``rank``'s device (``rank_device``)."""
     plugins = load_plugins()
     entry = plugins.select(config.device)
     platform = entry.platform
     platform.activate(resolve_options(platform.name, platform.options(), config.platform_option_values))
+    if rank is not None:
+        device_index = platform.rank_device(rank, config.tensor_parallel_size)
     count = platform.device_count()
     if not 0 <= device_index < count:
         raise RuntimeError(f"platform {platform.name!r} has {count} device(s) here; device {device_index} "

@@ -37,6 +37,19 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
     },
+    # ~141 GB in bf16: more than one 80-141 GB device holds; tensor parallelism's reason to exist
+    "llama-3.1-70b-shape": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    },
     "llama-3.2-1b-shape": {
         **_LLAMA3_COMMON,
         "hidden_size": 2048,

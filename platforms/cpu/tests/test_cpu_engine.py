@@ -15,7 +15,7 @@ import torch
 from engine_fixtures import run_engines_on
 
 from podium import LLM, SamplingParams
-from podium.engine import LLMEngine
+from podium.shard import resolve_dtype
 from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.ipex_support import ipex_status
@@ -124,7 +124,7 @@ def test_prepared_model_is_as_close_to_float32_as_the_unprepared_in_bf16(monkeyp
 def test_auto_dtype_is_bf16_where_the_cpu_has_it():
     platform = CpuPlatform()
     native = platform.capabilities().extra["native_bf16"]
-    assert LLMEngine._resolve_dtype("auto", platform) == (torch.bfloat16 if native else torch.float32)
-    assert LLMEngine._resolve_dtype("float32", platform) == torch.float32
+    assert resolve_dtype("auto", platform) == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("float32", platform) == torch.float32
 
 

@@ -18,6 +18,7 @@ _EXPORTS = {
     "AttentionBackend": ".attention",
     "to_cache_dtype": ".attention",
     "ForwardContext": ".context",
+    "Communicator": ".distributed",
     "PlatformEntry": ".discovery",
     "PlatformSelectionError": ".discovery",
     "PluginError": ".discovery",

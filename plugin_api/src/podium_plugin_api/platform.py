@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from .attention import AttentionBackend
+from .distributed import Communicator
 from .metadata import KVCacheSpec
 from .options import PlatformOption
 from .step_shape import StepShaping
@@ -144,6 +145,19 @@ class Platform:
 
     def synchronize(self) -> None:
         return None
+
+    # distributed (tensor parallelism; the backend's name is ``capabilities().distributed_backend``)
+    def rank_device(self, rank: int, world_size: int) -> int:
+        """The device index rank ``rank`` of ``world_size`` binds to (the core passes it to
+        ``set_device`` in that rank's process). Default: ``rank``, which must be below
+        ``device_count()``; a platform whose ranks share one device (a CPU) returns 0."""
+        return rank
+
+    def communicator(self, rank: int, world_size: int) -> Communicator:
+        """The collectives the sharded model calls, created in each rank's process after the core
+        joined the ranks with ``torch.distributed.init_process_group``. Default: torch.distributed's
+        own (``podium_plugin_api.distributed.Communicator``); override with a faster all-reduce."""
+        return Communicator(rank, world_size)
 
     def seed(self, seed: int) -> None:
         torch.manual_seed(seed)

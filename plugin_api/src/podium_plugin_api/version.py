@@ -10,11 +10,18 @@ changed incompatibly (one route for custom ops, ForwardContext in the contract, 
 activation, step shaping instead of a static-shapes flag). A plugin built for 1.x is refused with
 "major versions differ" rather than half working. From here, an addition is a minor version and a
 plugin built for 2.0 keeps running on every 2.x (hooks gain arguments without breaking it).
+
+Minor versions:
+
+- 2.1: tensor parallelism: ``Platform.rank_device`` (which device a rank binds to),
+  ``Platform.communicator`` and ``podium_plugin_api.distributed.Communicator`` (all_reduce,
+  all_gather, broadcast over torch.distributed by default), and the kit's two-process communicator
+  check. A 2.0 plugin inherits the defaults.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.0.0"
+API_VERSION = "2.1.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

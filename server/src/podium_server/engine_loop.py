@@ -28,6 +28,7 @@ from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
 
 IDLE_WAIT_S = 0.005  # when a step made no progress, wait this long for a command before stepping again
+HEALTH_CHECK_S = 1.0  # while idle, ask the engine this often whether it can still serve (check_alive)
 
 
 @dataclass
@@ -79,7 +80,7 @@ class EngineLoop:
         while True:
             if not engine.has_unfinished_requests():
                 self._flush([], idle=True)
-                if not self._apply(self._inbox.get()):
+                if not self._apply(self._next_command()):
                     break
             if not self._drain():
                 break
@@ -104,6 +105,16 @@ class EngineLoop:
         elif time.perf_counter() - started < 1e-3:  # nothing could be scheduled: don't spin
             return self._drain(timeout=IDLE_WAIT_S)
         return True
+
+    def _next_command(self) -> Any:
+        """Wait for a command; meanwhile an engine that can no longer serve (a tensor-parallel rank
+        died) raises from ``check_alive``, so the server turns unhealthy without waiting for a request."""
+        check = getattr(self.engine, "check_alive", None)
+        while True:
+            try:
+                return self._inbox.get(timeout=HEALTH_CHECK_S if check is not None else None)
+            except queue.Empty:
+                check()
 
     def _drain(self, timeout: float | None = None) -> bool:
         """Apply every queued command (waiting up to ``timeout`` for the first); False on stop."""

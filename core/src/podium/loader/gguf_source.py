@@ -49,8 +49,8 @@ def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None 
         tokenizer = gguf_tokenizer(path, tokenizer_cache)
     tokenizer_seconds = time.perf_counter() - started
 
-    def stream():
-        return gguf_weights(read_gguf(path), heads, kv_heads)
+    def stream(lazy: bool = False):
+        return gguf_weights(read_gguf(path), heads, kv_heads, lazy)
 
     return ModelSource(
         hf_config=config,

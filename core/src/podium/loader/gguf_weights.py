@@ -22,6 +22,7 @@ Per architecture (llama.cpp's converter, undone here):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 
@@ -30,6 +31,7 @@ import torch
 
 from .gguf_quants import dequantize_blocks
 from .gguf_reader import GGUFFile, GGUFTensorInfo
+from .lazy import LazyTensor
 
 # ggml type ids (gguf.GGMLQuantizationType) Podium dequantizes
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16}  # F32, F16: read as they are
@@ -103,8 +105,9 @@ def type_name(ggml_type: int) -> str:
         return f"type id {ggml_type}"
 
 
-def dequantize(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
-    """One tensor as float32 (F16 stays float16) with shape ``info.shape``."""
+def dequantize(gguf: GGUFFile, info: GGUFTensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """One tensor as float32 (F16 stays float16) with shape ``info.shape``; ``rows`` (start, count):
+    only those rows of a 2-D tensor (its quantized blocks run along rows, so only they are read)."""
     ggml_type = info.ggml_type
     if ggml_type not in FLOAT_TYPES and ggml_type != BF16 and ggml_type not in QUANTIZED_TYPES:
         raise ValueError(
@@ -112,6 +115,9 @@ def dequantize(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
             f"supported types: {', '.join(SUPPORTED_TYPE_NAMES)}"
         )
     raw = gguf.raw(info)  # uint8 [*shape[:-1], row_bytes]
+    if rows is not None:
+        raw = raw[rows[0]:rows[0] + rows[1]]
+        info = dataclasses.replace(info, shape=(rows[1], *info.shape[1:]))
     if ggml_type in FLOAT_TYPES:
         dtype = FLOAT_TYPES[ggml_type]
         return torch.from_numpy(np.array(raw)).view(dtype).reshape(info.shape)
@@ -136,8 +142,12 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
 
 
-def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the file as (HF name, tensor), restored to HF's conventions (module docstring)."""
+def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int,
+                 lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the file as (HF name, tensor), restored to HF's conventions (module docstring).
+
+    ``lazy``: the 2-D weights as ``LazyTensor`` whose row slices dequantize only those rows (a
+    tensor-parallel rank's shard); q/k slices must hold whole heads (llama.cpp permutes within one)."""
     arch = gguf.architecture
     unknown = [name for name in gguf.tensors if name not in CONFIG_TENSORS and not _maps(name, arch)]
     if unknown:
@@ -147,6 +157,10 @@ def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
         if name in CONFIG_TENSORS:
             continue
         target = hf_name(name, arch)
+        if lazy and len(info.shape) == 2 and "{}" not in target and not target.endswith("norm.weight") \
+                and not target.endswith("shared_expert_gate.weight"):
+            yield target, _lazy_rows(gguf, info, target, num_heads if permuted else 0, num_kv_heads if permuted else 0)
+            continue
         tensor = dequantize(gguf, info)
         if permuted and target.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = unpermute_rows(tensor, num_heads)
@@ -160,6 +174,27 @@ def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> Iterator[
             yield from ((target.format(expert), tensor[expert]) for expert in range(tensor.shape[0]))
         else:
             yield target, tensor
+
+
+def _lazy_rows(gguf: GGUFFile, info: GGUFTensorInfo, target: str, num_heads: int, num_kv_heads: int) -> LazyTensor:
+    """A 2-D GGUF weight read by row slices; q/k rows un-permuted per head (``num_heads`` 0: not permuted)."""
+    heads = num_heads if target.endswith(("q_proj.weight", "q_proj.bias")) else \
+        num_kv_heads if target.endswith(("k_proj.weight", "k_proj.bias")) else 0
+    per_head = info.shape[0] // heads if heads else 0
+
+    def load() -> torch.Tensor:
+        tensor = dequantize(gguf, info)
+        return unpermute_rows(tensor, heads) if heads else tensor
+
+    def read(dim: int, start: int, size: int) -> torch.Tensor | None:
+        if dim != 0:
+            return None  # columns of every row: the whole tensor is dequantized
+        if heads and (start % per_head or size % per_head):
+            raise ValueError(f"GGUF tensor {info.name!r}: rows [{start}, {start + size}) split a head of {per_head} rows")
+        tensor = dequantize(gguf, info, (start, size))
+        return unpermute_rows(tensor, size // per_head) if heads else tensor
+
+    return LazyTensor(tuple(info.shape), load, read)
 
 
 def _maps(gguf_name: str, arch: str) -> bool:

@@ -59,15 +59,18 @@ def weight_files(folder: Path) -> tuple[list[Path], str]:
     raise ValueError(f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
 
 
-def stream_weights(files: list[Path], fmt: str) -> WeightStream:
-    """(name, tensor) pairs from each file in turn."""
+def stream_weights(files: list[Path], fmt: str, lazy: bool = False) -> WeightStream:
+    """(name, tensor) pairs from each file in turn; ``lazy``: safetensors tensors as ``LazyTensor``
+    (a tensor-parallel rank reads only its slices)."""
     if fmt == "safetensors":
         from safetensors import safe_open
+
+        from .lazy import safetensors_lazy
 
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    yield name, (safetensors_lazy(handle, name) if lazy else handle.get_tensor(name))
         return
     import torch
 
@@ -105,7 +108,7 @@ def load_folder(folder: Path, tokenizer: Any | None = None) -> ModelSource:
     return ModelSource(
         hf_config=config,
         tokenizer=tokenizer,
-        weight_stream=lambda: stream_weights(files, fmt),
+        weight_stream=lambda lazy=False: stream_weights(files, fmt, lazy),
         generation_defaults=generation_defaults(generation),
         eos_token_ids=eos,
         max_model_len=max_model_len(config),

@@ -85,11 +85,23 @@ def _from_path(path: Path, tokenizer: Any | None, cache: bool | None) -> ModelSo
     return None
 
 
-def resolve_model(model: str, tokenizer: str | None = None, tokenizer_cache: bool | None = None) -> ModelSource:
+class _NoTokenizer:
+    """Stands in for a tokenizer nobody will use (a tensor-parallel worker's), so none is loaded."""
+
+    eos_token_id = None
+
+
+def resolve_model(model: str, tokenizer: str | None = None, tokenizer_cache: bool | None = None,
+                  load_tokenizer: bool = True) -> ModelSource:
     """The ModelSource for ``model`` (see the module docstring); ValueError saying what was tried.
-    ``tokenizer_cache``: whether GGUF tokenizers go through the tokenizer cache (None: the environment decides)."""
+    ``tokenizer_cache``: whether GGUF tokenizers go through the tokenizer cache (None: the environment decides).
+    ``load_tokenizer=False``: the source's tokenizer is None and none is read (weights and config only)."""
     if not isinstance(model, str | Path) or not str(model).strip():
         raise ValueError(f"model must be a non-empty string, got {model!r}")
+    if not load_tokenizer:
+        source = _resolve(str(model).strip(), _NoTokenizer(), tokenizer_cache)
+        source.tokenizer = None
+        return source
     started = time.perf_counter()
     own_tokenizer = resolve_tokenizer(tokenizer, tokenizer_cache) if tokenizer else None
     own_seconds = time.perf_counter() - started

@@ -45,12 +45,25 @@ class ModelSource:
     path: str | None = None  # the folder or file loaded from; None for a named shape
     load_seconds: dict[str, float] = field(default_factory=dict)  # e.g. {"tokenizer": 0.4}: startup stages
 
-    def weights(self) -> WeightStream | None:
-        return None if self.weight_stream is None else self.weight_stream()
+    def weights(self, lazy: bool = False) -> WeightStream | None:
+        """The weight stream; ``lazy``: tensors as ``loader.lazy.LazyTensor`` where the format allows
+        (read by slice; tensor parallelism asks for it), plain tensors otherwise."""
+        if self.weight_stream is None:
+            return None
+        return self.weight_stream(lazy=True) if lazy and _takes_lazy(self.weight_stream) else self.weight_stream()
 
     @property
     def has_weights(self) -> bool:
         return self.weight_stream is not None
+
+
+def _takes_lazy(stream: Callable) -> bool:
+    import inspect
+
+    try:
+        return "lazy" in inspect.signature(stream).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def resolve_dtype(name: str | torch.dtype, preferred: torch.dtype) -> torch.dtype:

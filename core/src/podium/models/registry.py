@@ -67,12 +67,18 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     extra: dict[str, Callable] | None = None,
+    transform: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
-    """Construct the model on ``device`` in ``dtype`` with uninitialized weights (fill them next)."""
+    """Construct the model on ``device`` in ``dtype`` with uninitialized weights (fill them next).
+
+    ``transform`` reshapes the model while it is still on the meta device (tensor parallelism's
+    sharding), so only what it keeps is ever allocated."""
     cls = model_class(hf_config, extra)
     with torch.device("meta"):
         model = cls(hf_config, ops)
     model.to(dtype=dtype)  # free on meta
+    if transform is not None:
+        model = transform(model)
     # model.to_empty(device=device) without its torch.empty_like, whose meta-tensor path imports sympy (~0.4 s)
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for module in model.modules():

@@ -13,6 +13,11 @@ module declares its pieces in one of two ways:
 A merged parameter may also come whole under its own name (Phi-3's ``qkv_proj``, transformers 5's
 stacked ``experts.gate_up_proj``). Every parameter must be filled completely (whole, or every
 piece) and every checkpoint tensor must be used: anything else is an error that names the tensors.
+
+A model transformed for tensor parallelism holds one rank's shard of some parameters and says
+which slice of each checkpoint tensor it keeps in ``model.weight_slices`` ({checkpoint name: an
+object with ``take(tensor)``, ``dim`` and ``size``}, ``parallel.sharding.Slices``). The loader
+copies only that slice; a lazy tensor from the stream (``loader.lazy``) reads only it.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class WeightLoader:
         self.model = model
         self.params = dict(model.named_parameters())
         self.ignore = tuple(ignore)  # name suffixes to skip (rotary buffers, a tied lm_head)
+        self.slices = getattr(model, "weight_slices", None) or {}  # tensor parallelism: this rank's slices
         self.pieces: dict[str, tuple[str, Piece]] = {}
         for path, module in model.named_modules():
             self.pieces.update(_module_pieces(path, module, self.params))
@@ -85,6 +91,13 @@ class WeightLoader:
             self.unexpected.append(hf_name)
             return
         dest = piece_of(self.params[name].data, piece)
+        rule = self.slices.get(hf_name)
+        if rule is not None:
+            tensor = rule.take(tensor)
+            if dest.shape[rule.dim] > rule.size:  # the last rank's vocabulary shard: its tail stays padding
+                dest = dest.narrow(rule.dim, 0, rule.size)
+        elif hasattr(tensor, "load"):  # a lazy tensor, read whole
+            tensor = tensor.load()
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"weight {hf_name!r} has shape {tuple(tensor.shape)}, but the model expects {tuple(dest.shape)} "

@@ -102,6 +102,10 @@ class CpuPlatform(Platform):
         if torch.get_num_threads() > cores:
             torch.set_num_threads(cores)
 
+    def rank_device(self, rank: int, world_size: int) -> int:
+        """Every tensor-parallel rank runs on the host's one device (the core splits the threads)."""
+        return 0
+
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
             self._backend, self._backend_note = _make_backend(self._attention)

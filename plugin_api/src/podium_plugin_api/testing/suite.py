@@ -20,6 +20,7 @@ import torch
 from podium_plugin_api.platform import Capabilities
 from podium_plugin_api.testing.attention_checks import check_attention, check_attention_rotary, check_graph_capture
 from podium_plugin_api.testing.batches import ATTENTION_CASES
+from podium_plugin_api.testing.distributed_checks import check_communicator, declined
 from podium_plugin_api.testing.generation import check_generation, generation_dtype
 from podium_plugin_api.testing.kv_cache_checks import (
     check_allocation,
@@ -129,6 +130,17 @@ def test_device_and_memory(platform):
 
 def test_distributed_backend_name(caps):
     run_check(check_distributed_backend, caps)
+
+
+def test_communicator_two_processes(platform, request):
+    """all_reduce, all_gather and broadcast of ``platform.communicator`` in two spawned ranks."""
+    from podium_plugin_api.options import parse_option_pairs
+
+    reason = declined(platform)
+    if reason:
+        pytest.skip(reason)
+    options = parse_option_pairs(request.config.getoption("podium_platform_option"))
+    run_check(check_communicator, platform.name, options)
 
 
 def test_kv_cache_allocation(platform, backend, dtype):

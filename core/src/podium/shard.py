@@ -1,0 +1,135 @@
+"""``ModelShard``: this process's model (or its tensor-parallel shard), KV cache and runner.
+
+The engine builds one in its process; with tensor parallelism every worker process builds one for
+its rank the same way (``parallel.worker``), so each step of every rank runs the same code. Build:
+the model on the meta device -> sharded (``parallel.sharding``, with a group) -> on the device ->
+weights (each rank reads its slices) -> collectives wrapped around partial outputs -> the
+platform's ``prepare_model`` -> KV cache sized (the smallest rank's count, with a group) and
+allocated -> the runner. Graph capture is the caller's (``capture_graphs``), after the timer lap.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import torch
+
+from podium_plugin_api.ops import build_op_table
+
+from .config import EngineConfig
+from .kv_cache import (
+    dtype_name,
+    kv_cache_bytes,
+    kv_cache_spec,
+    num_kv_blocks,
+    profile_activation_bytes,
+    profile_batch,
+    profile_forward,
+    resolve_kv_cache_dtype,
+)
+from .models.registry import build_model, init_random_weights, model_class
+from .platform_setup import StartedPlatform, check_attention_support
+from .runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, platform) -> torch.dtype:
+    caps = platform.capabilities()
+    dtype = caps.default_dtype if name == "auto" else _DTYPES[name]
+    if dtype not in caps.dtypes:
+        supported = ", ".join(str(d).replace("torch.", "") for d in caps.dtypes)
+        raise ValueError(f"platform {platform.name!r} does not support dtype {name}; it supports {supported}")
+    return dtype
+
+
+class ModelShard:
+    def __init__(self, config: EngineConfig, started: StartedPlatform, source, max_model_len: int, grad_off,
+                 timer=None, group=None) -> None:
+        self.config, self.platform, self.source, self.group = config, started.platform, source, group
+        self.max_model_len, self.grad_off = max_model_len, grad_off
+        platform = self.platform
+        lap = timer.lap if timer is not None else (lambda *a, **k: None)
+        self.dtype = resolve_dtype(config.dtype, platform)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, platform,
+                                                     platform.attention_backend())
+        self.device = platform.torch_device(platform.rank_device(group.rank, group.world_size) if group else 0)
+        platform.seed(config.seed)
+        overrides = platform.custom_ops()
+        self.ops = build_op_table(overrides)  # the reference ops with the platform's overrides
+        lap("custom_ops", detail=f"{len(overrides)} platform ops")
+        transform = partial(group.shard, hf_config=source.hf_config) if group else None
+        self.architectures = started.plugins.model_architectures()
+        self.model = build_model(source.hf_config, self.ops, self.dtype, self.device, self.architectures,
+                                 transform=transform)
+        check_attention_support(self.model, platform, config.served_model_name or config.model)
+        lap("model_build", detail=dtype_name(self.dtype) + (f", rank {group.rank} of {group.world_size}" if group
+                                                             else ""))
+        self.random_weights = self._load_weights(config.seed)
+        lap("weights", detail="random" if self.random_weights else "")
+        self._build_cache_and_runner()
+        lap("kv_cache", detail=f"{self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens")
+
+    def _load_weights(self, seed: int) -> bool:
+        """Load the weights (random ones for a shape without weights: returns True), connect the
+        shards' collectives, and let the platform prepare the model."""
+        weights = self.source.weights(lazy=self.group is not None)
+        if weights is None and self.group is None:
+            init_random_weights(self.model, seed)
+        else:
+            self.model.load_weights(weights if weights is not None else self._random_weights(seed))
+        if self.group is not None:
+            self.model = self.group.connect(self.model, self.source.hf_config.vocab_size)
+        self.model = self.platform.prepare_model(self.model.eval())  # device-specific transformations
+        return weights is None
+
+    def _random_weights(self, seed: int):
+        """The whole model's random weights exactly as ``init_random_weights`` makes them for one
+        device (the same generator, order and values), one tensor at a time, for a shard to load its
+        slices of: a shape model at tensor_parallel_size n computes what it does at 1."""
+        with torch.device("meta"):
+            whole = model_class(self.source.hf_config, self.architectures)(self.source.hf_config, self.ops)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        for name, param in whole.named_parameters():
+            tensor = torch.empty(param.shape, dtype=self.dtype, device=self.device)
+            if param.dim() == 1:
+                tensor.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            else:
+                tensor.normal_(0.0, 0.02, generator=generator)
+            yield name, tensor
+
+    def kv_spec(self):
+        hf_config = self.source.hf_config
+        if self.group is not None:  # this rank's KV heads
+            hf_config = copy.copy(hf_config)
+            hf_config.num_key_value_heads = self.group.kv_heads(self.source.hf_config)
+        return kv_cache_spec(hf_config, self.config.block_size, self.kv_cache_dtype)
+
+    def _build_cache_and_runner(self) -> None:
+        config, platform = self.config, self.platform
+        spec = self.kv_spec()
+        activation = 0
+        if platform.capabilities().kv_cache_from_free_memory and config.num_kv_blocks is None:
+            activation = profile_activation_bytes(platform, lambda: self._profile_forward(spec))
+        nbytes = 0 if config.num_kv_blocks else kv_cache_bytes(config, platform, activation)
+        blocks = num_kv_blocks(config, spec, nbytes, self.max_model_len)
+        if self.group is not None:
+            blocks = self.group.smallest(blocks)  # every rank holds the same blocks
+        self.num_kv_blocks, self.kv_capacity_tokens = blocks, blocks * config.block_size
+        self.kv_caches = platform.allocate_kv_cache(spec, blocks)
+        self.kv_bytes = blocks * spec.bytes_per_block
+        self.runner = ModelRunner(self.model, platform, self.kv_caches, config.block_size, config.max_num_seqs,
+                                  self.max_model_len, self.device)
+
+    def _profile_forward(self, spec) -> None:
+        """A forward pass at the largest batch the scheduler can form, into a throwaway cache."""
+        config = self.config
+        query_lens, seq_lens = profile_batch(config.token_budget, config.max_num_seqs, self.max_model_len,
+                                             spec.block_size)
+        with self.grad_off():
+            profile_forward(self.model, self.platform, spec, query_lens, seq_lens, config.max_num_seqs)
+
+    def capture_graphs(self) -> None:
+        if self.platform.capabilities().graph_capture and not self.config.enforce_eager:
+            self.runner.capture_graphs(self.config.max_num_seqs, self.grad_off)
