@@ -185,7 +185,7 @@ def test_a_shape_model_has_the_same_random_weights_at_every_tp_size_and_a_hung_r
 
 
 def _stop_a_rank_and_expect_engine_dead(engine) -> None:
-    engine.add_request("a", list(range(1, 20)), SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("a", list(range(1, 20)), SamplingParams(max_tokens=40, ignore_eos=True))
     engine.step()
     os.kill(engine.tp.procs[0].pid, signal.SIGSTOP)
     started = time.monotonic()
