@@ -21,11 +21,11 @@ run_step() {  # run_step NAME TIMEOUT ARGS...
 steps=${*:-overhead prefix mixed}
 for step in $steps; do
   case $step in
-    overhead) run_step overhead 150 overhead --serve-args "$MODEL --device cuda --max-num-seqs 256" \
+    overhead) run_step overhead 300 overhead --serve-args "$MODEL --device cuda --max-num-seqs 256" \
                 --num-prompts 1000 --rounds 2 ;;
-    prefix) run_step prefix 150 prefix --serve-args "$MODEL --device cuda --num-kv-blocks 20000" \
+    prefix) run_step prefix 300 prefix --serve-args "$MODEL --device cuda --num-kv-blocks 20000" \
               --num-prompts 200 --request-rate 16 --output-len 16 ;;
-    mixed) run_step mixed 120 mixed --serve-args "$MODEL --max-num-seqs 64" --fast-args "--device cuda" \
+    mixed) run_step mixed 300 mixed --serve-args "$MODEL --max-num-seqs 64" --fast-args "--device cuda" \
              --slow-args "--device cpu" --rates 4,16,64 --num-prompts 100 --input-len 512 --output-len 32 ;;
     *) echo "unknown step $step (overhead, prefix, mixed)" | tee -a "$OUT/summary.txt" ;;
   esac
