@@ -98,6 +98,9 @@ def expected(prompt_ids: list[int], index: int, k: int) -> str:
     return "".join(LETTERS[(sum(prompt_ids) + 7 * index + j) % 26] for j in range(k))
 
 
+FAULT_SEED = 666  # a request with this seed fails after two tokens, as the engine reports a step fault
+
+
 class ScriptedEngine:
     def __init__(self, knobs: Knobs | None = None, num_blocks: int = 4096, max_model_len: int = 64) -> None:
         self.knobs = knobs or Knobs()
@@ -145,6 +148,10 @@ class ScriptedEngine:
         outputs = []
         for rid, req in list(self.requests.items()):
             p: SamplingParams = req["params"]
+            if p.seed == FAULT_SEED and len(req["outs"][0].token_ids) >= 2:  # the engine failed this request
+                outputs.append(RequestOutput(rid, None, req["ids"], [], True, error="scripted fault in this request"))
+                self.abort_request(rid)
+                continue
             for out in req["outs"]:
                 if out.finish_reason is None:
                     self._advance(req, out, p)

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from podium.errors import StepFault
 from podium.request import Sequence
 from podium.sampler import Sampler, apply_penalties, first_argmax, sampling_probs
 from podium.sampling_params import SamplingParams
@@ -319,8 +320,9 @@ def test_logit_bias_forces_and_forbids():
     for _ in range(5):
         tokens = Sampler(vocab, "cpu").sample(logits.clone(), seqs).token_ids
         assert tokens[0] == 7 and tokens[1] != top
-    with pytest.raises(ValueError, match="logit_bias"):
+    with pytest.raises(StepFault, match="logit_bias") as fault:  # pinned to its request: the engine aborts it alone
         Sampler(vocab, "cpu").sample(logits[:1].clone(), [make_seq(5, logit_bias={vocab: 1.0})])
+    assert isinstance(fault.value.__cause__, ValueError)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -274,6 +274,35 @@ def test_audit_log_content_and_rotation(tmp_path):
     assert len(ids) == len(set(ids)) and ids[-1] in {rid for rid, _ in sent}
 
 
+def test_the_guards_json_limits_and_drain_cover_tenant_requests_and_are_audited(tmp_path, keys_file):
+    """The service middleware is outermost: a body the guard refuses (JSON nested too deep) or a request
+    refused while draining still carries its id and is audited, and the audit never parses the hostile
+    body itself (a 10,000-deep body would raise RecursionError there)."""
+    path = tmp_path / "audit.jsonl"
+    settings = ServerSettings(api_keys_file=str(keys_file), audit=AuditSettings(str(path), content=True))
+    app = create_app(settings, ThreadEngine(ScriptedEngine(Knobs())))
+    deep = "[" * 10_000 + "]" * 10_000
+    with ThreadServer(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        headers = {**auth("b"), "Content-Type": "application/json"}
+        r = c.post("/v1/completions", content=f'{{"prompt": "abc", "x": {deep}}}',
+                   headers={**headers, "X-Request-Id": "too-deep"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "json_too_deep"
+        assert r.headers["x-request-id"] == "too-deep"
+        assert c.post("/v1/completions", json={"prompt": "abc"}).status_code == 401  # the key first
+        app.state.drain.draining = True
+        r = complete(c, "b", extra_headers={"X-Request-Id": "draining"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_draining"
+        assert r.headers["x-request-id"] == "draining" and r.headers["retry-after"].isdigit()
+        app.state.drain.draining = False
+        assert complete(c, "b").status_code == 200  # the tenant's concurrency slots came back
+        deadline = time.time() + 10
+        while len(_audit_lines(path)) < 4 and time.time() < deadline:
+            time.sleep(0.01)
+    by_id = {e["request_id"]: e for e in _audit_lines(path)}
+    assert (by_id["too-deep"]["status"], by_id["too-deep"]["tenant"], by_id["too-deep"]["prompt"]) == (400, "b", None)
+    assert (by_id["draining"]["status"], by_id["draining"]["tenant"]) == (503, "b")
+
+
 def test_openmetrics_exemplars_carry_the_request_id():
     srv, _ = serve(ServerSettings())
     with srv, httpx.Client(base_url=srv.url, timeout=30) as c:

@@ -219,6 +219,29 @@ class BlockManager:
                     self._evictable[block_id] = None
         seq.block_table = []
 
+    def release_all(self) -> None:
+        """Recovery after a failed step, once no sequence holds a block (``Scheduler.reset``): every
+        reference count back to 0 and the pools rebuilt from the prefix cache. Cached blocks stay
+        cached (their K/V was complete when they were cached; a step only writes past its
+        sequences' computed tokens); an entry that disagrees with its block is dropped with an
+        "evicted" event, so a router's view stays true."""
+        n = self.num_blocks
+        kept = {h: b for h, b in self._cached.items() if 0 <= b < n and self._block_hash[b] == h}
+        if self._events is not None:
+            self._events.extend(("evicted", h) for h in self._cached if h not in kept)
+        self._cached = kept
+        self._block_hash = [None] * n
+        for block_hash, block_id in kept.items():
+            self._block_hash[block_id] = block_hash
+        self._ref_counts = [0] * n
+        # the old orders first (the least recently used evicted first), then the blocks that were held
+        evictable = OrderedDict.fromkeys(b for b in self._evictable if self._block_hash[b] is not None)
+        evictable.update(OrderedDict.fromkeys(b for b in kept.values() if b not in evictable))
+        self._evictable = evictable
+        free = [b for b in dict.fromkeys(self._free) if 0 <= b < n and self._block_hash[b] is None]
+        seen = set(free)
+        self._free = deque(free + [b for b in range(n) if self._block_hash[b] is None and b not in seen])
+
     # ---- helpers -------------------------------------------------------------------------------
 
     def _append_fresh(self, block_table: list[int], count: int) -> None:

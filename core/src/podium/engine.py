@@ -41,7 +41,7 @@ from .block_manager import BLOCK_HASH_SCHEME, BlockManager
 from .chat_template import ChatPrompt, render_chat
 from .config import EngineConfig
 from .engine_args import engine_config
-from .errors import InvalidParameter, check_context
+from .errors import EngineDead, InvalidParameter, StepFault, check_context
 from .explicit_fields import with_fallbacks
 from .kv_cache import dtype_name, kv_sizing_note
 from .loader import resolve_model, sampling_defaults
@@ -50,6 +50,7 @@ from .outputs import RequestMetrics, RequestOutput
 from .parallel.worker import start_workers
 from .platform_setup import start_platform
 from .request import Sequence, SequenceStatus
+from .request_limits import bound_to_vocab
 from .runner import LaunchedStep, StepResult, launch, plan_step, prompt_logprobs, sample_now
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -61,6 +62,7 @@ from .tenant import DEFAULT_TENANT, Tenant
 logger = logging.getLogger(__name__)
 
 _FINISHED = SequenceStatus.FINISHED
+MAX_CONSECUTIVE_FAULTS = 3  # steps in a row failing with no request to blame: the device is gone
 
 
 @dataclass
@@ -138,6 +140,10 @@ class LLMEngine:
         self._prefill_seconds = 0.0  # their share of the steps' wall time
         self._decode_steps = 0  # steps of decodes only
         self._decode_seconds = 0.0
+        self._step_work: tuple[SchedulerOutput, LaunchedStep | None] | None = None  # the running step, once planned
+        self._consecutive_faults = 0
+        # a test hook: called with each step's plan before it runs; what it raises is a fault of that step
+        self.fault_injector: Callable[[SchedulerOutput], None] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def _graphs_detail(self) -> str:
@@ -218,6 +224,7 @@ class LLMEngine:
                                    param="structured_outputs")
         if self.sampling_defaults:
             params = with_fallbacks(params, self.sampling_defaults)
+        bound_to_vocab(params, self.sampler.vocab_size)
         if final_only:
             output_kind = "final"
         if output_kind not in OUTPUT_KINDS:
@@ -264,13 +271,32 @@ class LLMEngine:
         The hot path: one pass over the sampled tokens appends each, checks its stop rules and,
         for a single-sample request, builds its report while its state is still in cache. With
         async scheduling the tokens reported are those of the step launched by the previous call.
+
+        A step that raises never ends the engine (see ``_recover``): a ``StepFault`` aborts the one
+        request it names; any other exception fails the requests of that step. Either way the
+        reports say so (``RequestOutput.error``) and the others go on. Only ``EngineDead`` (or
+        ``MAX_CONSECUTIVE_FAULTS`` failed steps in a row) propagates.
         """
+        outputs: list[RequestOutput] = []
+        self._step_work = None
+        try:
+            outputs = self._step(outputs)
+        except EngineDead:
+            raise
+        except Exception as exc:
+            return outputs + self._recover(exc)
+        self._consecutive_faults = 0
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         started = time.perf_counter()
         if self.tp is not None:
             self.tp.check()  # a worker that died between steps: EngineDead before planning
         previous, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
+        self._step_work = (plan, previous)  # what a fault in this step fails (kept as is: no cost per step)
+        if self.fault_injector is not None:
+            self.fault_injector(plan)
         several: dict[str, RequestState] = {}  # requests reported after the pass (n > 1, or ended early)
         for seq in plan.finished:  # sequences the scheduler ended itself (could never fit)
             self._forget(seq)
@@ -299,6 +325,49 @@ class LLMEngine:
                 self._take_tokens(launched, None, outputs, several)
             self._count_step(plan, time.perf_counter() - started)
         return self._collect(several, outputs)
+
+    # -- faults ----------------------------------------------------------------------------------
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """A step raised: fail the request it names (``StepFault``) or, when it names none, every
+        request of the step (all running ones if it failed while planning); then rebuild the
+        scheduler and block state as if every other sequence had been preempted (it recomputes, so
+        greedy and seeded outputs are unchanged) and go on. Returns the failed requests' reports."""
+        self._in_flight = None  # an unread async step: its tokens are sampled again
+        if isinstance(exc, StepFault) and exc.request_id in self._requests:
+            culprits, message = {exc.request_id}, f"request failed inside the engine: {exc}"
+            logger.warning("step fault pinned to request %s: %s", exc.request_id, exc)
+        else:
+            self._consecutive_faults += 1
+            if self._consecutive_faults >= MAX_CONSECUTIVE_FAULTS:
+                raise EngineDead(f"{self._consecutive_faults} engine steps in a row failed; last: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            culprits = self._step_culprits()
+            message = f"the engine step serving this request failed: {type(exc).__name__}: {exc}"
+            logger.error("engine step failed (%d requests in it fail, the others go on)", len(culprits),
+                         exc_info=exc)
+        for seq in self.scheduler.reset():
+            self.sampler.forget(seq.seq_id)  # its penalty counts may be half-updated: rebuilt when next sampled
+        self.block_manager.release_all()
+        return [self._fail_request(rid, message) for rid in sorted(culprits) if rid in self._requests]
+
+    def _step_culprits(self) -> set[str]:
+        """The requests of the failed step: those planned, and those of the step in flight before it
+        (all running ones if it failed while planning)."""
+        if self._step_work is None:
+            return {seq.request_id for seq in self.scheduler.running()}
+        plan, previous = self._step_work
+        culprits = {s.seq.request_id for s in plan.scheduled}
+        if previous is not None:
+            culprits.update(seq.request_id for seq in previous.seqs)
+        return culprits
+
+    def _fail_request(self, request_id: str, message: str) -> RequestOutput:
+        req = self._requests.pop(request_id)
+        for seq in self.scheduler.abort(request_id, reason="error"):
+            self._forget(seq)
+        output = self.processor.build_output(req)
+        output.error = message
+        return output
 
     def _count_step(self, plan, seconds: float) -> None:
         """Book a step for a router's estimates: a step of decodes only (one token each) as a decode

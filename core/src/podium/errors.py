@@ -4,6 +4,8 @@ Anthropic) error body by type, never by matching message text.
 ``InvalidParameter`` and its subclasses are the caller's fault (HTTP 400) and name the parameter;
 ``RequestFailed`` aborts one request after it entered the engine (HTTP 500-class, the others go on);
 ``EngineDead`` means the engine cannot serve anyone any more (HTTP 503, ``/health`` fails).
+``StepFault`` is raised inside a step by code that knows which request caused a problem: the engine
+aborts that request alone (``RequestFailed`` for its caller) and goes on.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ class ChatTemplateError(InvalidParameter):
 
 class RequestFailed(PodiumError):
     """One request was aborted inside the engine (a fault pinned to it); the others go on."""
+
+
+class StepFault(PodiumError):
+    """An exception inside an engine step pinned to one request: only ``request_id`` is aborted."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class EngineDead(PodiumError):

@@ -100,6 +100,14 @@ class FairQueue:
         self._tenants[seq.tenant.name].queue.remove(seq)
         self._size -= 1
 
+    def clear(self) -> None:
+        """Drop every waiting sequence (a scheduler reset adds them again); the tenants keep their
+        virtual times, so a recovery changes nobody's share."""
+        for tenant in self._tenants.values():
+            tenant.queue.clear()
+        self._size = 0
+        self._picked = None
+
     def charge_plan(self, scheduled: list) -> None:
         """A step's ``ScheduledSequence`` items were planned: charge each tenant its tokens."""
         per_tenant: dict[str, int] = {}

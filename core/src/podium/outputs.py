@@ -51,6 +51,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # set when the engine failed this request (a fault in a step it was part of); ``finished`` is
+    # then True and the unfinished samples' finish_reason is "error"
+    error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later ``output_kind="delta"`` report of the same request to this one (itself a delta
@@ -76,3 +79,4 @@ class RequestOutput:
         self.finished = delta.finished
         self.metrics = delta.metrics or self.metrics
         self.num_cached_tokens = delta.num_cached_tokens
+        self.error = delta.error or self.error

@@ -29,6 +29,7 @@ import torch
 from podium_plugin_api.ops import argmax as reference_argmax
 from podium_plugin_api.ops import top_k_top_p as reference_top_k_top_p
 
+from .errors import StepFault
 from .outputs import Logprob, PositionLogprobs
 from .request import Sequence
 
@@ -148,7 +149,10 @@ class Sampler:
     def _state(self, seq: Sequence) -> _SeqState:
         state = self._states.get(seq.seq_id)
         if state is None:
-            state = self._states[seq.seq_id] = self._new_state(seq)
+            try:
+                state = self._states[seq.seq_id] = self._new_state(seq)
+            except Exception as exc:  # this request's parameters: the engine aborts it alone
+                raise StepFault(seq.request_id, f"sampling state: {type(exc).__name__}: {exc}") from exc
         return state
 
     def _new_state(self, seq: Sequence) -> _SeqState:

@@ -8,6 +8,9 @@ from typing import Any
 from .errors import InvalidParameter
 from .explicit_fields import remembers_explicit_fields
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the sampler's integer tensors hold
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -76,6 +79,7 @@ class SamplingParams:
         def bad(name: str, rule: str) -> InvalidParameter:
             return InvalidParameter(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
 
+        self._check_int64()
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:
@@ -106,6 +110,18 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if any(not s for s in self.stop):
             raise InvalidParameter("stop must not contain empty strings", param="stop")
+
+    def _check_int64(self) -> None:
+        """Every integer a step puts in a tensor fits int64: a larger one is the caller's error
+        here, never an overflow inside a step (which would fail the whole batch)."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                raise InvalidParameter(f"{name} must fit in a signed 64-bit integer, got {value}", param=name)
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            bad = [t for t in ids if not INT64_MIN <= t <= INT64_MAX]
+            if bad:
+                raise InvalidParameter(f"{name} has token id(s) that do not fit in 64 bits: {bad[:3]}", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -185,11 +185,33 @@ class Scheduler:
         self.block_manager.free(seq)
         self._forget(seq)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every unfinished sequence of ``request_id`` with ``"abort"``; returns them."""
+    def abort(self, request_id: str, reason: str = "abort") -> list[Sequence]:
+        """Finish every unfinished sequence of ``request_id`` with ``reason``; returns them."""
         seqs = list(self._requests.get(request_id, ()))
         for seq in seqs:
-            self.finish(seq, "abort")
+            self.finish(seq, reason)
+        return seqs
+
+    def reset(self) -> list[Sequence]:
+        """Recovery after a failed step: every unfinished sequence goes back to waiting, in arrival
+        order, as if preempted (nothing computed, no row, no blocks, trailing placeholders dropped).
+        Block references are dropped without bookkeeping: the caller rebuilds the block manager
+        (``BlockManager.release_all``). Returns the sequences."""
+        seqs = sorted(itertools.chain.from_iterable(self._requests.values()), key=lambda s: self._arrival[s.seq_id])
+        for queue in (self._running, self._waiting, self._held, self._leaders, self._requests, self._arrival):
+            queue.clear()
+        self._free_rows = list(range(self.max_num_seqs - 1, -1, -1))
+        size = self.block_manager.block_size
+        for seq in seqs:
+            if seq.num_pending_tokens:
+                del seq.token_ids[-seq.num_pending_tokens:]
+                seq.num_pending_tokens = 0
+            del seq.block_hashes[len(seq.token_ids) // size:]  # none may cover a placeholder
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_preemptions += 1
+            seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
+            seq.table_row, seq.num_planned_blocks = -1, 0
+            self.add(seq)
         return seqs
 
     # ---- the step --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 The lifespan launches the engine if none was given (off the event loop; in a thread or a child
 process, as ``settings.engine_mode`` says), starts it and the handlers, and on shutdown stops it
-after uvicorn has let in-flight requests end.
+after uvicorn has let in-flight requests end. ``podium serve`` drains on SIGTERM first (drain.py):
+``drain_and_stop(app, stop_server)`` starts it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import podium
 from . import __version__
 from .async_engine import AsyncEngine
 from .audit import AuditLog
+from .drain import Drain
 from .errors import APIError, install_error_handlers, logger
+from .json_limits import JsonLimits
 from .logprobs import TokenText
 from .logs import configure_logging
 from .metrics import OPENMETRICS, ServerMetrics
@@ -82,7 +85,9 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
             served = await asyncio.to_thread(launch_engine, settings)
         else:
             served = engine if isinstance(engine, AsyncEngine) else ThreadEngine(engine)
-        metrics = ServerMetrics(served.info.model_name)
+        app.state.drain.attach(asyncio.get_running_loop())
+        metrics = ServerMetrics(served.info.model_name, compat=settings.metrics_compat,
+                                max_model_len=served.info.max_model_len)
         metrics.registry.register(tenant_metrics)
         ctx = _context(served, settings)
         metrics.watch_engine(lambda: ctx.engine.stats)
@@ -102,17 +107,36 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
 
     app = FastAPI(title="Podium", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the Podium inference engine")
-    # with a keys file the service middleware checks every key (--api-key among them)
+    app.state.drain = Drain(settings.shutdown_timeout)
+    limits = JsonLimits(settings.max_json_depth, settings.max_json_string_chars, settings.max_json_array_items)
+    # with a keys file the service middleware checks every key (--api-key among them); the guard
+    # (drain, body size, JSON limits) runs inside it, so its refusals carry a request id and are audited
     guard_key = None if settings.api_keys_file else settings.api_key
-    app.add_middleware(GuardMiddleware, api_key=guard_key, max_body_bytes=settings.max_request_bytes)
+    app.add_middleware(GuardMiddleware, api_key=guard_key, max_body_bytes=settings.max_request_bytes,
+                       json_limits=limits, drain=app.state.drain)
     tenants = TenantRegistry(settings.api_keys_file, settings.api_key if settings.api_keys_file else None)
     audit = AuditLog(settings.audit) if settings.audit is not None else None
     tenant_metrics = TenantMetrics()
-    app.add_middleware(ServiceMiddleware, tenants=tenants, audit=audit, metrics=tenant_metrics)  # outermost
+    app.add_middleware(ServiceMiddleware, tenants=tenants, audit=audit, metrics=tenant_metrics,
+                       json_limits=limits)  # outermost
     install_error_handlers(app)
     _add_routes(app)
     add_replica_routes(app)
     return app
+
+
+def drain_and_stop(app: FastAPI, stop_server) -> bool:
+    """SIGTERM (from a signal handler): drain the app (drain.py), then call ``stop_server``.
+    False if the app never started (nothing to drain)."""
+    ctx = getattr(app.state, "ctx", None)
+    if ctx is None:
+        return False
+    def stop() -> None:
+        app.state.kv_log.wake()  # a router's long poll answers now, not after its timeout
+        asyncio.ensure_future(ctx.engine.stop())  # nothing is in flight: stop the engine while uvicorn stops
+        stop_server()
+
+    return app.state.drain.begin_threadsafe(ctx.engine.end_open_requests, stop)
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -145,6 +169,8 @@ def _add_routes(app: FastAPI) -> None:
         engine = ctx_of(request).engine
         if not engine.alive:
             return APIError(503, "the engine loop is not running", code="engine_dead").response()
+        if request.app.state.drain.draining:  # up, but leaving: a load balancer or router stops sending
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
     async def version() -> dict:

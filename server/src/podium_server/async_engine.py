@@ -12,7 +12,8 @@ Invariants: only the event loop touches the streams. The engine reports each req
 stop-string holdback already applied), and a stream adds the deltas its reader has not taken yet
 into one (``RequestOutput.add``): a slow reader gets fewer, larger deltas, never a lost one, and
 no output is ever copied whole. A request whose reader goes away is aborted at once (its blocks
-are freed by the next command the loop reads). If the engine dies, every open request fails with
+are freed by the next command the loop reads). A request the engine failed (a fault in its step)
+fails alone, with ``podium.errors.RequestFailed``. If the engine dies, every open request fails with
 ``EngineDeadError`` and ``alive`` turns false (``/health`` answers 503); nothing waits forever.
 """
 
@@ -39,7 +40,7 @@ class EngineDeadError(EngineDead, RuntimeError):
 
 class OutputListener(Protocol):
     def on_output(self, stream: RequestStream, output: RequestOutput, new_tokens: int) -> None: ...
-    def on_abort(self, stream: RequestStream) -> None: ...
+    def on_abort(self, stream: RequestStream, reason: str = "abort") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class RequestStream:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.previous_token_time: float | None = None  # the token arrival before the last one
         self.num_generated = 0  # over all samples
         self.sample_tokens: dict[int, int] = {}  # per sample index: tokens generated so far
         self.finish_reasons: dict[int, str] = {}  # per finished sample index
@@ -103,7 +105,7 @@ class RequestStream:
         self.num_generated += new_tokens
         if new_tokens > 0:
             self.first_token_time = self.first_token_time or now
-            self.last_token_time = now
+            self.previous_token_time, self.last_token_time = self.last_token_time, now
         self.finished = delta.finished
         if self._unread is None:
             self._unread = delta
@@ -121,7 +123,8 @@ class RequestStream:
         """Deltas until the final one (``output.finished``): everything the engine reported since the
         previous one, each sample's new text, token ids and logprobs."""
         while True:
-            await self._event.wait()
+            if self._unread is None and self._error is None:  # a failure right after an output is not lost
+                await self._event.wait()
             self._event.clear()
             output, self._unread = self._unread, None
             if output is not None:
@@ -161,6 +164,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._started = False
+        self._stopping_task: asyncio.Future | None = None
 
     # -- lifecycle (event loop) ---------------------------------------------------------------
     def start(self, listener: OutputListener | None = None) -> None:
@@ -170,10 +174,27 @@ class AsyncEngine:
         self._launch()
 
     async def stop(self) -> None:
-        """Abort whatever is still running and stop the engine (in-flight HTTP requests are done by now)."""
+        """Abort whatever is still running and stop the engine (in-flight HTTP requests are done by now).
+        Idempotent: a drain starts it as soon as nothing is in flight, the app's shutdown awaits it."""
+        if self._stopping_task is None:
+            self._stopping_task = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping_task)
+
+    async def _stop(self) -> None:
         if self._started:
             await self._shutdown()
         self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def end_open_requests(self, reason: str) -> None:
+        """End every open request now (a drain's timeout): its reader gets ``EngineDeadError(reason)``
+        (a stream ends with an error event, a non-streaming request gets 503) and the engine aborts it."""
+        for stream in list(self._streams.values()):
+            self._streams.pop(stream.request_id, None)
+            stream.fail(EngineDeadError(reason))
+            if self._error is None and self._running():
+                self._send(Abort(stream.request_id))
+            if self._listener is not None:
+                self._listener.on_abort(stream)
 
     def close(self) -> None:
         """Release the engine without the event loop (a shutdown path that never served); idempotent."""
@@ -245,6 +266,17 @@ class AsyncEngine:
             self._answer(request_id, answer)
         if report.outputs:
             self._deliver(report.outputs)
+        for request_id, error in report.failed:
+            self._fail_one(request_id, error)
+
+    def _fail_one(self, request_id: str, error: BaseException) -> None:
+        """The engine failed this request alone (a fault in its step): its reader gets ``error``."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return  # released while the step ran
+        stream.fail(error)
+        if self._listener is not None:
+            self._listener.on_abort(stream, reason="error")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -3,9 +3,10 @@
 The engine's flags are the core's one definition (``podium.engine_flags``: vLLM's names, shared
 with ``podium bench``); the server's own flags follow. Builds the settings, loads the engine
 before binding the port (so a bad model or device fails at once, with the core's message), logs
-each startup stage, prints what was chosen, then runs uvicorn. SIGTERM (and Ctrl-C) stop
-accepting connections, let in-flight requests finish (up to ``--shutdown-timeout`` seconds), stop
-the engine and exit 0.
+each startup stage, prints what was chosen, then runs uvicorn. SIGTERM drains (drain.py): new
+requests get 503, running ones get up to ``--shutdown-timeout`` seconds, then are ended with an
+error; the process exits 0 as soon as nothing is in flight. A second SIGTERM, or Ctrl-C, stops
+at once (uvicorn's own shutdown).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from podium.engine_flags import add_engine_flags, engine_kwargs
 
 from .audit import AuditSettings
 from .logs import configure_logging
-from .settings import ENGINE_MODES, LOG_LEVELS, ServerSettings
+from .settings import ENGINE_MODES, LOG_LEVELS, METRICS_COMPAT, ServerSettings
 from .tls import TLSSettings
 
 
@@ -39,7 +40,19 @@ def register(subparsers) -> None:
     server.add_argument("--max-request-bytes", default="16MiB",
                         help="larger request bodies get 413 (default: 16MiB)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish on SIGTERM (default: 30)")
+                        help="seconds in-flight requests get to finish on SIGTERM before they are ended with an "
+                             "error; new requests get 503 meanwhile (default: 30)")
+    server.add_argument("--max-json-depth", type=int, default=ServerSettings.max_json_depth,
+                        help=f"deeper JSON nesting in a request gets 400 (default: {ServerSettings.max_json_depth})")
+    server.add_argument("--max-json-string-chars", type=int, default=ServerSettings.max_json_string_chars,
+                        help="a longer string in a request's JSON gets 400 "
+                             f"(default: {ServerSettings.max_json_string_chars})")
+    server.add_argument("--max-json-array-items", type=int, default=ServerSettings.max_json_array_items,
+                        help="a longer array (or object) in a request's JSON gets 400 "
+                             f"(default: {ServerSettings.max_json_array_items})")
+    server.add_argument("--metrics-compat", default=ServerSettings.metrics_compat, choices=METRICS_COMPAT,
+                        help="vllm: /metrics also serves vLLM's metric names for the same series, for vLLM "
+                             "dashboards (default: none)")
     server.add_argument("--engine-mode", default=ServerSettings.engine_mode, choices=ENGINE_MODES,
                         help="run the model steps in a child process or on a thread of the server "
                              f"(default: {ServerSettings.engine_mode}; measured in server/benchmarks/saturation.py)")
@@ -84,7 +97,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           shutdown_timeout=args.shutdown_timeout, engine_mode=args.engine_mode,
                           api_keys_file=args.api_keys_file, audit=audit_settings(args),
                           tls=TLSSettings.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
-                                                     args.ssl_cert_reqs))
+                                                     args.ssl_cert_reqs),
+                          max_json_depth=args.max_json_depth, max_json_string_chars=args.max_json_string_chars,
+                          max_json_array_items=args.max_json_array_items, metrics_compat=args.metrics_compat)
 
 
 def audit_settings(args: argparse.Namespace) -> AuditSettings | None:
@@ -107,9 +122,8 @@ def uvicorn_config(app, settings: ServerSettings):
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .app import create_app, launch_engine
+    from .app import create_app, drain_and_stop, launch_engine
+    from .drain import DrainingServer
     from .process_engine import freeze_startup_objects
 
     configure_logging(args.log_level)
@@ -120,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         print(startup_banner(engine.info, settings), flush=True)
-        config = uvicorn_config(create_app(settings, engine), settings)
+        app = create_app(settings, engine)
+        config = uvicorn_config(app, settings)
         freeze_startup_objects()
-        uvicorn.Server(config).run()
+        DrainingServer(config, on_sigterm=lambda stop: drain_and_stop(app, stop)).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.close()

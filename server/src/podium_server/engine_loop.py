@@ -11,7 +11,8 @@ Batching per step keeps the cost per token low: whoever receives the reports (th
 through a thread callback or a pipe) wakes once per step, not once per request. Answers to adds
 go out as soon as the adds are applied (a bad request hears about it without waiting for a step).
 Only this loop touches the engine. It returns on ``Stop`` (aborting what still runs) and raises
-if the engine fails; its caller reports that as the engine's death.
+if the engine dies (the engine recovers from a failed step itself and reports the requests it
+failed: ``Report.failed``); its caller reports that as the engine's death.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podium.chat_template import ChatPrompt
+from podium.errors import RequestFailed
 from podium.outputs import RequestOutput
 from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
@@ -59,6 +61,8 @@ class Report:
     outputs: list[RequestOutput] = field(default_factory=list)  # deltas
     aborted: list[str] = field(default_factory=list)  # requests dropped by an Abort in this iteration
     kv_events: list[tuple[str, int]] = field(default_factory=list)  # the prefix cache's, in order (replica.py)
+    # requests the engine failed (a fault in a step they were part of): their error; they are over
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)
 
 
 class EngineLoop:
@@ -153,11 +157,16 @@ class EngineLoop:
 
     def _flush(self, outputs: list[RequestOutput], idle: bool = False) -> None:
         """Report what happened since the last report (when idle, the stats even if nothing did)."""
+        failed = []
         for output in outputs:
             if output.finished:
                 self._active.discard(output.request_id)
+            if getattr(output, "error", None) is not None:
+                failed.append((output.request_id, RequestFailed(output.error)))
+        if failed:
+            outputs = [output for output in outputs if getattr(output, "error", None) is None]
         events, self._kv_events = self._kv_events + self._take_kv_events(), []
-        if outputs or self._answers or self._aborted or idle or events:
-            report = Report(self.engine.stats(), self._answers, outputs, self._aborted, events)
+        if outputs or self._answers or self._aborted or idle or events or failed:
+            report = Report(self.engine.stats(), self._answers, outputs, self._aborted, events, failed)
             self._answers, self._aborted = [], []
             self._report(report)

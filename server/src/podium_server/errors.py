@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from podium.errors import ChatTemplateError, EngineDead, InvalidParameter, PromptTooLong, RequestFailed
+from podium.errors import ChatTemplateError, EngineDead, InvalidParameter, PodiumError, PromptTooLong, RequestFailed
 
 logger = logging.getLogger("podium_server")
 
@@ -91,6 +91,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(PodiumError)
+    async def _engine_error(_: Request, exc: PodiumError) -> JSONResponse:
+        return (from_engine_error(exc) or APIError(500, str(exc))).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -30,6 +30,7 @@ import atexit
 import gc
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import signal
@@ -136,8 +137,8 @@ class ProcessEngine(AsyncEngine):
             self._died(message[1])
 
     def _decode(self, message: tuple) -> Report:
-        _, stats, answers, deltas, aborted, kv_events = message
-        return Report(stats, answers, [from_wire(delta) for delta in deltas], aborted, kv_events)
+        _, stats, answers, deltas, aborted, kv_events, failed = message
+        return Report(stats, answers, [from_wire(delta) for delta in deltas], aborted, kv_events, failed)
 
     def _died(self, reason: str | None = None) -> None:
         """The report pipe closed (or said why first): the engine process is gone or going."""
@@ -222,7 +223,9 @@ def serve_engine(factory: Callable[[], Any], commands: Connection, reports: Conn
 
     def report(r: Report) -> None:
         answers = [(request_id, portable(answer)) for request_id, answer in r.answers]
-        reports.send(("report", r.stats, answers, [to_wire(output) for output in r.outputs], r.aborted, r.kv_events))
+        failed = [(request_id, portable(error)) for request_id, error in r.failed]
+        reports.send(("report", r.stats, answers, [to_wire(output) for output in r.outputs], r.aborted, r.kv_events,
+                      failed))
 
     failure: list[BaseException] = []
     # Steps run on a thread other than the one that built the engine: on a crowded CPU, without
@@ -238,6 +241,15 @@ def serve_engine(factory: Callable[[], Any], commands: Connection, reports: Conn
         except OSError:
             pass
         sys.exit(1)
+    # a clean stop: everything was reported; stop the tensor-parallel workers (os._exit skips atexit),
+    # then skip tearing down the model and torch object by object (seconds on a busy host), the
+    # server is waiting for this exit to finish its own
+    getattr(engine, "shutdown", lambda: None)()
+    reports.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_loop(loop: EngineLoop, failure: list[BaseException]) -> None:

@@ -58,6 +58,10 @@ class KVEventLog:
             run.append(key)
         if run:
             self._push(run_kind, run)
+        self.wake()
+
+    def wake(self) -> None:
+        """End every poll waiting now (new events, or the server is draining: nothing will come)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -97,7 +101,8 @@ def replica_report(app: FastAPI) -> dict:
         "device_description": info.device_description,
         "kv_capacity_tokens": info.kv_capacity_tokens,
         "max_num_seqs": info.max_num_seqs,
-        "alive": ctx.engine.alive,
+        "alive": ctx.engine.alive and not app.state.drain.draining,
+        "draining": app.state.drain.draining,
         "load": {
             "queued_tokens": getattr(stats, "queued_tokens", 0),
             "running_tokens": getattr(stats, "running_tokens", 0),

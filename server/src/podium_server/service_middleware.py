@@ -1,7 +1,7 @@
 """Running the API as a shared service: request ids, tenants and their limits, the audit log.
 
-One plain ASGI middleware, outermost, so even a refusal (401, 413, 429) carries an id and is
-audited. For each HTTP request it
+One plain ASGI middleware, outermost, so even a refusal (401, 413, 429; the guard's drain 503 and
+JSON-limit 400) carries an id and is audited. For each HTTP request it
 
 1. takes the client's ``X-Request-Id`` or makes one, and returns it as a response header;
 2. on the API paths, with ``--api-keys-file``: finds the tenant of the key (401 if none); a POST
@@ -34,6 +34,7 @@ from podium.tenant import Tenant
 
 from .audit import AuditLog, AuditRecord
 from .errors import APIError
+from .json_limits import JsonLimits, json_depth
 from .request_id import current_request_id, request_id_from
 from .tenants import Rejection, TenantPolicy, TenantRegistry
 
@@ -87,8 +88,9 @@ class TenantMetrics(Collector):
 
 class ServiceMiddleware:
     def __init__(self, app: ASGIApp, tenants: TenantRegistry, audit: AuditLog | None,
-                 metrics: TenantMetrics) -> None:
+                 metrics: TenantMetrics, json_limits: JsonLimits | None = None) -> None:
         self.app, self.tenants, self.audit, self.metrics = app, tenants, audit, metrics
+        self.json_limits = json_limits or JsonLimits()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -153,7 +155,7 @@ class ServiceMiddleware:
                              scope["path"], _client(scope), status, latency_s, prompt_tokens, completion_tokens,
                              _finish_reasons(call.streams))
         if self.audit.content:
-            record.prompt, record.output = _prompt_of(body), _outputs(call.streams)
+            record.prompt, record.output = _prompt_of(body, self.json_limits), _outputs(call.streams)
         self.audit.write(record)
 
     def _check_tenant(self, scope: Scope, call: CallContext, limit: bool) -> APIError | None:
@@ -236,10 +238,14 @@ def _outputs(streams: list) -> list[str] | None:
     return texts or None
 
 
-def _prompt_of(body: bytearray | None) -> Any:
+def _prompt_of(body: bytearray | None, limits: JsonLimits) -> Any:
+    """The prompt of a request body the guard let through; None for one it refused as too deep
+    (never parsed recursively here either: the audit line of a hostile request must not fail)."""
+    if not body or json_depth(bytes(body)) > limits.max_depth:
+        return None
     try:
-        data = json.loads(body or b"")
-    except ValueError:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
