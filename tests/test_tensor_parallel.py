@@ -29,9 +29,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 # and a mixture of experts (a shared expert, one dense layer) sharded by intermediate size. The Qwen3 case lets the CPU platform try its decode graphs on every rank (a step with a
 # collective is not all native kernels: the capture is refused on each rank alike, steps run eagerly);
 # the Mistral case runs async scheduling: rank 0 broadcasts each step's sampled tokens, which the
-# next step's placeholders read on every rank (no logprobs there: they make steps synchronous)
+# next step's placeholders read on every rank (no logprobs there: they make steps synchronous); the
+# speculative Llama case verifies n-gram drafts: every rank computes the logits of the drafts' rows
+# (the plan's sample_drafts), whose vocab-parallel gather they all take part in
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 CASES = {
     "llama-untied": ("llama3-rope-untied", {}, {}),
+    "llama-speculative-ngram": ("llama3-rope-untied", {}, {"speculative_config": SPEC}),
     "llama-tied-odd-vocab": ("llama2-tied", {"vocab_size": 97}, {}),
     "mistral-sliding-async": ("mistral-sliding", {}, {"async_scheduling": True}),
     "qwen2-bias": ("qwen2-bias", {}, {}),
@@ -83,6 +87,9 @@ def test_tp2_equals_tp1(case, tmp_path):
     got, stats = run(tmp_path, 2, **engine)
     assert stats.num_preemptions > 0 and ref_stats.num_preemptions > 0, "the KV cache was meant to run out"
     assert stats.prefix_cache_hits > 0
+    if "speculative_config" in engine:
+        assert stats.spec_decoding.num_draft_tokens > 0, "no step verified drafts"
+        assert stats.spec_decoding == ref_stats.spec_decoding
     for i, (a, b) in enumerate(zip(ref, got)):
         assert b.token_ids == a.token_ids, f"prompt {i}: TP=2 {b.token_ids} != TP=1 {a.token_ids}"
         for step, (la, lb) in enumerate(zip(top5(a), top5(b))):

@@ -188,6 +188,14 @@ class BlockManager:
         self._append_fresh(seq.block_table, num_fresh)
         return True
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the tail blocks of ``seq`` past those ``num_tokens`` tokens need (rejected
+        speculative tokens' slots), tail first, as ``free`` does."""
+        keep = self.blocks_for(num_tokens)
+        table = seq.block_table
+        while len(table) > keep:
+            self._release(table.pop())
+
     def commit(self, seq: Sequence, num_computed_before: int) -> None:
         """Register the blocks that became full and computed since ``num_computed_before`` (the
         engine has just advanced ``seq.num_computed_tokens``). A hash already cached under
@@ -210,13 +218,7 @@ class BlockManager:
         """Release ``seq``'s references, tail first, and clear its table. Its hashes stay (its
         tokens have not changed), ready for a lookup if it is scheduled again."""
         for block_id in reversed(seq.block_table):
-            count = self._ref_counts[block_id] - 1
-            self._ref_counts[block_id] = count
-            if count == 0:
-                if self._block_hash[block_id] is None:
-                    self._free.append(block_id)
-                else:
-                    self._evictable[block_id] = None
+            self._release(block_id)
         seq.block_table = []
 
     def release_all(self) -> None:
@@ -241,6 +243,15 @@ class BlockManager:
         free = [b for b in dict.fromkeys(self._free) if 0 <= b < n and self._block_hash[b] is None]
         seen = set(free)
         self._free = deque(free + [b for b in range(n) if self._block_hash[b] is None and b not in seen])
+
+    def _release(self, block_id: int) -> None:
+        count = self._ref_counts[block_id] - 1
+        self._ref_counts[block_id] = count
+        if count == 0:
+            if self._block_hash[block_id] is None:
+                self._free.append(block_id)
+            else:
+                self._evictable[block_id] = None
 
     # ---- helpers -------------------------------------------------------------------------------
 

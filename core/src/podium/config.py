@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .explicit_fields import remembers_explicit_fields, with_fallbacks
+from .spec.config import SpeculativeConfig, speculative_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -76,9 +77,12 @@ class EngineConfig:
     # ranks one model is sharded over (one process each; parallel.sharding says how)
     tensor_parallel_size: int = 1
     plan_broadcast: str = "shm"  # see PLAN_BROADCASTS
+    # speculative decoding (podium.spec): a mapping, its JSON text, or None (off)
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
+        object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

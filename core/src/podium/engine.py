@@ -20,6 +20,12 @@ so the host's work overlaps the device's. A sequence that N finished (EOS, a sto
 computed one token too many in N+1; it is dropped. A sequence that N ends by length gets no
 placeholder, and steps that need tokens on the host (penalties, logprobs, prompt logprobs) run
 synchronously. Reports therefore come one ``step()`` later; the tokens are the same.
+
+Speculative decoding (``speculative_config``; ``podium.spec``). Before planning, the proposer drafts
+up to k tokens for each running sequence in decode; the scheduler gives a sequence its drafts where
+the budget and blocks allow; one forward computes them; ``spec.verify`` samples the target row by
+row, booking each token, and the scheduler counts the accepted ones as computed and gives back the
+blocks of the rejected. Such steps run synchronously (speculation turns async scheduling off).
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .shard import ModelShard
+from .spec import SpecDecodingStats, build_proposer
+from .spec.verify import verify
 from .startup import StartupTimer, format_startup
 from .tenant import DEFAULT_TENANT, Tenant
 
@@ -84,6 +92,19 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_steps: int = 0
     decode_seconds: float = 0.0
+    spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
+
+
+@dataclass
+class VerifyStep:
+    """A step that computed drafts: the logits of each sampling sequence's last token and drafts."""
+
+    logits: torch.Tensor  # [sum(len(drafts) + 1), V]
+    seqs: list[Sequence]  # the sampling sequences, in row order
+    drafts: list[list[int]]  # per sequence (empty: it decodes one token)
+    items: list  # per sequence: its ScheduledSequence (num_accepted is set on it)
+    prompt_logprobs: dict[int, list]
+    num_tokens: int
 
 
 def grad_off(platform: Platform) -> Callable[[], AbstractContextManager]:
@@ -132,7 +153,11 @@ class LLMEngine:
         self.startup_seconds = timer.finish()
         logger.info("%s (model %s on %s)", format_startup(self.startup_seconds), self.model_name, self.platform_name)
         self.processor = OutputProcessor(self.tokenizer, source.eos_token_ids, self.max_model_len)
-        self.async_scheduling = bool(config.async_scheduling) and not self.runner.shaping.sample_on_host
+        spec = config.speculative_config
+        self.proposer = build_proposer(spec) if spec is not None else None
+        self.spec_stats = SpecDecodingStats() if spec is not None else None
+        self.async_scheduling = (bool(config.async_scheduling) and not self.runner.shaping.sample_on_host
+                                 and spec is None)  # verification books tokens on the host
         self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -293,6 +318,8 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.check()  # a worker that died between steps: EngineDead before planning
         previous, self._in_flight = self._in_flight, None
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         self._step_work = (plan, previous)  # what a fault in this step fails (kept as is: no cost per step)
         if self.fault_injector is not None:
@@ -315,7 +342,11 @@ class LLMEngine:
                 self._add_placeholders(launched)
         if previous is not None:  # wait for the previous step's tokens while this one runs
             self._take_tokens(previous.result(), previous.indices, outputs, several)
-        if launched is not None:
+        if isinstance(launched, VerifyStep):  # book the tokens first: advance counts the accepted drafts
+            self._take_verified(launched, plan, outputs, several)
+            self.scheduler.advance(plan)
+            self._count_step(plan, time.perf_counter() - started)
+        elif launched is not None:
             self.scheduler.advance(plan)
             if isinstance(launched, LaunchedStep):
                 self._in_flight = launched
@@ -377,11 +408,16 @@ class LLMEngine:
             self._decode_seconds += seconds
             return
         prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
+        if not prompt:  # decodes verifying speculative drafts
+            self._decode_steps += 1
+            self._decode_seconds += seconds
+            return
         self._prefill_tokens += prompt
         self._prefill_seconds += seconds * prompt / plan.num_batched_tokens
 
 
-    def _run(self, output: SchedulerOutput, previous: LaunchedStep | None, defer: bool) -> StepResult | LaunchedStep:
+    def _run(self, output: SchedulerOutput, previous: LaunchedStep | None,
+             defer: bool) -> StepResult | LaunchedStep | VerifyStep:
         """Execute the scheduler's plan on the device and sample: now, or deferred (``defer``), in
         which case the tokens stay on the device until the next step reads them."""
         plan = plan_step(output, previous.rows if previous is not None else None)
@@ -397,7 +433,43 @@ class LLMEngine:
             if defer:
                 return launch(self.sampler, step.logits, seqs, step.num_tokens, step.used_graph, self.device)
             prompt = prompt_logprobs(self.sampler, output, plan, step.prompt_logits) if plan.prompt_spans else {}
+            if plan.sample_drafts:
+                items = [output.scheduled[i] for i in plan.samples]
+                return VerifyStep(step.logits, seqs, [s.drafts for s in items], items, prompt, step.num_tokens)
             return sample_now(self.sampler, step.logits, seqs, prompt, step.num_tokens, step.used_graph)
+
+    # -- speculative decoding --------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Draft tokens for each running sequence in decode, as many as could still be output."""
+        proposer, limit = self.proposer, self.max_model_len
+        for seq in self.scheduler.running():
+            k = proposer.k if seq.num_uncomputed_tokens == 1 else 0
+            max_tokens = seq.params.max_tokens
+            if k and max_tokens is not None:
+                k = min(k, max_tokens - seq.num_output_tokens - 1)  # the step's bonus token is one more
+            k = min(k, limit - seq.num_tokens)
+            seq.draft_token_ids = proposer.propose(seq.token_ids, k) if k > 0 else []
+
+    def _take_verified(self, step: VerifyStep, plan: SchedulerOutput, outputs: list[RequestOutput],
+                       several: dict[str, RequestState]) -> None:
+        """Verify the drafts round by round (``spec.verify``), booking each round's tokens; a
+        request with drafts is reported once, after every round."""
+        for seq_id, entries in step.prompt_logprobs.items():
+            self._add_prompt_logprobs(seq_id, entries, plan)
+        for seq, drafts in zip(step.seqs, step.drafts):
+            if drafts and seq.request_id in self._requests:
+                several[seq.request_id] = self._requests[seq.request_id]
+
+        def book(seqs: list[Sequence], sampled, position: int) -> None:
+            result = StepResult(list(zip(seqs, sampled.token_ids)), sampled.logprobs, {}, step.num_tokens, False)
+            self._take_tokens(result, None, outputs, several)
+
+        with self.grad_off():
+            accepted = verify(self.sampler, step.logits, step.seqs, step.drafts, book)
+        for item, drafts, count in zip(step.items, step.drafts, accepted):
+            if drafts:
+                item.num_accepted = count
+                self.spec_stats.record(len(drafts), count)
 
     def _can_defer(self, plan: SchedulerOutput) -> bool:
         seqs = []
@@ -488,6 +560,7 @@ class LLMEngine:
             prefill_seconds=self._prefill_seconds,
             decode_steps=self._decode_steps,
             decode_seconds=self._decode_seconds,
+            spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
         )
 
     # -- KV events -----------------------------------------------------------------------------

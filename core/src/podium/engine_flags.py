@@ -87,6 +87,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "--verbose lists them)", type=dict, default="none", aliases=("--platform-option",)),
     Flag("tokenizer_cache", "keep a GGUF file's converted tokenizer on disk", type=bool,
          default="on, unless $PODIUM_TOKENIZER_CACHE=0"),
+    Flag("speculative_config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'', default="off"),
 )
 
 

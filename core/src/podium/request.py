@@ -46,6 +46,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # trailing placeholders in token_ids: sampled, not yet read back
+    # speculative decoding: tokens a proposer drafted to follow token_ids, verified by the next step
+    # that schedules this sequence's decode (never part of token_ids until accepted)
+    draft_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -29,6 +29,12 @@ scheduled sequence carries the entries its table gained since the last plan that
 runner that applies every plan's entries to its own [rows, columns] array holds every running
 sequence's table without being told when a sequence leaves: a row's next occupant rewrites it from
 column 0, and columns past a sequence's blocks are never read.
+
+Speculative decoding (``podium.spec``). A running sequence in decode (one token to compute) that
+carries ``draft_token_ids`` computes that token and its drafts in one step (``drafts``), trimmed to
+the budget, ``max_model_len`` and the blocks the sequences behind it may need (``_fit_drafts``). The
+engine verifies them and sets ``num_accepted``; ``advance`` then counts only the real token and the
+accepted drafts as computed and gives back the blocks that held nothing but rejected drafts.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ class ScheduledSequence:
     ``seq.num_computed_tokens`` when scheduled); ``samples``: a token is sampled after them.
     ``row``: the sequence's block-table row; ``new_blocks``: the block ids its table gained since
     the last plan that carried it, from column ``first_new_block``. All are fixed when scheduled,
-    so they still hold after ``advance``."""
+    so they still hold after ``advance``. ``drafts``: proposed tokens computed after the sequence's
+    own (the last ``len(drafts)`` of ``num_new_tokens``); ``num_accepted``: how many of them the
+    engine's verification kept."""
 
     seq: Sequence
     num_new_tokens: int
@@ -60,12 +68,17 @@ class ScheduledSequence:
     row: int
     first_new_block: int
     new_blocks: list[int]
+    drafts: list[int]
+    num_accepted: int
 
-    def __init__(self, seq: Sequence, num_new_tokens: int) -> None:  # one frame: built 256 times a step
+    def __init__(self, seq: Sequence, num_new_tokens: int, drafts: list[int] = _NO_BLOCKS) -> None:
+        # (one frame: built 256 times a step)
         self.seq = seq
         self.num_new_tokens = num_new_tokens
+        self.drafts = drafts
+        self.num_accepted = 0
         self.start = start = seq.num_computed_tokens
-        self.samples = start + num_new_tokens == len(seq.token_ids)
+        self.samples = start + num_new_tokens - len(drafts) == len(seq.token_ids)
         self.row = seq.table_row
         table, planned = seq.block_table, seq.num_planned_blocks
         self.first_new_block = planned
@@ -234,7 +247,12 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:  # finished (aborted) while the step ran
                 continue
-            seq.num_computed_tokens = computed = item.start + item.num_new_tokens
+            computed = item.start + item.num_new_tokens
+            if item.drafts:  # rejected drafts' slots are not computed: rewritten by later steps
+                computed += item.num_accepted - len(item.drafts)
+                block_manager.truncate(seq, len(seq.token_ids))
+                seq.num_planned_blocks = min(seq.num_planned_blocks, len(seq.block_table))
+            seq.num_computed_tokens = computed
             if size and computed // size != item.start // size:  # a block became full
                 block_manager.commit(seq, item.start)
             if self._leaders and self._leaders.get(seq.request_id) is seq \
@@ -257,6 +275,13 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until the engine appends its sampled token
                 index += 1
                 continue
+            if seq.draft_token_ids and num_new == 1:
+                drafts = self._fit_drafts(seq, budget, len(running) - index - 1)
+                if drafts:
+                    scheduled.append(ScheduledSequence(seq, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    index += 1
+                    continue
             if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:  # needs a block
                 while not allocate(seq, seq.num_computed_tokens + num_new):
                     if self._preempt_newest(out) is seq:
@@ -265,6 +290,20 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _fit_drafts(self, seq: Sequence, budget: int, num_behind: int) -> list[int]:
+        """The drafts ``seq`` verifies this step: as many as the budget and ``max_model_len`` allow,
+        in new blocks only while a free block stays for each of the ``num_behind`` running
+        sequences after it (drafts never cost another sequence its step), else in the room its
+        last block has left; [] for none."""
+        block_manager, num_tokens = self.block_manager, len(seq.token_ids)
+        room = min(len(seq.draft_token_ids), budget - 1, self.max_model_len - num_tokens)
+        fresh = block_manager.blocks_for(num_tokens + room) - len(seq.block_table)
+        if fresh > 0 and block_manager.num_free_blocks - fresh < num_behind:
+            room = min(room, len(seq.block_table) * block_manager.block_size - num_tokens)
+        if room <= 0 or not block_manager.allocate(seq, num_tokens + room):
+            return []
+        return seq.draft_token_ids[:room]
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         block_manager, waiting = self.block_manager, self._waiting

@@ -88,6 +88,24 @@ class EngineStatsCollector(Collector):
                             stats.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits)
         yield self._counter("num_preemptions", "Sequences preempted (recomputed later)", stats.num_preemptions)
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:
+            yield from self._spec_decoding(spec)
+
+    def _spec_decoding(self, spec: Any) -> Iterator[Metric]:
+        """Speculative decoding's counters (vLLM's names) and its derived rates."""
+        yield self._counter("spec_decode_num_drafts", "Sequence-steps that verified draft tokens", spec.num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified",
+                            spec.num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)
+        family = CounterMetricFamily("podium:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft", labels=["model_name", "position"])
+        for position, count in enumerate(spec.accepted_per_position):
+            family.add_metric([self._model, str(position)], count)
+        yield family
+        yield self._gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens", spec.acceptance_rate)
+        yield self._gauge("spec_decode_mean_accepted_length",
+                          "Tokens gained per verifying sequence-step (1 + accepted drafts)", spec.mean_accepted_length)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=["model_name"])

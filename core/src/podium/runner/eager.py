@@ -43,6 +43,8 @@ class EagerStep:
         if not plan.samples:
             return None
         last = batch.query_start_loc[1:][plan.samples] - 1  # [N] each sampling sequence's last token
+        if plan.sample_drafts:  # [sum(d + 1)]: a verifying sequence's last d + 1 rows, in order
+            last = draft_rows(last, np.asarray(plan.sample_drafts, dtype=np.int64))
         rows = self.shaping.logits_rows(last, shaped)  # [>= N]
         index = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device, non_blocking=True)
         logits = self._to_sampler(self.model.compute_logits(hidden[index]))  # [>= N, V]
@@ -50,3 +52,10 @@ class EagerStep:
 
     def _to_sampler(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.cpu() if self.shaping.sample_on_host else logits
+
+
+def draft_rows(last: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """[N] last rows, [N] draft counts d -> [sum(d + 1)]: rows last - d .. last of each, in order."""
+    counts = drafts + 1
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(last - drafts, counts) + within

@@ -29,6 +29,9 @@ class StepPlan:
     fill: tuple[list[int], list[int]] | None = None
     # (sequence index, first hidden row, end row): rows whose logits prompt logprobs need
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # speculative decoding: per entry of ``samples``, its draft tokens at the end of its new tokens;
+    # each needs the logits of its last len + 1 rows (empty: no sequence verifies drafts)
+    sample_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -51,6 +54,7 @@ def plan_step(output: SchedulerOutput, feed_rows: dict[int, int] | None = None) 
     fill_dst: list[int] = []
     fill_src: list[int] = []
     prompt_spans: list[tuple[int, int, int]] = []
+    drafted = False
     for i, s in enumerate(output.scheduled):
         seq, start, n = s.seq, s.start, s.num_new_tokens
         rows.append(s.row)
@@ -59,6 +63,10 @@ def plan_step(output: SchedulerOutput, feed_rows: dict[int, int] | None = None) 
         first = len(tokens)
         if n == 1:
             tokens.append(seq.token_ids[start])
+        elif s.drafts:  # the sequence's last token, then its drafts (not in token_ids)
+            tokens.append(seq.token_ids[start])
+            tokens.extend(s.drafts)
+            drafted = True
         else:
             tokens.extend(seq.token_ids[start:start + n])
         if tokens[-1] < 0:  # placeholders only ever end a sequence's tokens
@@ -70,7 +78,8 @@ def plan_step(output: SchedulerOutput, feed_rows: dict[int, int] | None = None) 
         if seq.params.prompt_logprobs is not None:
             _prompt_span(i, s, first, prompt_spans)
     fill = (fill_dst, fill_src) if fill_dst else None
-    return StepPlan(rows, starts, lens, tokens, samples, new_blocks, fill, prompt_spans)
+    drafts = [len(output.scheduled[i].drafts) for i in samples] if drafted else []
+    return StepPlan(rows, starts, lens, tokens, samples, new_blocks, fill, prompt_spans, drafts)
 
 
 def _placeholders(tokens: list[int], first: int, seq_id: int, feed_rows: dict[int, int] | None,

@@ -26,7 +26,7 @@ def bucket(n: int, minimum: int) -> int:
 
 
 def _padded(values: np.ndarray, extra: int, fill: int) -> np.ndarray:
-    return np.concatenate([values, np.full(extra, fill, dtype=values.dtype)]) if extra else values
+    return np.concatenate([values, np.full(extra, fill, dtype=values.dtype)]) if extra > 0 else values
 
 
 class BucketShaping(StepShaping):
