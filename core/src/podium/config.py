@@ -9,6 +9,7 @@ from typing import Any
 
 from .explicit_fields import remembers_explicit_fields, with_fallbacks
 from .spec.config import SpeculativeConfig, speculative_config
+from .pooling_config import PoolerConfig, pooler_config, runner_name
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -79,10 +80,18 @@ class EngineConfig:
     plan_broadcast: str = "shm"  # see PLAN_BROADCASTS
     # speculative decoding (podium.spec): a mapping, its JSON text, or None (off)
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
+    # what the engine does with the model: "generate" text, "pooling" embeddings, "auto" by
+    # architecture (podium.pooling_config; vLLM's task="embed" means "pooling")
+    runner: str = "auto"
+    # a pooling model's pooling type and normalisation over what its folder says (PoolerConfig,
+    # a dict of its fields, or their JSON)
+    pooler_config: PoolerConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
         object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
+        object.__setattr__(self, "runner", runner_name(self.runner))
+        object.__setattr__(self, "pooler_config", pooler_config(self.pooler_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -10,6 +10,8 @@ tokens, the output processor appends sampled tokens and finishes sequences. Ever
 platform-specific goes through the platform. With ``tensor_parallel_size`` n > 1 this process is
 rank 0 of n (``parallel.worker``): its ``ModelShard`` holds one shard, it sends each plan to the
 other ranks before running it, and it alone schedules and samples; a dead rank is ``EngineDead``.
+A pooling (embedding) model runs its own kind of step instead (``pooling_step``: whole inputs, one
+embedding each, reported once, finished), on one device.
 
 Async scheduling (``async_scheduling``; on where the platform asks for it: accelerators, whose
 steps run while the host goes on; never where the platform samples on the host). A step N whose sampling needs nothing from the host is left
@@ -47,14 +49,17 @@ from .block_manager import BLOCK_HASH_SCHEME, BlockManager
 from .chat_template import ChatPrompt, render_chat
 from .config import EngineConfig
 from .engine_args import engine_config
-from .errors import EngineDead, InvalidParameter, StepFault, check_context
+from .errors import EngineDead, InvalidParameter, PromptTooLong, StepFault, check_context
 from .explicit_fields import with_fallbacks
 from .kv_cache import dtype_name, kv_sizing_note
 from .loader import resolve_model, sampling_defaults
+from .models.registry import model_class
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import RequestMetrics, RequestOutput
 from .parallel.worker import start_workers
 from .platform_setup import start_platform
+from .pooling_params import PoolingParams
+from .pooling_step import PoolingRequest, pooling_step, select_pooler
 from .request import Sequence, SequenceStatus
 from .request_limits import bound_to_vocab
 from .runner import LaunchedStep, StepResult, launch, plan_step, prompt_logprobs, sample_now
@@ -133,17 +138,28 @@ class LLMEngine:
             logger.info("sampling defaults from generation_config.json (generation_config=%s; a request's own "
                         "values win): %s", config.generation_config, self.sampling_defaults)
         self.model_name = config.served_model_name or config.model
-        self.max_model_len = self._max_model_len(config, source.max_model_len)
+        model_cls = model_class(source.hf_config, started.plugins.model_architectures())
+        # a pooling model (embeddings) or None (text); the folder may cap the input length
+        self.pooler, input_cap = select_pooler(config.runner, model_cls, source, config.pooler_config, self.model_name)
+        if self.pooler is not None and config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling (embedding) models run on "
+                             "one device only; use tensor_parallel_size=1")
+        self.max_model_len = self._max_model_len(config, source.max_model_len, input_cap)
         self.tp = start_workers(config, platform, source.hf_config) if config.tensor_parallel_size > 1 else None
         try:
-            self.shard = shard = ModelShard(config, started, source, self.max_model_len, self.grad_off, timer, self.tp)
+            self.shard = shard = ModelShard(config, started, source, self.max_model_len, self.grad_off, timer, self.tp,
+                                            pooling=self.pooler is not None)
             self.dtype, self.kv_cache_dtype, self.device, self.ops = shard.dtype, shard.kv_cache_dtype, shard.device, \
                 shard.ops
             self.model, self.kv_caches, self.runner = shard.model, shard.kv_caches, shard.runner
             self.num_kv_blocks, self.kv_capacity_tokens = shard.num_kv_blocks, shard.kv_capacity_tokens
-            logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB", shard.num_kv_blocks,
-                        config.block_size, shard.kv_capacity_tokens, dtype_name(shard.kv_cache_dtype),
-                        shard.kv_bytes / 2**30)
+            if shard.kv_caches:
+                logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB", shard.num_kv_blocks,
+                            config.block_size, shard.kv_capacity_tokens, dtype_name(shard.kv_cache_dtype),
+                            shard.kv_bytes / 2**30)
+            else:  # an encoder
+                logger.info("no KV cache: the model attends within each step (%d bookkeeping blocks)",
+                            shard.num_kv_blocks)
             self._build_scheduler_and_sampler(source)
             shard.capture_graphs()
         except BaseException:
@@ -157,9 +173,9 @@ class LLMEngine:
         self.proposer = build_proposer(spec) if spec is not None else None
         self.spec_stats = SpecDecodingStats() if spec is not None else None
         self.async_scheduling = (bool(config.async_scheduling) and not self.runner.shaping.sample_on_host
-                                 and spec is None)  # verification books tokens on the host
+                                 and spec is None and self.pooler is None)  # verification books tokens on the host
         self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread
-        self._requests: dict[str, RequestState] = {}
+        self._requests: dict[str, RequestState | PoolingRequest] = {}
         self._seq_ids = itertools.count()
         self._prefill_tokens = 0  # prompt (not decode) tokens computed, over the engine's life
         self._prefill_seconds = 0.0  # their share of the steps' wall time
@@ -171,7 +187,14 @@ class LLMEngine:
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
+    @property
+    def is_pooling(self) -> bool:
+        """Whether this engine computes embeddings (a pooling model) rather than text."""
+        return self.pooler is not None
+
     def _graphs_detail(self) -> str:
+        if self.pooler is not None:
+            return "none: a pooling model computes no decode steps"
         if self.config.enforce_eager:
             return "off: enforce_eager"
         if not self.platform.capabilities().graph_capture:
@@ -180,18 +203,23 @@ class LLMEngine:
         return f"batch sizes {', '.join(map(str, sizes))}" if sizes else "none: steps run eagerly"
 
     @staticmethod
-    def _max_model_len(config: EngineConfig, model_len: int) -> int:
+    def _max_model_len(config: EngineConfig, model_len: int, input_cap: int | None = None) -> int:
+        """The user's max_model_len (at most the model's), else the model's, capped by a pooling
+        model's folder (sentence-transformers' ``max_seq_length``)."""
         if config.max_model_len is None:
-            return model_len
+            return min(model_len, input_cap) if input_cap else model_len
         if config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_len}")
         return config.max_model_len
 
     def _build_scheduler_and_sampler(self, source) -> None:
         config = self.config
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget, self.max_model_len,
-                                   config.scheduling_policy)
+        pooling = self.pooler is not None
+        # a pooling model caches no prefix: each input is computed whole and its blocks freed at once
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching and not pooling)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.shard.token_budget,
+                                   self.max_model_len, config.scheduling_policy, chunked_prefill=not pooling)
         on_host = self.runner.shaping.sample_on_host  # where the platform's steps sample
         self.sampler = Sampler(source.hf_config.vocab_size, torch.device("cpu") if on_host else self.device,
                                ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed)
@@ -208,20 +236,21 @@ class LLMEngine:
             tp.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int] | ChatPrompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt: text is tokenized, a ``ChatPrompt`` rendered by its template."""
+    def encode_prompt(self, prompt: str | list[int] | ChatPrompt, param: str = "prompt") -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: text is tokenized, a ``ChatPrompt`` rendered by its template.
+        ``param`` names the prompt in the errors (an embedding request's is "input")."""
         if isinstance(prompt, ChatPrompt):
             return None, render_chat(self.tokenizer, prompt, self.model_name)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("this model has no tokenizer; pass prompt token ids instead of text",
-                                       param="prompt")
+                                       param=param)
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         vocab = self.source.hf_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidParameter(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+            raise InvalidParameter(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param=param)
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | list[int] | ChatPrompt, params: SamplingParams | None = None,
@@ -242,6 +271,8 @@ class LLMEngine:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidParameter(f"priority={priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
                              f"this engine runs {self.config.scheduling_policy}", param="priority")
+        if self.pooler is not None or isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, tenant)
         params = params or SamplingParams()
         requested_max_tokens = params.max_tokens  # the caller's: a generation_config default is no request
         if params.structured_outputs is not None:
@@ -269,6 +300,35 @@ class LLMEngine:
                                                   RequestMetrics(arrival_time=arrival), output_kind=output_kind)
         for seq in seqs:
             self.scheduler.add(seq)
+        return len(ids)
+
+    def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams | None,
+                             arrival_time: float | None, priority: int, tenant: Tenant | None) -> int:
+        """Queue an embedding request (see ``pooling_step``), reported once, finished, whatever the
+        output kind; returns its number of input tokens. InvalidParameter naming what is wrong."""
+        if self.pooler is None:
+            raise InvalidParameter(f"model {self.model_name!r} generates text; it computes no embeddings. Start it "
+                                   "with runner='pooling' (--runner pooling) to serve embeddings", param="model")
+        params = PoolingParams() if params is None else params
+        if not isinstance(params, PoolingParams):
+            raise InvalidParameter(f"model {self.model_name!r} is an embedding (pooling) model: it computes embeddings, "
+                                   "not text. Use LLM.embed / LLM.encode or POST /v1/embeddings", param="model")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.pooler.check(params, self.model_name)
+        text, ids = self.encode_prompt(prompt, param="input")
+        if not ids:
+            raise InvalidParameter("the input is empty; give at least one token", param="input")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLong(f"This model's maximum context length is {self.max_model_len} tokens, but the input "
+                                f"has {len(ids)} tokens. Please shorten the input.", len(ids), self.max_model_len,
+                                param="input")
+        if tenant is not None and not isinstance(tenant, Tenant):
+            raise ValueError(f"tenant must be a podium.Tenant, got {type(tenant).__name__}")
+        arrival = time.time() if arrival_time is None else arrival_time
+        self._requests[request_id] = PoolingRequest(request_id, text, ids, params, RequestMetrics(arrival_time=arrival))
+        self.scheduler.add(Sequence(next(self._seq_ids), request_id, 0, ids, params, arrival, priority,
+                                    tenant=tenant or DEFAULT_TENANT))
         return len(ids)
 
     def abort_request(self, request_id: str | Seq[str]) -> None:
@@ -317,6 +377,8 @@ class LLMEngine:
         started = time.perf_counter()
         if self.tp is not None:
             self.tp.check()  # a worker that died between steps: EngineDead before planning
+        if self.pooler is not None:
+            return self._pooling_step(started)
         previous, self._in_flight = self._in_flight, None
         if self.proposer is not None:
             self._propose()
@@ -399,6 +461,20 @@ class LLMEngine:
         output = self.processor.build_output(req)
         output.error = message
         return output
+
+    def _pooling_step(self, started: float) -> list:
+        """A pooling model's step: whole inputs in, their embeddings out (``pooling_step``)."""
+        plan = self.scheduler.schedule()
+        for seq in plan.finished:  # cannot fit at all (refused at add_request, so only a smaller cache)
+            logger.error("input of request %s (%d tokens) can never fit the scheduler; dropped", seq.request_id,
+                         seq.num_tokens)
+            self._requests.pop(seq.request_id, None)
+        if not plan.scheduled:
+            return []
+        outputs = pooling_step(plan, self.runner, self.pooler, self._requests, self.scheduler, self.grad_off)
+        self._prefill_tokens += plan.num_batched_tokens
+        self._prefill_seconds += time.perf_counter() - started
+        return outputs
 
     def _count_step(self, plan, seconds: float) -> None:
         """Book a step for a router's estimates: a step of decodes only (one token each) as a decode

@@ -99,6 +99,7 @@ VLLM_ARGS: tuple[Row, ...] = (
         ignored="Podium's engine logs no periodic stats (the server's are at /metrics)"),
     Row("disable_custom_all_reduce", type=bool, quiet=OFF, default=False, ignored="Podium has no custom all-reduce"),
     Row("kv_cache_memory_bytes", field="kv_cache_memory"),
+    Row("task", field="runner"),  # vLLM's older name: task="embed" is runner="pooling"
     Row("num_gpu_blocks_override", field="num_kv_blocks"),
 )
 ROWS = {row.name: row for row in VLLM_ARGS}

@@ -24,6 +24,7 @@ from podium_plugin_api.options import parse_option_pairs
 
 from .config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, PLAN_BROADCASTS, SCHEDULING_POLICIES, EngineConfig
 from .engine_args import VLLM_ARGS
+from .pooling_config import RUNNERS
 
 GROUP_TITLE = "engine"
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
@@ -85,6 +86,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          choices=SCHEDULING_POLICIES),
     Flag("platform_options", "an option of the selected platform as NAME=VALUE, repeatable (podium platforms "
          "--verbose lists them)", type=dict, default="none", aliases=("--platform-option",)),
+    Flag("runner", "generate text, or pooling: compute embeddings (/v1/embeddings); auto: by architecture "
+         "(BertModel pools; *ForCausalLM generates)", choices=RUNNERS + ("embed",)),
+    Flag("pooler_config", "a pooling model's pooling over its folder's, as JSON: "
+         '\'{"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": true}\'', default="the model folder's"),
     Flag("tokenizer_cache", "keep a GGUF file's converted tokenizer on disk", type=bool,
          default="on, unless $PODIUM_TOKENIZER_CACHE=0"),
     Flag("speculative_config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '

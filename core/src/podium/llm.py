@@ -5,6 +5,9 @@
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
 
+    embedder = LLM("/models/all-MiniLM-L6-v2")  # a pooling model (runner="pooling" for a decoder)
+    vectors = [o.outputs.embedding for o in embedder.embed(["Hello", "World"])]
+
 ``LLM(model, **kwargs)`` takes ``EngineConfig``'s fields and vLLM's engine arguments
 (``podium.engine_args``: accepted, ignored with a warning, or refused with the reason). Prompts
 are strings, ``TextPrompt`` / ``TokensPrompt`` dicts or lists of these (``podium.inputs``).
@@ -22,7 +25,8 @@ from .config import DEFAULT_MODEL
 from .engine import LLMEngine
 from .engine_args import engine_config
 from .inputs import PromptType, parse_prompts
-from .outputs import RequestOutput
+from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
 
@@ -88,6 +92,52 @@ class LLM:
             for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A pooling model's output for every prompt (``outputs.data``: a float32 tensor), in input
+        order. ``pooling_task``: "embed" (or None); other tasks are not served yet."""
+        if pooling_task not in (None, "embed", "encode"):
+            raise ValueError(f"pooling_task={pooling_task!r} is not supported; Podium's pooling models embed")
+        if lora_request is not None:
+            raise ValueError("lora_request: Podium does not serve LoRA adapters yet")
+        inputs = parse_prompts(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(inputs)
+        elif len(pooling_params) != len(inputs):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(inputs)} prompts; give one or one "
+                             "per prompt")
+        else:
+            params = list(pooling_params)
+        ids = []
+        try:
+            for prompt, p in zip(inputs, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm, desc="Embedding")
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``: a list of floats), in input order."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
     @staticmethod
     def _params_for(count: int, params) -> list[SamplingParams]:
         if params is None:
@@ -98,9 +148,9 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one or one per prompt")
         return list(params)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2)
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "Generating") -> list:
+        finished: dict[str, Any] = {}
+        bar = tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while len(finished) < len(ids) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():

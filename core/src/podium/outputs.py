@@ -80,3 +80,46 @@ class RequestOutput:
         self.metrics = delta.metrics or self.metrics
         self.num_cached_tokens = delta.num_cached_tokens
         self.error = delta.error or self.error
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling model's output for one input: ``data`` [dimensions] float32 on the host."""
+
+    data: object  # torch.Tensor (not imported here: outputs stay importable without torch)
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What a pooling request finishes with (vLLM's shape); reported once, finished."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result per input: ``outputs.embedding`` is a list of floats (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

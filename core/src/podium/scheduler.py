@@ -16,7 +16,8 @@ With prefix caching on, the samples 1..n-1 of a request wait until sample 0 has 
 so they find its full blocks in the cache and share them; each computes its own partial last block.
 A sequence that can never fit (more tokens than ``max_model_len`` or than the whole cache holds) is
 finished with ``"length"`` and reported in ``SchedulerOutput.finished`` rather than block the queue.
-Policy ``"priority"`` orders both queues by (priority, arrival), lower value first.
+Policy ``"priority"`` orders both queues by (priority, arrival), lower value first. Without chunked
+prefill (pooling models) a waiting sequence is admitted only when all its tokens fit the step.
 
 Between tenants (``Sequence.tenant``), waiting sequences are admitted by weighted fair queuing on
 the tokens each tenant was served (``fair_share.FairQueue``): a tenant flooding the queue delays
@@ -104,7 +105,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", chunked_prefill: bool = True) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("token_budget", token_budget),
                             ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
@@ -116,6 +117,12 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_model_len = max_model_len
         self.policy = policy
+        # False: a waiting sequence is admitted only with all its tokens in one step (a pooling
+        # model's inputs; an encoder's attention needs the whole input at once)
+        self.chunked_prefill = chunked_prefill
+        if not chunked_prefill and token_budget < max_model_len:
+            raise ValueError(f"without chunked prefill the token budget ({token_budget}) must hold a whole "
+                             f"sequence of max_model_len={max_model_len} tokens")
         self.num_preemptions = 0
         self._max_seq_tokens = min(max_model_len, block_manager.capacity_tokens)
         self._running: list[Sequence] = []  # sorted by _order_key: the oldest first, the victim last
@@ -315,6 +322,8 @@ class Scheduler:
             hits = block_manager.lookup(seq)
             num_cached = len(hits) * block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if num_new < seq.num_tokens - num_cached and not self.chunked_prefill:
+                break  # it fits a later step's budget whole
             if not block_manager.admit(seq, hits, num_cached + num_new):
                 break
             waiting.pop_head()

@@ -6,6 +6,9 @@ the model on the meta device -> sharded (``parallel.sharding``, with a group) ->
 weights (each rank reads its slices) -> collectives wrapped around partial outputs -> the
 platform's ``prepare_model`` -> KV cache sized (the smallest rank's count, with a group) and
 allocated -> the runner. Graph capture is the caller's (``capture_graphs``), after the timer lap.
+A pooling model (``pooling=True``, ``pooling_step``) computes whole inputs in one step, so its token
+budget holds the longest input; an encoder among them (``uses_kv_cache = False``: BERT) gets no KV
+cache, only bookkeeping blocks for the scheduler's admission; nothing is captured for it.
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ def resolve_dtype(name: str, platform) -> torch.dtype:
 
 class ModelShard:
     def __init__(self, config: EngineConfig, started: StartedPlatform, source, max_model_len: int, grad_off,
-                 timer=None, group=None) -> None:
+                 timer=None, group=None, pooling: bool = False) -> None:
         self.config, self.platform, self.source, self.group = config, started.platform, source, group
-        self.max_model_len, self.grad_off = max_model_len, grad_off
+        self.max_model_len, self.grad_off, self.pooling = max_model_len, grad_off, pooling
+        # the most tokens one step computes: a pooling step computes whole inputs
+        self.token_budget = max(config.token_budget, max_model_len) if pooling else config.token_budget
         platform = self.platform
         lap = timer.lap if timer is not None else (lambda *a, **k: None)
         self.dtype = resolve_dtype(config.dtype, platform)
@@ -108,6 +113,12 @@ class ModelShard:
 
     def _build_cache_and_runner(self) -> None:
         config, platform = self.config, self.platform
+        if not getattr(self.model, "uses_kv_cache", True):  # an encoder: the blocks only count what a step admits
+            blocks = -(-(self.token_budget + config.max_num_seqs * config.block_size) // config.block_size)
+            self.num_kv_blocks, self.kv_capacity_tokens = blocks, blocks * config.block_size
+            self.kv_caches, self.kv_bytes = [], 0
+            self._build_runner()
+            return
         spec = self.kv_spec()
         activation = 0
         if platform.capabilities().kv_cache_from_free_memory and config.num_kv_blocks is None:
@@ -119,7 +130,11 @@ class ModelShard:
         self.num_kv_blocks, self.kv_capacity_tokens = blocks, blocks * config.block_size
         self.kv_caches = platform.allocate_kv_cache(spec, blocks)
         self.kv_bytes = blocks * spec.bytes_per_block
-        self.runner = ModelRunner(self.model, platform, self.kv_caches, config.block_size, config.max_num_seqs,
+        self._build_runner()
+
+    def _build_runner(self) -> None:
+        config = self.config
+        self.runner = ModelRunner(self.model, self.platform, self.kv_caches, config.block_size, config.max_num_seqs,
                                   self.max_model_len, self.device)
 
     def _profile_forward(self, spec) -> None:
@@ -131,5 +146,5 @@ class ModelShard:
             profile_forward(self.model, self.platform, spec, query_lens, seq_lens, config.max_num_seqs)
 
     def capture_graphs(self) -> None:
-        if self.platform.capabilities().graph_capture and not self.config.enforce_eager:
+        if self.platform.capabilities().graph_capture and not self.config.enforce_eager and not self.pooling:
             self.runner.capture_graphs(self.config.max_num_seqs, self.grad_off)

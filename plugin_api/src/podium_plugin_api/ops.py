@@ -14,6 +14,8 @@ overrides only those loses nothing.
 
 ``fused_moe`` is a mixture-of-experts layer's expert computation over the routed tokens;
 its reference and the expert-weight layout live in ``podium_plugin_api.moe``.
+``encoder_attention`` is an encoder's (BERT's) bidirectional attention over a ragged batch without
+a KV cache; its reference lives in ``podium_plugin_api.encoder_attention``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .encoder_attention import encoder_attention
 from .moe import fused_moe
 
 
@@ -136,6 +139,7 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "rms_norm_linear": rms_norm_linear,
     "silu_and_mul_linear": silu_and_mul_linear,
     "fused_moe": fused_moe,
+    "encoder_attention": encoder_attention,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

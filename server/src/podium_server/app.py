@@ -35,6 +35,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -44,6 +45,7 @@ from .service_middleware import ServiceMiddleware, TenantMetrics
 from .serving_base import ServerContext
 from .serving_chat import ChatHandler
 from .serving_completions import CompletionsHandler
+from .serving_embeddings import EmbeddingsHandler
 from .serving_tokens import DetokenizeHandler, TokenizeHandler
 from .settings import ServerSettings
 from .tenants import TenantRegistry
@@ -94,7 +96,8 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
         app.state.ctx, app.state.metrics, app.state.kv_log = ctx, metrics, KVEventLog()
         served.on_kv_events = app.state.kv_log.append
         app.state.handlers = {"completions": CompletionsHandler(ctx), "chat": ChatHandler(ctx),
-                              "tokenize": TokenizeHandler(ctx), "detokenize": DetokenizeHandler(ctx)}
+                              "tokenize": TokenizeHandler(ctx), "detokenize": DetokenizeHandler(ctx),
+                              "embeddings": EmbeddingsHandler(ctx)}
         ctx.engine.start(metrics)
         try:
             yield
@@ -149,6 +152,9 @@ def _add_routes(app: FastAPI) -> None:
     async def chat(request: Request) -> Response:
         return await request.app.state.handlers["chat"].handle(request)
 
+    async def embeddings(request: Request) -> Response:
+        return await request.app.state.handlers["embeddings"].handle(request)
+
     async def tokenize(request: Request) -> Response:
         return await request.app.state.handlers["tokenize"].handle(request)
 
@@ -183,6 +189,7 @@ def _add_routes(app: FastAPI) -> None:
 
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
@@ -192,4 +199,5 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     declare_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                                 "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+                                 "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
+                                 "/detokenize": DetokenizeRequest})

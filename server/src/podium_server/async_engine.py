@@ -15,6 +15,8 @@ no output is ever copied whole. A request whose reader goes away is aborted at o
 are freed by the next command the loop reads). A request the engine failed (a fault in its step)
 fails alone, with ``podium.errors.RequestFailed``. If the engine dies, every open request fails with
 ``EngineDeadError`` and ``alive`` turns false (``/health`` answers 503); nothing waits forever.
+A pooling model's request (``PoolingParams``) travels the same path: its one output, the
+embedding (``PoolingRequestOutput``), is a delta that is also its final.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any, Protocol
 
 from podium.chat_template import ChatPrompt
 from podium.errors import EngineDead
-from podium.outputs import RequestOutput
+from podium.outputs import PoolingRequestOutput, RequestOutput
+from podium.pooling_params import PoolingParams
 from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
 
@@ -39,7 +42,8 @@ class EngineDeadError(EngineDead, RuntimeError):
 
 
 class OutputListener(Protocol):
-    def on_output(self, stream: RequestStream, output: RequestOutput, new_tokens: int) -> None: ...
+    def on_output(self, stream: RequestStream, output: RequestOutput | PoolingRequestOutput,
+                  new_tokens: int) -> None: ...
     def on_abort(self, stream: RequestStream, reason: str = "abort") -> None: ...
 
 
@@ -60,6 +64,7 @@ class EngineInfo:
     block_size: int = 16
     max_num_seqs: int = 0
     block_hash_scheme: str | None = None
+    pooling: bool = False  # the model computes embeddings (/v1/embeddings), not text
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
@@ -69,7 +74,8 @@ class EngineInfo:
                    device=str(getattr(engine, "device", "")),
                    device_description=platform.availability().reason if platform is not None else "",
                    block_size=getattr(config, "block_size", 16), max_num_seqs=getattr(config, "max_num_seqs", 0),
-                   block_hash_scheme=getattr(engine, "block_hash_scheme", None))
+                   block_hash_scheme=getattr(engine, "block_hash_scheme", None),
+                   pooling=bool(getattr(engine, "is_pooling", False)))
 
 
 class RequestStream:
@@ -88,14 +94,20 @@ class RequestStream:
         self.finished = False  # the final output arrived, or the request was aborted
         self.sample_texts: dict[int, list[str]] = {}  # per sample index: its text pieces (the audit log)
         self.trace_id: str | None = None  # the HTTP request's X-Request-Id (metrics exemplars)
-        self._unread: RequestOutput | None = None
+        self._unread: RequestOutput | PoolingRequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
 
-    def put(self, delta: RequestOutput, now: float) -> int:
-        """Keep a delta for the reader; returns how many tokens it adds."""
+    def put(self, delta: RequestOutput | PoolingRequestOutput, now: float) -> int:
+        """Keep a delta for the reader; returns how many tokens it adds. A pooling output (one
+        embedding, reported once, finished) is its own delta and generates no tokens."""
         new_tokens = 0
-        for c in delta.outputs:
+        if isinstance(delta, PoolingRequestOutput):
+            self.finish_reasons[0] = "stop"  # its one output, complete (metrics, the audit log)
+            completions = ()
+        else:
+            completions = delta.outputs
+        for c in completions:
             new_tokens += len(c.token_ids)
             self.sample_tokens[c.index] = self.sample_tokens.get(c.index, 0) + len(c.token_ids)
             if c.finish_reason is not None:
@@ -134,15 +146,16 @@ class RequestStream:
             elif self._error is not None:
                 raise self._error
 
-    async def final(self) -> RequestOutput:
-        """The whole output: every delta added up, samples in index order."""
+    async def final(self) -> RequestOutput | PoolingRequestOutput:
+        """The whole output: every delta added up, samples in index order (a pooling output as it came)."""
         whole = None
         async for delta in self.outputs():
             if whole is None:
                 whole = delta
             else:
                 whole.add(delta)
-        whole.outputs.sort(key=lambda c: c.index)
+        if isinstance(whole, RequestOutput):
+            whole.outputs.sort(key=lambda c: c.index)
         return whole
 
 
@@ -208,12 +221,14 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests (event loop) ----------------------------------------------------------------
-    async def add(self, request_id: str, prompt: list[int] | str | ChatPrompt, params: SamplingParams,
-                  priority: int = 0, tenant: Tenant | None = None) -> RequestStream:
+    async def add(self, request_id: str, prompt: list[int] | str | ChatPrompt,
+                  params: SamplingParams | PoolingParams, priority: int = 0,
+                  tenant: Tenant | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; the engine's typed error (``podium.errors``)
-        comes back here. A ``ChatPrompt`` is rendered by the engine. ``priority`` orders admission when
-        the engine runs ``scheduling_policy="priority"`` (lower first); ``tenant`` shares a saturated
-        engine fairly between tenants."""
+        comes back here. A ``ChatPrompt`` is rendered by the engine; ``PoolingParams`` make it an
+        embedding request (a pooling model's). ``priority`` orders admission when the engine runs
+        ``scheduling_policy="priority"`` (lower first); ``tenant`` shares a saturated engine fairly
+        between tenants."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
         if request_id in self._streams or request_id in self._pending:
@@ -278,7 +293,7 @@ class AsyncEngine:
         if self._listener is not None:
             self._listener.on_abort(stream, reason="error")
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         now = time.monotonic()
         listener = self._listener
         for output in outputs:

@@ -25,7 +25,8 @@ from typing import Any
 
 from podium.chat_template import ChatPrompt
 from podium.errors import RequestFailed
-from podium.outputs import RequestOutput
+from podium.outputs import PoolingRequestOutput, RequestOutput
+from podium.pooling_params import PoolingParams
 from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
 
@@ -37,7 +38,7 @@ HEALTH_CHECK_S = 1.0  # while idle, ask the engine this often whether it can sti
 class Add:
     request_id: str
     prompt: list[int] | str | ChatPrompt  # token ids, text, or messages for the engine's chat template
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     priority: int = 0  # admission order under scheduling_policy="priority" (lower first)
     tenant: Tenant | None = None  # fair share between tenants (None: the default tenant)
 
@@ -58,7 +59,7 @@ class Report:
     stats: Any  # the engine's stats() after it
     # per add: the prompt's token count (accepted) or the error that refused it
     answers: list[tuple[str, int | BaseException]] = field(default_factory=list)
-    outputs: list[RequestOutput] = field(default_factory=list)  # deltas
+    outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)  # deltas
     aborted: list[str] = field(default_factory=list)  # requests dropped by an Abort in this iteration
     kv_events: list[tuple[str, int]] = field(default_factory=list)  # the prefix cache's, in order (replica.py)
     # requests the engine failed (a fault in a step they were part of): their error; they are over
@@ -155,7 +156,7 @@ class EngineLoop:
             return False
         return True
 
-    def _flush(self, outputs: list[RequestOutput], idle: bool = False) -> None:
+    def _flush(self, outputs: list[RequestOutput | PoolingRequestOutput], idle: bool = False) -> None:
         """Report what happened since the last report (when idle, the stats even if nothing did)."""
         failed = []
         for output in outputs:

@@ -172,7 +172,8 @@ class ServerMetrics:
                 gap = (stream.last_token_time - stream.previous_token_time) / new_tokens
                 for _ in range(min(new_tokens, 64)):
                     self.itl.observe(gap)
-        if output.finished:  # a delta: the stream has the counts and reasons of every sample
+        if output.finished:  # a delta: the stream has the counts and reasons of every sample (a
+            # pooling output has none: one embedding, "stop", no generated tokens)
             self._finish(stream, list(stream.finish_reasons.values()) or ["stop"],
                          max(stream.sample_tokens.values(), default=0))
             self._phases(getattr(output, "metrics", None))

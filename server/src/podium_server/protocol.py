@@ -300,3 +300,40 @@ class DetokenizeRequest(StrictModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# -- embeddings --------------------------------------------------------------------------------
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(StrictModel):
+    """``POST /v1/embeddings``: OpenAI's fields plus vLLM's ``normalize`` and ``add_special_tokens``."""
+
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM extras
+    normalize: bool | None = None  # None: the model's own setting
+    add_special_tokens: bool = True
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the little-endian float32 bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("embd"))
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from podium.pooling_params import PoolingParams
 from podium.tenant import Tenant
 
 from .audit import AuditLog, AuditRecord
@@ -55,12 +56,15 @@ current_call: ContextVar[CallContext | None] = ContextVar("podium_call", default
 
 def engine_tenant(call: CallContext | None, params: list) -> Tenant | None:
     """The engine's view of the call's tenant (None: the default tenant); applies the tenant's
-    max_tokens limit to ``params`` (unset: clamped to it; larger: refused with a 400)."""
+    max_tokens limit to ``params`` (unset: clamped to it; larger: refused with a 400); an embedding
+    request's ``PoolingParams`` generate no tokens and have no such limit."""
     if call is None or call.tenant is None:
         return None
     policy = call.tenant
     if policy.max_tokens is not None:
         for p in params:
+            if isinstance(p, PoolingParams):
+                continue
             if p.max_tokens is None:
                 p.max_tokens = policy.max_tokens
             elif p.max_tokens > policy.max_tokens:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from podium.chat_template import ChatPrompt
 from podium.errors import InvalidParameter, PodiumError
 from podium.outputs import RequestOutput
+from podium.pooling_params import PoolingParams
 from podium.sampling_params import SamplingParams
 
 from .async_engine import AsyncEngine, RequestStream
@@ -77,6 +78,9 @@ class ServingBase:
                            param="model", code="model_not_found")
 
     def check_sampling(self, req: SamplingFields) -> None:
+        if self.ctx.engine.info.pooling:
+            raise bad_request(f"The model `{self.ctx.model_name}` is an embedding model: it computes embeddings, not "
+                              "text. Use POST /v1/embeddings.", param="model", code="model_not_supported")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         vocab = len(self.ctx.tokenizer) if self.ctx.tokenizer is not None else None
@@ -106,8 +110,9 @@ class ServingBase:
             raise bad_request(str(exc)) from None
 
     # -- engine requests ------------------------------------------------------------------------
-    async def add_all(self, request_id: str, prompts: list[list[int] | ChatPrompt], params: list[SamplingParams],
-                      param: str, priority: int = 0) -> list[RequestStream]:
+    async def add_all(self, request_id: str, prompts: list[list[int] | ChatPrompt],
+                      params: list[SamplingParams] | list[PoolingParams], param: str,
+                      priority: int = 0) -> list[RequestStream]:
         """Add one engine request per prompt (ids ``request_id-i`` when several), all at once; all or none.
         The engine checks each (context length, chat template, parameters); its typed error becomes
         the API error, ``param`` naming the field that holds the prompt. The HTTP request's tenant

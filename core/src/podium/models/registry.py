@@ -1,6 +1,7 @@
 """Architecture name -> model class, model construction and random initialization.
 
-Built-in classes cover the Llama family, its mixture-of-experts relatives, Gemma 2/3 and Phi-3; a plugin adds or replaces classes through the
+Built-in classes cover the Llama family, its mixture-of-experts relatives, Gemma 2/3, Phi-3 and
+BERT encoders (``pooling_only``: they embed, see ``podium.pooling``); a plugin adds or replaces classes through the
 ``podium_model_architectures`` hook (the engine calls it and passes the merged dict as ``extra``).
 A model class is constructed as ``cls(hf_config, ops)``. It is built on the ``meta`` device
 (no memory, no initialization), then materialized on the target device uninitialized: weights
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .bert import BertModel
 from .gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from .moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -31,13 +33,14 @@ BUILTIN_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "BertModel": BertModel,
 }
 
 # configs without ``architectures`` (built from GGUF metadata or by hand) fall back to model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "bert": "BertModel"}
 
 
 def supported_architectures(extra: dict[str, Callable] | None = None) -> dict[str, Callable]:

@@ -24,6 +24,15 @@ class EagerStep:
             feed_tokens: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """(logits [N, V] of the sampling sequences in ``plan.samples`` order or None, prompt logits
         [rows, V] per ``plan.prompt_spans`` entry); on the host where the shaping samples there."""
+        hidden, shaped = self.forward(plan, batch, feed_tokens)
+        logits = self._sampling_logits(hidden, plan, batch, shaped)
+        prompt = [self._to_sampler(self.model.compute_logits(hidden[lo:hi])) for _, lo, hi in plan.prompt_spans]
+        return logits, prompt
+
+    def forward(self, plan: StepPlan, batch: HostBatch,
+                feed_tokens: torch.Tensor | None) -> tuple[torch.Tensor, HostBatch]:
+        """(the model's hidden states [T', hidden], the batch as shaped): the plan's T tokens come
+        first, then any padding the platform's shaping added."""
         shaped = self.shaping.pad(batch)  # the real sequences and tokens stay first
         width = self.shaping.table_width(blocks_needed(shaped, self.block_size), self.table.max_blocks)
         meta = device_metadata(shaped, self.table.rows(shaped.table_rows, width), self.device)
@@ -34,9 +43,7 @@ class EagerStep:
         positions = torch.from_numpy(shaped.positions).to(self.device, non_blocking=True)  # [T]
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         self.shaping.end_forward()
-        logits = self._sampling_logits(hidden, plan, batch, shaped)
-        prompt = [self._to_sampler(self.model.compute_logits(hidden[lo:hi])) for _, lo, hi in plan.prompt_spans]
-        return logits, prompt
+        return hidden, shaped
 
     def _sampling_logits(self, hidden: torch.Tensor, plan: StepPlan, batch: HostBatch,
                          shaped: HostBatch) -> torch.Tensor | None:

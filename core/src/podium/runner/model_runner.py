@@ -88,6 +88,14 @@ class ModelRunner:
             logits = logits[torch.tensor(plan.samples).to(logits.device, non_blocking=True)]
         return StepLogits(logits, [], plan.num_tokens, True)
 
+    def hidden_states(self, plan: StepPlan) -> torch.Tensor:
+        """Run ``plan`` eagerly and return the hidden states of its tokens [T, hidden] (a pooling
+        model's step: no logits, nothing sampled). Call under the platform's no-grad mode."""
+        self.table.apply(plan.new_blocks)
+        batch = host_batch(plan, self.table, self.block_size)
+        hidden, _ = self.eager.forward(plan, batch, None)
+        return hidden[:plan.num_tokens]
+
     def capture_graphs(self, max_batch: int, no_grad) -> float:
         """Capture decode graphs up to ``max_batch`` sequences where the platform can; returns seconds."""
         runner = self.platform.graph_runner()

@@ -7,6 +7,8 @@ exact equality (ties and NaNs included). The norm/SiLU + linear ops run at 1, 2 
 rows, with and without a bias and a residual: a platform may take a different kernel for a
 batch-1 decode row than for a prefill chunk, and both must be right. ``fused_moe`` runs
 at 1 and 7 tokens, top-1 and top-2 of 4 experts, with an expert no token picks and an id of -1.
+``encoder_attention`` runs on one sequence and on a ragged batch (lengths 3, 1, 5, 2), with and
+without grouped key/value heads.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
                 for rows in LINEAR_ROWS for bias in (False, True)]
     if name == "fused_moe":
         return [_moe_case(rows, top_k, dtype, gen) for rows in (1, T) for top_k in (1, 2)]
+    if name == "encoder_attention":
+        return [_encoder_case(lens, kv_heads, dtype, gen) for lens in ((T,), (3, 1, 5, 2)) for kv_heads in (HEADS, KV_HEADS)]
     return [op_inputs(name, dtype, gen)]
 
 
@@ -65,6 +69,14 @@ def _moe_case(rows: int, top_k: int, dtype: torch.dtype, gen: torch.Generator) -
     weights, ids = scores.softmax(-1).topk(top_k, dim=-1)
     ids[0, -1] = -1
     return torch.randn(rows, HIDDEN, generator=gen).to(dtype), experts.requires_grad_(False).to(dtype), weights, ids
+
+
+def _encoder_case(lens: tuple[int, ...], kv_heads: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
+    """A ragged batch of sequences ``lens`` long: one alone, or several of different lengths (one of 1)."""
+    tokens = sum(lens)
+    starts = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(tokens, heads, HEAD_SIZE, generator=gen).to(dtype) for heads in (HEADS, kv_heads, kv_heads))
+    return q, k, v, starts, list(lens), HEAD_SIZE**-0.5
 
 
 def op_inputs(name: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
