@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .explicit_fields import remembers_explicit_fields, with_fallbacks
-from .spec.config import SpeculativeConfig, speculative_config
 from .pooling_config import PoolerConfig, pooler_config, runner_name
+from .spec.config import SpeculativeConfig, speculative_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
