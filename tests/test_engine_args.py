@@ -24,7 +24,6 @@ EXPECTED = {
     "revision": [(None, "quiet"), ("main", "refused", "downloads nothing")],
     "tokenizer_revision": [(None, "quiet"), ("v2", "refused", "downloads nothing")],
     "download_dir": [(None, "quiet"), ("/data", "refused", "downloads nothing")],
-    "quantization": [(None, "quiet"), ("gguf", "ignored", "GGUF"), ("awq", "refused", "methods here are gguf")],
     "enable_chunked_prefill": [(True, "quiet"), (False, "ignored", "always chunks")],
     "swap_space": [(0, "quiet"), (4, "ignored", "recomputing")],
     "cpu_offload_gb": [(0, "quiet"), (2.5, "refused", "offloading")],

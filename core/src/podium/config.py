@@ -86,6 +86,10 @@ class EngineConfig:
     # a pooling model's pooling type and normalisation over what its folder says (PoolerConfig,
     # a dict of its fields, or their JSON)
     pooler_config: PoolerConfig | Mapping[str, Any] | str | None = None
+    # how the weights run quantized (vLLM's names: gguf, fp8, compressed-tensors, awq, gptq, or a
+    # plugin's method); None: what the checkpoint's quantization_config says, and a GGUF file
+    # dequantized at load (as "none"); "gguf" keeps its blocks; "fp8" on a float checkpoint quantizes it at load
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
@@ -120,6 +124,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if self.plan_broadcast not in PLAN_BROADCASTS:
             raise ValueError(f"plan_broadcast must be one of {', '.join(PLAN_BROADCASTS)}, got {self.plan_broadcast!r}")
+        if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
+            raise ValueError(f"quantization must be a method name (gguf, fp8, compressed-tensors, awq, gptq, none) "
+                             f"or None, got {self.quantization!r}")
         if self.tokenizer_cache is not None and not isinstance(self.tokenizer_cache, bool):
             raise ValueError(f"tokenizer_cache must be True, False or None (the environment decides), "
                              f"got {self.tokenizer_cache!r}")

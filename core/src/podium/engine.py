@@ -60,6 +60,7 @@ from .parallel.worker import start_workers
 from .platform_setup import start_platform
 from .pooling_params import PoolingParams
 from .pooling_step import PoolingRequest, pooling_step, select_pooler
+from .quantization import select_quantization
 from .request import Sequence, SequenceStatus
 from .request_limits import bound_to_vocab
 from .runner import LaunchedStep, StepResult, launch, plan_step, prompt_logprobs, sample_now
@@ -145,13 +146,15 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: pooling (embedding) models run on "
                              "one device only; use tensor_parallel_size=1")
         self.max_model_len = self._max_model_len(config, source.max_model_len, input_cap)
+        self.quantization = self._quantization(config, source, started)
         self.tp = start_workers(config, platform, source.hf_config) if config.tensor_parallel_size > 1 else None
         try:
             self.shard = shard = ModelShard(config, started, source, self.max_model_len, self.grad_off, timer, self.tp,
-                                            pooling=self.pooler is not None)
+                                            self.quantization, pooling=self.pooler is not None)
             self.dtype, self.kv_cache_dtype, self.device, self.ops = shard.dtype, shard.kv_cache_dtype, shard.device, \
                 shard.ops
             self.model, self.kv_caches, self.runner = shard.model, shard.kv_caches, shard.runner
+            self.weight_bytes = shard.weight_bytes
             self.num_kv_blocks, self.kv_capacity_tokens = shard.num_kv_blocks, shard.kv_capacity_tokens
             if shard.kv_caches:
                 logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.2f GiB", shard.num_kv_blocks,
@@ -211,6 +214,23 @@ class LLMEngine:
         if config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {model_len}")
         return config.max_model_len
+
+    @staticmethod
+    def _quantization(config: EngineConfig, source, started):
+        """The quantization method the model runs with (``podium.quantization``; None: float weights),
+        refused with tensor parallelism before any worker starts: ``parallel.sharding`` slices float
+        weights only, and quantized layers are not sharded by rank yet."""
+        method = select_quantization(config.quantization, source.quantization, started.plugins.quantization_methods())
+        if method is None or config.tensor_parallel_size == 1:
+            return method
+        if config.quantization is None:  # the checkpoint's own format: only one rank can hold it
+            raise ValueError(f"this checkpoint is quantized ({method.name}, its quantization_config) and quantized "
+                             f"layers do not run with tensor_parallel_size={config.tensor_parallel_size} yet; use "
+                             f"tensor_parallel_size=1 or a float checkpoint")
+        raise ValueError(f"quantization={config.quantization!r} and tensor_parallel_size={config.tensor_parallel_size} "
+                         f"do not run together yet (quantized layers are not sharded by rank); use "
+                         f"tensor_parallel_size=1, or leave quantization unset to shard the float (or, for a GGUF "
+                         f"file, dequantized) weights")
 
     def _build_scheduler_and_sampler(self, source) -> None:
         config = self.config

@@ -26,9 +26,6 @@ from .config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("gguf",)  # a GGUF file's weights, dequantized at load (the loader reads them as is)
-
-
 ANY = None  # Row.supported: every value
 
 
@@ -81,9 +78,6 @@ VLLM_ARGS: tuple[Row, ...] = (
         refused="Podium downloads nothing; pass a local tokenizer folder as tokenizer"),
     Row("download_dir", supported=(None,),
         refused="Podium downloads nothing; pass a local folder or .gguf file as the model"),
-    Row("quantization", supported=(None, *QUANTIZATION_METHODS), aliases=("-q",),
-        refused=f"the quantization methods here are {', '.join(QUANTIZATION_METHODS)}",
-        ignored="the loader recognises a GGUF file by itself"),
     Row("enable_chunked_prefill", type=bool, quiet=(True, None), default=True,
         ignored="Podium always chunks long prompts (greedy outputs do not depend on it)"),
     Row("swap_space", type=float, quiet=OFF,

@@ -90,6 +90,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "(BertModel pools; *ForCausalLM generates)", choices=RUNNERS + ("embed",)),
     Flag("pooler_config", "a pooling model's pooling over its folder's, as JSON: "
          '\'{"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": true}\'', default="the model folder's"),
+    Flag("quantization", "how the weights run quantized: gguf (a GGUF file's blocks kept), fp8 (a float checkpoint "
+         "quantized at load), or a plugin's method; none: a GGUF file dequantized at load",
+         default="what the checkpoint's quantization_config says; GGUF files dequantized", aliases=("-q",)),
     Flag("tokenizer_cache", "keep a GGUF file's converted tokenizer on disk", type=bool,
          default="on, unless $PODIUM_TOKENIZER_CACHE=0"),
     Flag("speculative_config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '

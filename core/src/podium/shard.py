@@ -2,10 +2,11 @@
 
 The engine builds one in its process; with tensor parallelism every worker process builds one for
 its rank the same way (``parallel.worker``), so each step of every rank runs the same code. Build:
-the model on the meta device -> sharded (``parallel.sharding``, with a group) -> on the device ->
-weights (each rank reads its slices) -> collectives wrapped around partial outputs -> the
-platform's ``prepare_model`` -> KV cache sized (the smallest rank's count, with a group) and
-allocated -> the runner. Graph capture is the caller's (``capture_graphs``), after the timer lap.
+the model on the meta device -> quantized (``podium.quantization``, with a method) or sharded
+(``parallel.sharding``, with a group; never both, the engine refuses the pair) -> on the device ->
+weights (each rank reads its slices; a method's kept tensors come as stored, then its ``finish``)
+-> collectives wrapped around partial outputs -> the platform's ``prepare_model`` -> KV cache
+sized (the smallest rank's count, with a group) and allocated -> the runner. Graph capture is the caller's (``capture_graphs``), after the timer lap.
 A pooling model (``pooling=True``, ``pooling_step``) computes whole inputs in one step, so its token
 budget holds the longest input; an encoder among them (``uses_kv_cache = False``: BERT) gets no KV
 cache, only bookkeeping blocks for the scheduler's admission; nothing is captured for it.
@@ -14,6 +15,7 @@ cache, only bookkeeping blocks for the scheduler's admission; nothing is capture
 from __future__ import annotations
 
 import copy
+import logging
 from functools import partial
 
 import torch
@@ -33,7 +35,11 @@ from .kv_cache import (
 )
 from .models.registry import build_model, init_random_weights, model_class
 from .platform_setup import StartedPlatform, check_attention_support
+from .quantization import weight_bytes_by_dtype
+from .quantization.memory import format_weight_bytes
 from .runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,8 +55,9 @@ def resolve_dtype(name: str, platform) -> torch.dtype:
 
 class ModelShard:
     def __init__(self, config: EngineConfig, started: StartedPlatform, source, max_model_len: int, grad_off,
-                 timer=None, group=None, pooling: bool = False) -> None:
+                 timer=None, group=None, quantization=None, pooling: bool = False) -> None:
         self.config, self.platform, self.source, self.group = config, started.platform, source, group
+        self.quantization = quantization  # a QuantizationMethod the engine selected, or None
         self.max_model_len, self.grad_off, self.pooling = max_model_len, grad_off, pooling
         # the most tokens one step computes: a pooling step computes whole inputs
         self.token_budget = max(config.token_budget, max_model_len) if pooling else config.token_budget
@@ -67,23 +74,33 @@ class ModelShard:
         transform = partial(group.shard, hf_config=source.hf_config) if group else None
         self.architectures = started.plugins.model_architectures()
         self.model = build_model(source.hf_config, self.ops, self.dtype, self.device, self.architectures,
-                                 transform=transform)
+                                 transform=transform, quantization=quantization)
         check_attention_support(self.model, platform, config.served_model_name or config.model)
-        lap("model_build", detail=dtype_name(self.dtype) + (f", rank {group.rank} of {group.world_size}" if group
-                                                             else ""))
+        detail = dtype_name(self.dtype) + (f", {quantization.describe()}" if quantization else "")
+        lap("model_build", detail=detail + (f", rank {group.rank} of {group.world_size}" if group else ""))
         self.random_weights = self._load_weights(config.seed)
+        self.weight_bytes = weight_bytes_by_dtype(self.model)
+        logger.info("%s", format_weight_bytes(self.weight_bytes))
         lap("weights", detail="random" if self.random_weights else "")
         self._build_cache_and_runner()
         lap("kv_cache", detail=f"{self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens")
 
     def _load_weights(self, seed: int) -> bool:
-        """Load the weights (random ones for a shape without weights: returns True), connect the
-        shards' collectives, and let the platform prepare the model."""
-        weights = self.source.weights(lazy=self.group is not None)
+        """Load the weights (random ones for a shape without weights: returns True), let the
+        quantization method finish its layers, connect the shards' collectives, and let the platform
+        prepare the model."""
+        method = self.quantization
+        weights = self.source.weights(lazy=self.group is not None,
+                                      keep=method.kept_checkpoint_names() if method else frozenset())
+        if weights is None and method is not None and not method.online:
+            raise ValueError(f"quantization {method.name!r} needs the checkpoint's weights; this model has none")
         if weights is None and self.group is None:
             init_random_weights(self.model, seed)
         else:
             self.model.load_weights(weights if weights is not None else self._random_weights(seed))
+        if method is not None:
+            with torch.no_grad():
+                method.finish(self.model)
         if self.group is not None:
             self.model = self.group.connect(self.model, self.source.hf_config.vocab_size)
         self.model = self.platform.prepare_model(self.model.eval())  # device-specific transformations

@@ -34,6 +34,7 @@ _EXPORTS = {
     "RotaryInputs": ".metadata",
     "fp8_dtypes": ".metadata",
     "MoEExperts": ".moe",
+    "QuantizationMethod": ".quantization",
     "Availability": ".platform",
     "Capabilities": ".platform",
     "GraphCaptureUnsupported": ".platform",

@@ -30,6 +30,8 @@ from .version import API_VERSION, compatibility_problem
 if TYPE_CHECKING:
     from torch import nn
 
+    from .quantization import QuantizationMethod
+
 ENTRY_POINT_GROUP = "podium"
 DEVICE_ENV = "PODIUM_DEVICE"  # the environment's alias of --device
 
@@ -92,6 +94,13 @@ class Plugins:
             state = "available" if e.availability.ok else f"unavailable: {e.availability.reason}"
             lines.append(f"  {e.name} ({e.distribution}, priority {e.platform.priority}): {state}")
         return "\n".join(lines) or "  (no platform plugin is installed; pip install podium-cpu)"
+
+    def quantization_methods(self) -> dict[str, type[QuantizationMethod]]:
+        """Every plugin's ``podium_quantization_methods``, merged (later plugins win)."""
+        merged: dict[str, type[QuantizationMethod]] = {}
+        for methods in self.manager.hook.podium_quantization_methods():
+            merged.update(methods or {})
+        return merged
 
     def model_architectures(self) -> dict[str, type[nn.Module]]:
         """Every plugin's ``podium_model_architectures``, merged (later plugins win)."""

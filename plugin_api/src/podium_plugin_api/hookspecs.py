@@ -7,6 +7,7 @@ later API version may add an argument without breaking an implementation that om
 Lifecycle, in the order the core calls them:
   1. discovery   ``podium_platforms``            -> the platforms a plugin provides
   2. model setup ``podium_model_architectures``  -> extra model classes by HF architecture name
+                 ``podium_quantization_methods`` -> extra quantization methods by name
 
 Everything a platform supplies beyond that (attention, options, ops, graphs, step shaping) is a
 method of its ``Platform`` object (``podium_plugin_api.platform``).
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # type names only: importing the hook specs must not import t
     from torch import nn
 
     from .platform import Platform
+    from .quantization import QuantizationMethod
 
 PROJECT_NAME = "podium"
 
@@ -63,4 +65,16 @@ def podium_model_architectures() -> dict[str, type[nn.Module]]:
     constructed as ``cls(config, ops)`` (the transformers config, the op table) and its
     ``forward(input_ids, positions, ctx: podium_plugin_api.ForwardContext)`` returns hidden states;
     ``compute_logits(hidden)`` turns rows of them into logits.
+    """
+
+
+@hookspec
+def podium_quantization_methods() -> dict[str, type[QuantizationMethod]]:
+    """Return extra quantization methods keyed by name (``"fp8"``, ``"my-format"``): subclasses of
+    ``podium_plugin_api.quantization.QuantizationMethod``.
+
+    Called by the engine when it resolves the model's quantization (not firstresult: dicts of all
+    plugins are merged; a plugin's entry replaces a built-in method of the same name). The engine
+    constructs ``cls(config, online=...)`` and applies it to the model before its weights load.
+    Added in plugin API 2.2.
     """

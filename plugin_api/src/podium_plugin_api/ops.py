@@ -16,6 +16,10 @@ overrides only those loses nothing.
 its reference and the expert-weight layout live in ``podium_plugin_api.moe``.
 ``encoder_attention`` is an encoder's (BERT's) bidirectional attention over a ragged batch without
 a KV cache; its reference lives in ``podium_plugin_api.encoder_attention``.
+
+``gguf_linear`` and ``gguf_embedding`` compute with GGUF weights kept in ggml's block formats (a
+quantization method's layers call them); their reference and the layouts live in
+``podium_plugin_api.gguf_blocks``. ``fp8_linear`` is the FP8 W8A8 product (``podium_plugin_api.fp8``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 import torch
 
 from .encoder_attention import encoder_attention
+from .fp8 import fp8_linear
+from .gguf_blocks import gguf_embedding, gguf_linear
 from .moe import fused_moe
 
 
@@ -140,6 +146,9 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "silu_and_mul_linear": silu_and_mul_linear,
     "fused_moe": fused_moe,
     "encoder_attention": encoder_attention,
+    "gguf_linear": gguf_linear,
+    "gguf_embedding": gguf_embedding,
+    "fp8_linear": fp8_linear,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

@@ -17,11 +17,16 @@ Minor versions:
   ``Platform.communicator`` and ``podium_plugin_api.distributed.Communicator`` (all_reduce,
   all_gather, broadcast over torch.distributed by default), and the kit's two-process communicator
   check. A 2.0 plugin inherits the defaults.
+- 2.2: quantization: quantization methods (the ``podium_quantization_methods`` hook,
+  ``podium_plugin_api.quantization.QuantizationMethod``), the GGUF block-format ops ``gguf_linear``
+  / ``gguf_embedding`` (``podium_plugin_api.gguf_blocks``) and ``fp8_linear``
+  (``podium_plugin_api.fp8``), each with a reference the kit checks. A 2.0 or 2.1 plugin inherits
+  the references.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.1.0"
+API_VERSION = "2.2.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .gguf_config import gguf_config
 from .gguf_reader import read_gguf
-from .gguf_weights import gguf_weights
+from .gguf_weights import gguf_weights, tensor_types
 from .hf_folder import max_model_len
 from .source import ModelSource, token_id_list
 from .tokenizer_cache import load_or_convert
@@ -49,8 +49,10 @@ def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None 
         tokenizer = gguf_tokenizer(path, tokenizer_cache)
     tokenizer_seconds = time.perf_counter() - started
 
-    def stream(lazy: bool = False):
-        return gguf_weights(read_gguf(path), heads, kv_heads, lazy)
+    def stream(lazy: bool = False, keep: frozenset[str] = frozenset()):
+        return gguf_weights(read_gguf(path), heads, kv_heads, lazy, keep)
+
+    types = tensor_types(gguf)
 
     return ModelSource(
         hf_config=config,
@@ -61,4 +63,5 @@ def load_gguf(path: Path, tokenizer: Any | None = None, description: str | None 
         description=description or f"GGUF file {path} ({gguf.architecture}, {len(gguf.tensors)} tensors)",
         path=str(path),
         load_seconds={"tokenizer": tokenizer_seconds},
+        quantization={"quant_method": "gguf", "tensor_types": types} if types else None,
     )

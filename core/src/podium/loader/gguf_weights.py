@@ -142,12 +142,26 @@ def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
 
 
-def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int,
-                 lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def tensor_types(gguf: GGUFFile) -> dict[str, int]:
+    """{HF name: ggml type id} of the file's block-quantized 2-D tensors (stacked experts left out):
+    what a GGUF quantization method may keep in its blocks."""
+    arch = gguf.architecture
+    types = {}
+    for name, info in gguf.tensors.items():
+        if info.ggml_type in QUANTIZED_TYPES and len(info.shape) == 2 and name not in CONFIG_TENSORS \
+                and _maps(name, arch) and "{}" not in hf_name(name, arch):
+            types[hf_name(name, arch)] = info.ggml_type
+    return types
+
+
+def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int, lazy: bool = False,
+                 keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of the file as (HF name, tensor), restored to HF's conventions (module docstring).
 
     ``lazy``: the 2-D weights as ``LazyTensor`` whose row slices dequantize only those rows (a
-    tensor-parallel rank's shard); q/k slices must hold whole heads (llama.cpp permutes within one)."""
+    tensor-parallel rank's shard); q/k slices must hold whole heads (llama.cpp permutes within one).
+    ``keep``: these names as their stored block bytes, uint8 [rows, row_bytes] (rows permuted alike),
+    read whole (a quantization method keeps them; it does not run tensor-parallel)."""
     arch = gguf.architecture
     unknown = [name for name in gguf.tensors if name not in CONFIG_TENSORS and not _maps(name, arch)]
     if unknown:
@@ -157,11 +171,14 @@ def gguf_weights(gguf: GGUFFile, num_heads: int, num_kv_heads: int,
         if name in CONFIG_TENSORS:
             continue
         target = hf_name(name, arch)
-        if lazy and len(info.shape) == 2 and "{}" not in target and not target.endswith("norm.weight") \
+        if target in keep:
+            tensor = torch.from_numpy(np.array(gguf.raw(info)))
+        elif lazy and len(info.shape) == 2 and "{}" not in target and not target.endswith("norm.weight") \
                 and not target.endswith("shared_expert_gate.weight"):
             yield target, _lazy_rows(gguf, info, target, num_heads if permuted else 0, num_kv_heads if permuted else 0)
             continue
-        tensor = dequantize(gguf, info)
+        else:
+            tensor = dequantize(gguf, info)
         if permuted and target.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = unpermute_rows(tensor, num_heads)
         elif permuted and target.endswith(("k_proj.weight", "k_proj.bias")):

@@ -91,11 +91,10 @@ def load_folder(folder: Path, tokenizer: Any | None = None) -> ModelSource:
     """``folder`` as a ModelSource; ``tokenizer`` replaces the folder's own if given."""
     config = load_config(folder)
     quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
-        raise ValueError(
-            f"{folder} holds a quantized checkpoint ({method}); Podium loads float safetensors or GGUF files"
-        )
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else None
+    if quantization is not None and not quantization.get("quant_method"):
+        raise ValueError(f"{folder}/config.json has a quantization_config without quant_method; cannot tell its format")
     files, fmt = weight_files(folder)
     generation = read_generation_config(folder)
     started = time.perf_counter()
@@ -116,4 +115,5 @@ def load_folder(folder: Path, tokenizer: Any | None = None) -> ModelSource:
         dtype=config_dtype(config),
         path=str(folder),
         load_seconds={"tokenizer": tokenizer_seconds},
+        quantization=quantization or None,
     )

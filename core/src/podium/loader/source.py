@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
+# keep: checkpoint names to hand over as stored (a GGUF tensor's block bytes) instead of dequantized
+StreamFactory = Callable[..., WeightStream]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +38,7 @@ class ModelSource:
 
     hf_config: Any  # a transformers PretrainedConfig; for a GGUF file a GGUFConfig with the same fields
     tokenizer: Any | None  # a transformers tokenizer; None for a shape model without one
-    weight_stream: Callable[[], WeightStream] | None
+    weight_stream: StreamFactory | None  # called as weight_stream(keep=frozenset of names)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: list[int] = field(default_factory=list)
     max_model_len: int = 0
@@ -44,13 +46,20 @@ class ModelSource:
     dtype: torch.dtype = torch.float32
     path: str | None = None  # the folder or file loaded from; None for a named shape
     load_seconds: dict[str, float] = field(default_factory=dict)  # e.g. {"tokenizer": 0.4}: startup stages
+    # what the checkpoint says of its quantization: config.json's quantization_config, or for a GGUF
+    # file {"quant_method": "gguf", "tensor_types": {name: ggml type id}}; None: float weights
+    quantization: dict[str, Any] | None = None
 
-    def weights(self, lazy: bool = False) -> WeightStream | None:
+    def weights(self, lazy: bool = False, keep: frozenset[str] = frozenset()) -> WeightStream | None:
         """The weight stream; ``lazy``: tensors as ``loader.lazy.LazyTensor`` where the format allows
-        (read by slice; tensor parallelism asks for it), plain tensors otherwise."""
+        (read by slice; tensor parallelism asks for it), plain tensors otherwise; names in ``keep``
+        come as stored (GGUF block bytes), not dequantized."""
         if self.weight_stream is None:
             return None
-        return self.weight_stream(lazy=True) if lazy and _takes_lazy(self.weight_stream) else self.weight_stream()
+        kwargs: dict[str, Any] = {"keep": keep} if keep else {}
+        if lazy and _takes_lazy(self.weight_stream):
+            kwargs["lazy"] = True
+        return self.weight_stream(**kwargs)
 
     @property
     def has_weights(self) -> bool:

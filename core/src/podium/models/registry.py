@@ -71,15 +71,22 @@ def build_model(
     device: torch.device | str,
     extra: dict[str, Callable] | None = None,
     transform: Callable[[nn.Module], nn.Module] | None = None,
+    quantization=None,
 ) -> nn.Module:
     """Construct the model on ``device`` in ``dtype`` with uninitialized weights (fill them next).
 
+    ``quantization`` (a ``QuantizationMethod``) is applied on the meta device after the cast to
+    ``dtype``, before anything is allocated: its layers' packed weights are the only copy ever made,
+    in the dtypes the method gives them (its float layers take ``dtype`` from the modules they replace).
     ``transform`` reshapes the model while it is still on the meta device (tensor parallelism's
-    sharding), so only what it keeps is ever allocated."""
+    sharding), so only what it keeps is ever allocated. The engine does not pass both: quantized
+    layers are not sharded yet (``shard.ModelShard`` refuses the combination)."""
     cls = model_class(hf_config, extra)
     with torch.device("meta"):
         model = cls(hf_config, ops)
-    model.to(dtype=dtype)  # free on meta
+        model.to(dtype=dtype)  # free on meta
+        if quantization is not None:  # after the cast: packed fp8/int weights and float32 scales keep their dtypes
+            quantization.apply(model, ops)
     if transform is not None:
         model = transform(model)
     # model.to_empty(device=device) without its torch.empty_like, whose meta-tensor path imports sympy (~0.4 s)

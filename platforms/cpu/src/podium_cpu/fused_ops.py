@@ -14,6 +14,7 @@
 - top_k_top_p: a top-k pre-filter: when every row has a top-k, only the top max(k) logits of each
   row are sorted instead of the whole vocabulary.
 - fused_moe: tokens grouped by expert, every expert on packed linears (``moe``).
+- gguf_linear, gguf_embedding: GGUF blocks dequantized inside native kernels (``gguf_ops``).
 Anything outside what a native op handles (other dtypes, odd strides) goes to the reference. The
 native ops are what lets a float32 decode step be captured as a CPU graph (graphs.py): every op
 of it is a native call.
@@ -28,7 +29,7 @@ import torch
 
 from podium_plugin_api import ops as reference
 
-from . import moe
+from . import gguf_ops, moe
 from .linear_packing import NativeLinear
 from .native_kernels import NativeKernels
 
@@ -46,6 +47,8 @@ def cpu_ops(kernels: NativeKernels | None) -> dict[str, Callable]:
             silu_and_mul=partial(silu_and_mul, kernels),
             rms_norm_linear=partial(rms_norm_linear, kernels),
             silu_and_mul_linear=partial(silu_and_mul_linear, kernels),
+            gguf_linear=partial(gguf_ops.gguf_linear, kernels),
+            gguf_embedding=partial(gguf_ops.gguf_embedding, kernels),
         )
     return ops
 

@@ -41,7 +41,10 @@ LIBRARIES = {
     "fma_linear": (NATIVE_DIR / "fma_linear.c", ("-ffp-contract=off",)),
     "dpbf16_linear": (NATIVE_DIR / "dpbf16_linear.c", ("-ffp-contract=off",)),
     "graph_replay": (NATIVE_DIR / "graph_replay.c", ()),
+    "gguf_linear": (NATIVE_DIR / "gguf_linear.c", ()),  # GGUF block formats, dequantized in the kernel
 }
+# ggml type id -> the name in gguf_linear.c's entries (podium_gguf_q4_1_linear_bf16, ...)
+GGUF_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
 COMPILERS = ("cc", "gcc", "clang")
 COMPILE_TIMEOUT_S = 120
 
@@ -91,6 +94,9 @@ class NativeKernels:
     amx_fused_linear: dict = field(default_factory=dict)
     dpbf16_fused_linear: dict = field(default_factory=dict)
     embed_rows: dict = field(default_factory=dict)  # the embedding lookup
+    # GGUF blocks kept quantized (gguf_linear.c): {ggml type id: {dtype: entry}}
+    gguf_linear: dict = field(default_factory=dict)
+    gguf_embed: dict = field(default_factory=dict)
     replay: ctypes._CFuncPtr | None = None  # graph_replay.c: a captured step's calls (graphs.py)
 
 
@@ -204,6 +210,8 @@ REPLAY_KINDS = {
     "podium_amx_linear": 1, "podium_fma_linear": 1, "podium_dpbf16_linear": 1,
     "podium_paged_attention": 2, "podium_rms_norm": 3, "podium_embed_rows": 4, "podium_silu_and_mul": 5,
     "podium_rotary": 6, "podium_write_kv": 7,
+    **{f"podium_gguf_{name}_linear": 1 for name in GGUF_TYPES.values()},
+    **{f"podium_gguf_{name}_embed": 4 for name in GGUF_TYPES.values()},
 }
 _LINEAR = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
 _FUSED_LINEAR = [_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
@@ -224,6 +232,9 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_fma_pack": (_PACK, ("f32", "bf16")),
     "podium_fma_fused_linear": (_FUSED_LINEAR, ("f32", "bf16")),
     "podium_embed_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16")),
+    **{f"podium_gguf_{name}_linear": (_LINEAR, ("f32", "bf16")) for name in GGUF_TYPES.values()},
+    **{f"podium_gguf_{name}_embed": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16"))
+       for name in GGUF_TYPES.values()},
 }
 SUFFIX_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -307,6 +318,8 @@ def _load() -> tuple[NativeKernels | None, str]:
         amx_fused_linear=entries["podium_amx_fused_linear"] if amx_ready else {},
         dpbf16_fused_linear=entries["podium_dpbf16_fused_linear"] if dpbf16_ready else {},
         embed_rows=entries["podium_embed_rows"],
+        gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},
+        gguf_embed={t: entries[f"podium_gguf_{name}_embed"] for t, name in GGUF_TYPES.items()},
         replay=replay,
     ), ""
 

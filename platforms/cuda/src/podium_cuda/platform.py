@@ -211,8 +211,10 @@ class CudaPlatform(Platform):
 
 def op_kernels() -> dict:
     """Every Triton op podium-cuda has, by op name (which are installed is the tuning's choice)."""
+    from .fp8_linear import fp8_linear
     from .fused_ops import FUSED_OPS  # triton is imported here, not before
     from .gemv import GEMV_OPS
+    from .gguf import GGUF_OPS
     from .moe import fused_moe
 
-    return {**FUSED_OPS, **GEMV_OPS, "fused_moe": fused_moe}
+    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, "fused_moe": fused_moe, "fp8_linear": fp8_linear}

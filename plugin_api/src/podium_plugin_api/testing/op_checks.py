@@ -9,6 +9,8 @@ batch-1 decode row than for a prefill chunk, and both must be right. ``fused_moe
 at 1 and 7 tokens, top-1 and top-2 of 4 experts, with an expert no token picks and an id of -1.
 ``encoder_attention`` runs on one sequence and on a ragged batch (lengths 3, 1, 5, 2), with and
 without grouped key/value heads.
+``gguf_linear`` and ``gguf_embedding`` run every kept block format at 1, 2 and 7 rows on random blocks;
+``fp8_linear`` each weight-scale granularity at 1, 2 and 7 rows.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fp8 import FP8
+from ..gguf_blocks import BLOCKS, random_rows
 from ..moe import MoEExperts
 from ..ops import REFERENCE_OPS
 from .report import ConformanceError, check_close, dtype_name, guarded
@@ -28,6 +32,7 @@ T, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, MAX_POS = 7, 96, 4, 2, 32, 64
 OUT_FEATURES = 40  # the projection of the *_linear ops: not a multiple of a kernel's usual tile
 LINEAR_ROWS = (1, 2, T)
 NUM_EXPERTS, EXPERT_SIZE = 4, 24
+GGUF_COLUMNS = 256  # one K-quant block, eight legacy ones
 
 
 def _linear(in_features: int, bias: bool, dtype: torch.dtype, gen: torch.Generator) -> nn.Linear:
@@ -56,7 +61,27 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
         return [_moe_case(rows, top_k, dtype, gen) for rows in (1, T) for top_k in (1, 2)]
     if name == "encoder_attention":
         return [_encoder_case(lens, kv_heads, dtype, gen) for lens in ((T,), (3, 1, 5, 2)) for kv_heads in (HEADS, KV_HEADS)]
+    if name == "gguf_linear":
+        return [(torch.randn(rows, GGUF_COLUMNS, generator=gen).to(dtype),
+                 random_rows(ggml_type, OUT_FEATURES, GGUF_COLUMNS, gen), ggml_type)
+                for ggml_type in BLOCKS for rows in LINEAR_ROWS]
+    if name == "gguf_embedding":
+        return [(torch.randint(0, OUT_FEATURES, (rows,), generator=gen),
+                 random_rows(ggml_type, OUT_FEATURES, GGUF_COLUMNS, gen), ggml_type, dtype)
+                for ggml_type in BLOCKS for rows in LINEAR_ROWS]
+    if name == "fp8_linear":
+        return [_fp8_case(rows, granularity, dtype, gen) for granularity in ("tensor", "channel", "block")
+                for rows in LINEAR_ROWS]
     return [op_inputs(name, dtype, gen)]
+
+
+def _fp8_case(rows: int, granularity: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
+    """x [rows, 256], an e4m3 weight [OUT_FEATURES, 256] and its scale of ``granularity``, a bias."""
+    weight = (torch.randn(OUT_FEATURES, GGUF_COLUMNS, generator=gen) * 64).clamp(-448, 448).to(FP8)
+    shapes = {"tensor": (1,), "channel": (OUT_FEATURES, 1), "block": (1, GGUF_COLUMNS // 128)}
+    scale = torch.rand(shapes[granularity], generator=gen) / 1000 + 1e-4
+    bias = torch.randn(OUT_FEATURES, generator=gen).to(dtype)
+    return torch.randn(rows, GGUF_COLUMNS, generator=gen).to(dtype), weight, scale, bias
 
 
 def _moe_case(rows: int, top_k: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:

@@ -1,0 +1,122 @@
+"""INT4 AWQ and GPTQ (act-order) checkpoints: a tiny Llama quantized by this test into each format, with
+``quantization_config`` as AutoAWQ / GPTQ write it; Podium loads it and its logits equal transformers'
+on the same model with the weights dequantized by this test's own plain-torch reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from podium import LLM, SamplingParams
+
+GROUP = 128
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_columns(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """int [R, C] of 0..15 -> int32 [R, C/8]: nibble i of an int32 holds column 8j + order[i]."""
+    q = q.reshape(q.shape[0], -1, 8).long()
+    return _to_int32(sum(q[:, :, order[i]] << (4 * i) for i in range(8)))
+
+
+def _to_int32(packed: torch.Tensor) -> torch.Tensor:
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """int [R, C] -> int32 [R/8, C]: nibble i of row r holds input row 8r + i (GPTQ's qweight)."""
+    q = q.reshape(-1, 8, q.shape[1]).long()
+    return _to_int32(sum(q[:, i, :] << (4 * i) for i in range(8)))
+
+
+def quantize(weight: torch.Tensor, fmt: str, gen: torch.Generator):
+    """A float weight [N, K] (out, in) -> (checkpoint tensors, the dequantized [N, K] weight)."""
+    w = weight.t().double()  # [K, N]: both formats store input rows first
+    k, n = w.shape
+    groups = torch.arange(k) // GROUP
+    if fmt == "gptq":  # act-order: the groups are taken in a permuted order of the input rows
+        perm = torch.randperm(k, generator=gen)
+        groups = torch.empty(k, dtype=torch.long)
+        groups[perm] = torch.arange(k) // GROUP
+    lo = torch.stack([w[groups == g].min(0).values for g in range(k // GROUP)])  # [G, N]
+    hi = torch.stack([w[groups == g].max(0).values for g in range(k // GROUP)])
+    scales = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16).double()
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    q = torch.round(w / scales[groups] + zeros[groups]).clamp(0, 15).long()
+    dequantized = ((q - zeros[groups].long()) * scales[groups]).t().float()  # [N, K]
+    if fmt == "awq":
+        tensors = {"qweight": pack_columns(q, AWQ_ORDER), "qzeros": pack_columns(zeros.long(), AWQ_ORDER),
+                   "scales": scales.to(torch.float16)}
+    else:
+        tensors = {"qweight": pack_rows(q), "qzeros": pack_columns(zeros.long() - 1), "scales": scales.to(torch.float16),
+                   "g_idx": groups.to(torch.int32)}
+    return tensors, dequantized
+
+
+CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
+             "checkpoint_format": "gptq"},
+}
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_int4_checkpoint_loads_and_equals_its_dequantized_model(fmt, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    packed = {}
+    for name, tensor in state.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            tensors, dequantized = quantize(tensor, fmt, gen)
+            packed.update({name.removesuffix("weight") + key: value.contiguous() for key, value in tensors.items()})
+            model.get_parameter(name).data.copy_(dequantized)  # the reference: same model, dequantized weights
+        else:
+            packed[name] = tensor
+    save_file(packed, tmp_path / "model.safetensors")
+    written = json.loads((tmp_path / "config.json").read_text())
+    written["quantization_config"] = CONFIGS[fmt]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=16)
+    assert llm.engine.quantization.name == fmt and llm.engine.weight_bytes["int32"] > 0
+    prompt = [3, 17, 42, 99, 7, 200]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, len(prompt):].tolist()
+    assert out == want
+
+
+def test_int4_layer_against_a_plain_reference():
+    """One GPTQ act-order layer: Podium's unpacking equals the test's dequantization exactly."""
+    from podium.quantization.int4 import Int4Linear
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 256, generator=gen)
+    tensors, dequantized = quantize(weight, "gptq", gen)
+    layer = Int4Linear(256, 64, False, GROUP, "gptq")
+    for key, value in tensors.items():
+        getattr(layer, key).data = value if key != "scales" else value.float()
+    x = torch.randn(3, 256, generator=gen)
+    torch.testing.assert_close(layer.dequantized(torch.float32), dequantized.t(), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_int4_configs_are_refused():
+    from podium.quantization import select_quantization
+
+    with pytest.raises(ValueError, match="8-bit weights are not supported"):
+        select_quantization(None, {"quant_method": "gptq", "bits": 8, "group_size": 128})
+    with pytest.raises(ValueError, match="version gemm"):
+        select_quantization(None, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"})
