@@ -90,6 +90,10 @@ class EngineConfig:
     # plugin's method); None: what the checkpoint's quantization_config says, and a GGUF file
     # dequantized at load (as "none"); "gguf" keeps its blocks; "fp8" on a float checkpoint quantizes it at load
     quantization: str | None = None
+    # every reduction in a fixed order per row (the platform's batch-invariant kernels): a request's
+    # output never depends on its batch, its chunking or prefix-cache hits; refused where the
+    # platform does not declare the capability
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
@@ -130,6 +134,8 @@ class EngineConfig:
         if self.tokenizer_cache is not None and not isinstance(self.tokenizer_cache, bool):
             raise ValueError(f"tokenizer_cache must be True, False or None (the environment decides), "
                              f"got {self.tokenizer_cache!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
 
     @property
     def platform_option_values(self) -> dict[str, Any]:

@@ -75,6 +75,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("enforce_eager", "no graph capture", type=None, default=False),
     Flag("async_scheduling", "plan and launch step N+1 before reading step N's tokens", type=bool,
          default="the platform's choice: on for CUDA/ROCm, off for CPU/TPU"),
+    Flag("batch_invariant", "deterministic serving: a request's output never depends on what else runs, on "
+         "chunked prefill or on prefix-cache hits (the platform's batch-invariant kernels; costs speed, see "
+         "docs/batch_invariant.md)", type=None, default=False),
     Flag("seed", "seeds sampling (and the random weights of a shape model)", type=int),
     Flag("tensor_parallel_size", "ranks (processes, one device each) the model is sharded over", type=int,
          aliases=("-tp",)),

@@ -36,12 +36,25 @@ def start_platform(config: EngineConfig, device_index: int = 0, rank: int | None
     platform.activate(resolve_options(platform.name, platform.options(), config.platform_option_values))
     if rank is not None:
         device_index = platform.rank_device(rank, config.tensor_parallel_size)
+    if config.batch_invariant:
+        use_batch_invariant_kernels(platform)
     count = platform.device_count()
     if not 0 <= device_index < count:
         raise RuntimeError(f"platform {platform.name!r} has {count} device(s) here; device {device_index} "
                            f"does not exist (check the devices this process may see)")
     platform.set_device(device_index)
     return StartedPlatform(platform, entry.name, plugins)
+
+
+def use_batch_invariant_kernels(platform: Platform) -> None:
+    """Switch ``platform`` to its batch-invariant kernels, or refuse the mode with the reason."""
+    caps = platform.capabilities()
+    if not caps.batch_invariant:
+        why = caps.extra.get("batch_invariant", "it declares no batch-invariant kernels")
+        raise ValueError(f"batch_invariant mode is not available on platform {platform.name!r}: {why} "
+                         f"(capabilities().batch_invariant is False); run without --batch-invariant or "
+                         f"on another platform (--device)")
+    platform.use_batch_invariant_kernels()
 
 
 def attention_specs(model: nn.Module) -> Iterator[AttentionLayerSpec]:

@@ -56,6 +56,9 @@ class Capabilities:
     pinned_memory: bool = False  # host staging buffers are pinned, so host -> device copies are asynchronous
     kv_cache_from_free_memory: bool = False  # size the cache from free memory after profiling
     inference_mode: bool = True  # steps may run under torch.inference_mode (False: torch.no_grad)
+    # kernels whose every reduction order is fixed per row (batch_invariant mode): a request's
+    # output does not depend on its batch, its chunking or prefix-cache hits (use_batch_invariant_kernels)
+    batch_invariant: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # facts for people: podium platforms --verbose prints them
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,6 +73,7 @@ class Capabilities:
             "pinned_memory": self.pinned_memory,
             "kv_cache_from_free_memory": self.kv_cache_from_free_memory,
             "inference_mode": self.inference_mode,
+            "batch_invariant": self.batch_invariant,
             **self.extra,
         }
 
@@ -130,6 +134,14 @@ class Platform:
         the platform is created: every installed platform is created at discovery. Default: nothing.
         """
         return None
+
+    def use_batch_invariant_kernels(self) -> None:
+        """Called by the engine once, right after ``activate``, when the user asked for the
+        batch-invariant mode and ``capabilities().batch_invariant`` is True: from then on every op
+        this platform runs (linears, norms, attention, sampling helpers) reduces each row in one
+        fixed order, whatever the number of rows, the chunking of a prompt or a cached prefix.
+        Added in API 2.3; the default refuses (a platform declaring the capability overrides it)."""
+        raise NotImplementedError(f"platform {self.name!r} has no batch-invariant kernels")
 
     # device ---------------------------------------------------------------------------------
     def device_count(self) -> int:

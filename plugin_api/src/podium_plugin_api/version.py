@@ -22,11 +22,13 @@ Minor versions:
   / ``gguf_embedding`` (``podium_plugin_api.gguf_blocks``) and ``fp8_linear``
   (``podium_plugin_api.fp8``), each with a reference the kit checks. A 2.0 or 2.1 plugin inherits
   the references.
+- 2.3: batch-invariant mode: ``Capabilities.batch_invariant`` and
+  ``Platform.use_batch_invariant_kernels`` (the default refuses). A 2.0 plugin inherits the defaults.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.2.0"
+API_VERSION = "2.3.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

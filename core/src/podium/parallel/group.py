@@ -29,12 +29,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class RankOrderSum:
+    """The batch-invariant mode's all-reduce: every rank's partial gathered, then summed in rank
+    order, so each element is ((r0 + r1) + r2) + ... whatever the tensor's size. A backend's own
+    all-reduce (a ring, say) may cut a tensor into chunks by its size, each summed from another
+    rank: with three or more ranks a row's sum would then depend on the batch. The other
+    collectives are the platform communicator's."""
+
+    def __init__(self, comm) -> None:
+        self.inner = comm
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inner.world_size == 1:
+            return x
+        parts = self.inner.all_gather(x.unsqueeze(0), dim=0)  # [world, *x.shape]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return x.copy_(total)
+
+
 class TensorParallelGroup:
     """This rank's ``Split``, communicator, control group and plan channel."""
 
     def __init__(self, platform, rank: int, world_size: int, port: int, plan_broadcast: str,
-                 ring: ShmRing | str | None = None) -> None:
-        """``ring``: rank 0's ShmRing (created before the workers start), or its name on a worker."""
+                 ring: ShmRing | str | None = None, batch_invariant: bool = False) -> None:
+        """``ring``: rank 0's ShmRing (created before the workers start), or its name on a worker;
+        ``batch_invariant``: sum partial outputs in rank order (``RankOrderSum``)."""
         self.platform, self.rank, self.world_size = platform, rank, world_size
         self.split = Split(rank, world_size)
         # a rank's host threads share the host's cores with the other ranks (restored by close())
@@ -48,6 +72,8 @@ class TensorParallelGroup:
                                              world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
         self.control = None if backend == "gloo" else torch.distributed.new_group(backend="gloo")
         self.comm = platform.communicator(rank, world_size)
+        if batch_invariant:
+            self.comm = RankOrderSum(self.comm)
         if plan_broadcast == "shm":
             self.channel = ring if isinstance(ring, ShmRing) else ShmRing(world_size - 1, ring, rank - 1)
         else:

@@ -169,7 +169,8 @@ def start_workers(config, platform, hf_config) -> Workers:
             proc.start()
             procs.append(proc)
         _wait_until_joining(procs, reports)
-        group = TensorParallelGroup(platform, 0, world, port, config.plan_broadcast, ring)
+        group = TensorParallelGroup(platform, 0, world, port, config.plan_broadcast, ring,
+                                    batch_invariant=config.batch_invariant)
     except BaseException:
         for proc in procs:
             proc.kill()
@@ -213,7 +214,7 @@ def worker_main(config, rank: int, port: int, ring_name: str | None, parent: int
         config = config.with_defaults(platform.config_defaults())
         reports.put((rank, "joining", ""))
         group = TensorParallelGroup(platform, rank, config.tensor_parallel_size, port, config.plan_broadcast,
-                                    ring_name)
+                                    ring_name, batch_invariant=config.batch_invariant)
         group.channel.alive = lambda: os.getppid() == parent
         source = resolve_model(config.model, tokenizer_cache=config.tokenizer_cache, load_tokenizer=False)
         max_model_len = config.max_model_len or source.max_model_len

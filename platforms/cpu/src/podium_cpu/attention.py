@@ -44,7 +44,7 @@ from .attention_kernel import (
     rotary_fits,
     token_rows,
 )
-from .attention_plan import Chunk, StepPlan, plan_for
+from .attention_plan import TILE_MIN_QUERY, Chunk, StepPlan, plan_for
 from .graphs import capturing
 from .native_kernels import NativeKernels
 
@@ -53,8 +53,9 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu-paged"
     key_transposed = True  # key tiles stored [D, block_size]
 
-    def __init__(self, kernels: NativeKernels | None = None) -> None:
+    def __init__(self, kernels: NativeKernels | None = None, tile_min_query: int = TILE_MIN_QUERY) -> None:
         self.kernels = kernels
+        self.tile_min_query = tile_min_query  # EVERY_TOKEN_ALONE: the batch-invariant mode (attention_plan)
         self._shapes: dict[tuple, tuple] = {}  # (layer id, strides, block size) -> (layer, the kernel's Shape)
         if kernels is not None:
             self.name = "cpu-paged-native"
@@ -143,7 +144,7 @@ class CpuAttentionBackend(AttentionBackend):
         if out is not None:
             return out
         key_cache, value_cache = self.split_cache(kv_cache)
-        plan = plan_for(meta, value_cache.shape[2])
+        plan = plan_for(meta, value_cache.shape[2], self.tile_min_query)
         self._write(key_cache, value_cache, key, value, meta.slot_mapping, plan)
         return self._attend(layer, query, key_cache, value_cache, meta, plan, key, value)
 
@@ -151,7 +152,7 @@ class CpuAttentionBackend(AttentionBackend):
         self, layer: AttentionLayerSpec, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         key_cache, value_cache = self.split_cache(kv_cache)
-        plan = plan_for(meta, value_cache.shape[2])
+        plan = plan_for(meta, value_cache.shape[2], self.tile_min_query)
         return self._attend(layer, query, key_cache, value_cache, meta, plan, None, None)
 
     def forward_rotary(self, layer, query, key, value, kv_cache, meta, rotary: RotaryInputs) -> torch.Tensor:
@@ -182,7 +183,7 @@ class CpuAttentionBackend(AttentionBackend):
         if capturing():  # a graph: the kernel reads the step's tensors in place on every replay
             step = captured_step(meta, query, block_size, True, rotary)
             return launch(self.kernels, self._shapes, layer, query, (key, value), caches, step)
-        plan = plan_for(meta, block_size)
+        plan = plan_for(meta, block_size, self.tile_min_query)
         if rotary is not None and (query.shape[0] != key.shape[0] or not rotary_fits(rotary, key.shape[0], head_size)):
             return None
         return call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary)

@@ -11,6 +11,11 @@ A step's sequences split by query length:
             fresh prefill (no cached context) attends to its own new keys/values without reading
             the cache at all.
 
+In the batch-invariant mode (``tile_min_query=EVERY_TOKEN_ALONE``) every query token goes the tokens
+way: a prompt's token is attended exactly as it would be as a decode (one work item, all its keys
+scored, then soft-maxed, then summed, in the same order), so its result does not depend on the
+chunk it came in, on a cached prefix or on the other sequences of the step.
+
 Everything here is host-side bookkeeping plus a few small index tensors; the first layer of a
 step builds it and keeps it in ``meta.extras`` for the other layers (``plan_for``).
 """
@@ -24,6 +29,7 @@ import torch
 from podium_plugin_api import AttentionMetadata
 
 TILE_MIN_QUERY = 2  # sequences with this many query tokens or more are tiled (decodes stay tokens)
+EVERY_TOKEN_ALONE = 1 << 62  # a tile_min_query that tiles nothing (the batch-invariant mode)
 TILE_ROWS = 48  # a tile's query rows (tokens x the query heads of a kv head) aimed at
 PLAN_KEY = "podium_cpu.plan"
 
@@ -60,11 +66,13 @@ class StepPlan:
     token_seqs: torch.Tensor
     token_positions: torch.Tensor
     max_decode_span: int  # the most keys a decode attends to
+    tile_min_query: int = TILE_MIN_QUERY  # what made a sequence a chunk
     cache: dict = field(default_factory=dict)  # derived tensors built on first use (torch decode path)
 
 
-def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
-    """The plan of ``meta``'s step; uses its host lists when the runner gave them."""
+def build_plan(meta: AttentionMetadata, block_size: int, tile_min_query: int = TILE_MIN_QUERY) -> StepPlan:
+    """The plan of ``meta``'s step; uses its host lists when the runner gave them. Sequences with
+    fewer than ``tile_min_query`` query tokens go token by token."""
     query_lens = meta.query_lens_host or torch.diff(meta.query_start_loc).tolist()
     seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()
     starts = [0]
@@ -83,7 +91,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         used = -(-s // block_size)
         if used > tables.shape[1]:
             raise ValueError(f"sequence {i}: seq_len {s} needs {used} blocks; block_tables has {tables.shape[1]}")
-        if q < TILE_MIN_QUERY:
+        if q < tile_min_query:
             decodes.append(i)
             tokens.extend(range(starts[i], starts[i] + q))
             token_seqs.extend([i] * q)
@@ -108,10 +116,11 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         token_seqs=torch.tensor(token_seqs, dtype=torch.int64),
         token_positions=torch.tensor(positions, dtype=torch.int64),
         max_decode_span=max_span,
+        tile_min_query=tile_min_query,
     )
 
 
-def plan_for(meta: AttentionMetadata, block_size: int) -> StepPlan:
+def plan_for(meta: AttentionMetadata, block_size: int, tile_min_query: int = TILE_MIN_QUERY) -> StepPlan:
     """The step's plan: the stored one while it still describes ``meta``, else a new one.
 
     It is stored only when the runner gave host lists; a step without them (a captured step whose
@@ -121,12 +130,13 @@ def plan_for(meta: AttentionMetadata, block_size: int) -> StepPlan:
     if (
         plan is not None
         and plan.block_size == block_size
+        and plan.tile_min_query == tile_min_query
         and plan.block_tables is meta.block_tables
         and plan.seq_lens == meta.seq_lens_host
         and plan.query_lens == meta.query_lens_host
     ):
         return plan
-    plan = build_plan(meta, block_size)
+    plan = build_plan(meta, block_size, tile_min_query)
     if meta.seq_lens_host and meta.query_lens_host:
         meta.extras[PLAN_KEY] = plan
     return plan

@@ -32,7 +32,7 @@ anyway, so a rule that does needs no new callers, and names it in its answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -148,3 +148,27 @@ def _f32_rule(kernels: NativeKernels | None, why_not: str) -> LinearRule:
     if fallback == "onednn":
         return LinearRule("onednn", f"oneDNN's packed float32 matmul ({no_native}; decode steps are not captured)")
     return LinearRule("torch", f"{no_native}; {onednn_why}")
+
+
+# the batch-invariant mode's native kernel per dtype, in order of preference: each sums an output
+# element's K products in one order whatever the number of rows (amx_linear.c, dpbf16_linear.c and
+# fma_linear.c walk K the same way for every row block), so it runs for every batch; oneDNN and
+# F.linear pick their blocking from M and are never used in the mode
+_INVARIANT = {torch.bfloat16: ("amx", "avx512-bf16", "fma"), torch.float32: ("fma",)}
+
+
+def batch_invariant_rules(kernels: NativeKernels | None, why_not: str = "") -> dict[torch.dtype, LinearRule]:
+    """The batch-invariant mode's rule of each dtype that has a native kernel here (a dtype missing
+    from the answer cannot run in the mode)."""
+    if kernels is None:
+        return {}
+    rules = {}
+    for dtype, names in _INVARIANT.items():
+        for name in names:
+            prefix, _ = _KERNELS[name]
+            if dtype in getattr(kernels, f"{prefix}_linear"):
+                native = replace(_native(kernels, name, dtype), max_rows=None)
+                rules[dtype] = LinearRule("none", "batch-invariant mode: one native kernel and one reduction "
+                                                  "order for every batch", native)
+                break
+    return rules

@@ -17,6 +17,11 @@ Choices made here, from what the machine offers (``cpu_info``):
   ``PODIUM_CPU_ATTENTION``) forces one, and an explicit choice that cannot load is an error, never a
   silent fallback. ``attention_backend().name`` says which one runs, ``attention_note`` why (a
   forced choice, or why not a faster one).
+- batch-invariant mode (``use_batch_invariant_kernels``): where the native kernels build and the
+  attention is theirs. Linears run on one native kernel for every batch (``batch_invariant_rules``:
+  each output element sums its products in one order whatever the rows), norms are per row
+  already, and attention takes every query token alone (``attention_plan.EVERY_TOKEN_ALONE``), so a
+  prompt token is computed exactly as a decode would be; a dtype without a native linear is refused.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ from torch import nn
 from podium_plugin_api import AttentionBackend, Capabilities, GraphRunner, KVCacheSpec, Platform, PlatformOption
 
 from .attention import CpuAttentionBackend
+from .attention_plan import EVERY_TOKEN_ALONE, TILE_MIN_QUERY
 from .cpu_info import has_native_bf16, usable_cores
 from .embedding import native_embeddings
 from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
 from .ipex_support import ipex_status
-from .linear_choice import LinearChoice, LinearRule, choose, linear_rules
+from .linear_choice import LinearChoice, LinearRule, batch_invariant_rules, choose, linear_rules
 from .linear_packing import pack_linear_layers
 from .moe import pack_experts
 from .native_kernels import compiler_found, load_kernels
@@ -65,6 +71,7 @@ class CpuPlatform(Platform):
         self._backend_note = ""
         self._capabilities: Capabilities | None = None
         self._linear_rules: dict[torch.dtype, LinearRule] | None = None
+        self._invariant = False  # the batch-invariant mode (use_batch_invariant_kernels)
 
     def options(self) -> tuple[PlatformOption, ...]:
         return (ATTENTION_OPTION,)
@@ -78,18 +85,29 @@ class CpuPlatform(Platform):
         """Worked out once (the runner asks every step): reads /proc and /sys."""
         if self._capabilities is None:
             native_bf16 = has_native_bf16()
+            invariant_why = _batch_invariant_problem(self._attention)
             self._capabilities = Capabilities(
                 dtypes=(torch.float32, torch.bfloat16, torch.float16),
                 default_dtype=torch.bfloat16 if native_bf16 else torch.float32,
                 graph_capture=_graphs_possible(self._attention),
+                batch_invariant=not invariant_why,
                 fp8="e4m3fn",  # fp8 KV caches (torch's CPU casts): see CpuAttentionBackend.kv_cache_dtypes
                 distributed_backend="gloo",
                 extra={"native_bf16": native_bf16, "threads": usable_cores(),
                        "attention": _attention_setting(self._attention),
+                       "batch_invariant": invariant_why or ("on" if self._invariant else "available"),
                        **{f"linears {str(dtype).removeprefix('torch.')}": rule.summary()
                           for dtype, rule in self.linear_rules().items()}},
             )
         return self._capabilities
+
+    def use_batch_invariant_kernels(self) -> None:
+        """The batch-invariant mode from here on: native linears for every batch, attention token by token."""
+        problem = _batch_invariant_problem(self._attention)
+        if problem:
+            raise NotImplementedError(f"the cpu platform's batch-invariant mode needs its native kernels: {problem}")
+        self._invariant = True
+        self._backend, self._capabilities, self._linear_rules = None, None, None
 
     def config_defaults(self) -> dict:
         return {"kv_cache_memory": 1 << 30}
@@ -108,7 +126,7 @@ class CpuPlatform(Platform):
 
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
-            self._backend, self._backend_note = _make_backend(self._attention)
+            self._backend, self._backend_note = _make_backend(self._attention, self._invariant)
         return self._backend
 
     @property
@@ -131,7 +149,8 @@ class CpuPlatform(Platform):
     def linear_rules(self) -> dict[torch.dtype, LinearRule]:
         """Each dtype's linear kernels here (``linear_choice``); builds the native kernels on first use."""
         if self._linear_rules is None:
-            self._linear_rules = linear_rules(*load_kernels())
+            rules = batch_invariant_rules if self._invariant else linear_rules
+            self._linear_rules = rules(*load_kernels())
         return self._linear_rules
 
     def linear_kernel(self, dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> LinearChoice:
@@ -142,6 +161,8 @@ class CpuPlatform(Platform):
         """Called once the weights are loaded: linear weights (experts' too) packed for the kernel
         ``linear_rules`` picks for their dtype; embeddings to the native lookup. Returns the model."""
         rules = self.linear_rules()
+        if self._invariant:
+            _check_invariant_dtypes(model, rules)
         pack = partial(pack_linear_layers, rules=rules)
         packed = pack(model)
         pack_experts(model, pack)  # mixture-of-experts weights: the same packed linears, per expert
@@ -178,7 +199,26 @@ def _attention_setting(choice: str) -> str:
     return f"{choice} (forced by the attention option)"
 
 
-def _make_backend(choice: str = "auto") -> tuple[AttentionBackend, str]:
+def _batch_invariant_problem(choice: str) -> str:
+    """Why the batch-invariant mode cannot run here ("" when it can): it needs the native kernels."""
+    if choice not in ("auto", "native"):
+        return f"the attention option is {choice}, whose prefill and decode paths reduce in different orders"
+    if not compiler_found():
+        return "no C compiler to build the native kernels"
+    return ""
+
+
+def _check_invariant_dtypes(model: nn.Module, rules: dict[torch.dtype, LinearRule]) -> None:
+    """Refuse a model whose weights' dtype has no native linear (the mode's linears are all native)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    missing = sorted(str(d).removeprefix("torch.") for d in dtypes - set(rules))
+    if missing:
+        have = ", ".join(str(d).removeprefix("torch.") for d in rules) or "none (the native kernels did not load)"
+        raise ValueError(f"the cpu platform's batch-invariant mode has no native linear for {', '.join(missing)} "
+                         f"on this CPU (it has: {have}); choose another --dtype or run without --batch-invariant")
+
+
+def _make_backend(choice: str = "auto", invariant: bool = False) -> tuple[AttentionBackend, str]:
     """(backend, note) for ``choice``; auto: the native kernel when it builds, else IPEX's, else torch.
 
     The native kernel comes first because it measured faster here: 32 bf16 decodes over ~100
@@ -192,10 +232,14 @@ def _make_backend(choice: str = "auto") -> tuple[AttentionBackend, str]:
     if choice in ("auto", "native"):
         kernels, reason = load_kernels()
         if kernels is not None:
-            return CpuAttentionBackend(kernels), forced if choice == "native" else ""
+            tile_min_query = EVERY_TOKEN_ALONE if invariant else TILE_MIN_QUERY
+            return CpuAttentionBackend(kernels, tile_min_query), forced if choice == "native" else ""
         if choice == "native":
             raise RuntimeError(f"the cpu platform's attention option is native, but the native kernels did not "
                                f"load: {reason}")
+    if invariant:
+        raise RuntimeError(f"the cpu platform's batch-invariant mode needs the native attention kernel, which did "
+                           f"not load: {reason}")
     ipex, why = ipex_status()
     if ipex is not None:
         from .ipex_attention import IpexAttentionBackend

@@ -88,6 +88,14 @@ class CudaGraphRunner(GraphRunner):
         return replay
 
 
+# Why the mode is not offered yet: the linears have their batch-invariant GEMM (invariant_gemm.py,
+# fixed tiles, no split-K), but the paged-attention kernel's prefill tiles and decodes walk a
+# query's keys in different loops, and pure-decode steps split keys over a batch-dependent count.
+BATCH_INVARIANT_MISSING = ("not yet: the paged-attention kernel reduces a query's keys in another order in a prefill "
+                           "tile than in a decode (and splits decodes by batch size); the linears' batch-invariant "
+                           "GEMM exists (invariant_gemm.py)")
+
+
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
@@ -125,6 +133,7 @@ class CudaPlatform(Platform):
             distributed_backend="nccl",
             pinned_memory=True,
             kv_cache_from_free_memory=True,
+            extra={"batch_invariant": BATCH_INVARIANT_MISSING},
         )
 
     def config_defaults(self) -> dict:
