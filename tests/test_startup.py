@@ -8,7 +8,7 @@ import time
 import pytest
 
 from podium import LLM
-from podium import engine as engine_module
+from podium import shard as shard_module
 from podium.loader import embedded_gguf_path, gguf_source
 from podium.loader import tokenizer_cache as cache
 from podium.startup import STAGES, StartupTimer, format_startup
@@ -37,7 +37,7 @@ def test_unknown_stage_is_an_error():
 def test_engine_reports_each_stage_where_its_time_went(monkeypatch, caplog):
     """A delay injected into the tokenizer load and one into the model build show up in exactly those stages."""
     real_tokenizer = gguf_source.gguf_tokenizer
-    real_build = engine_module.build_model
+    real_build = shard_module.build_model
 
     def slow_tokenizer(path, cache=None):
         time.sleep(DELAY)
@@ -48,7 +48,7 @@ def test_engine_reports_each_stage_where_its_time_went(monkeypatch, caplog):
         return real_build(*args, **kwargs)
 
     monkeypatch.setattr(gguf_source, "gguf_tokenizer", slow_tokenizer)
-    monkeypatch.setattr(engine_module, "build_model", slow_build)
+    monkeypatch.setattr(shard_module, "build_model", slow_build)  # ModelShard builds the model
     with caplog.at_level(logging.INFO, logger="podium.engine"):
         llm = LLM("smollm2-135m-instruct", device="cpu", max_model_len=256)
     seconds = llm.engine.startup_seconds

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 from podium_cpu import CpuPlatform, cpu_info, native_kernels
@@ -74,12 +77,15 @@ def test_kernels_build_into_the_cache_and_replace_stale_builds(tmp_path, monkeyp
     stale = tmp_path / "podium" / "cpu-kernels" / "fused_ops-0000000000000000.so"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"old build")
+    long_ago = time.time() - native_kernels.STALE_AFTER_S - 60  # a recent build may be another checkout's
+    os.utime(stale, (long_ago, long_ago))
     kernels, why = native_kernels.load_kernels()
     if kernels is None:
         assert "compiler" in why or "unavailable" in why
         return
     assert sorted(p.name.split("-")[0] for p in kernels.paths) == ["amx_linear", "dpbf16_linear", "fma_linear",
-                                                                         "fused_ops", "graph_replay", "paged_attention"]
+                                                                         "fused_ops", "gguf_linear", "graph_replay",
+                                                                         "paged_attention"]
     assert all(p.parent == stale.parent and p.exists() for p in kernels.paths)
     assert not stale.exists()
 
