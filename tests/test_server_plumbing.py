@@ -244,11 +244,11 @@ def test_invalid_completion_requests(client, body, status, param):
 @pytest.mark.parametrize(("body", "fragment"), [
     ({"messages": []}, "messages"),
     ({"max_tokens": 3}, "messages: Field required"),
-    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "not supported yet"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools[0] must be"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "images are not supported yet"),
     ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema"}},
-     "not supported yet"),
+     "needs json_schema.schema"),
     ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "logprobs"),
     ({"messages": [{"role": "wizard", "content": "a"}]}, "messages.0.role"),
 ])

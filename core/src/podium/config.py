@@ -24,6 +24,7 @@ PLAN_BROADCASTS = ("shm", "torch")
 # where sampling defaults come from: the model's generation_config.json ("auto"), none ("vllm", as
 # vLLM's own defaults, or "none"), or a folder holding a generation_config.json
 GENERATION_CONFIG_SOURCES = ("auto", "vllm", "none")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -94,6 +95,8 @@ class EngineConfig:
     # output never depends on its batch, its chunking or prefix-cache hits; refused where the
     # platform does not declare the capability
     batch_invariant: bool = False
+    # the grammar library of structured output where a request names none (podium.structured)
+    structured_outputs_backend: str = "xgrammar"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
@@ -131,6 +134,9 @@ class EngineConfig:
         if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
             raise ValueError(f"quantization must be a method name (gguf, fp8, compressed-tensors, awq, gptq, none) "
                              f"or None, got {self.quantization!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")
         if self.tokenizer_cache is not None and not isinstance(self.tokenizer_cache, bool):
             raise ValueError(f"tokenizer_cache must be True, False or None (the environment decides), "
                              f"got {self.tokenizer_cache!r}")

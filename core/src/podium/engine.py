@@ -12,6 +12,9 @@ rank 0 of n (``parallel.worker``): its ``ModelShard`` holds one shard, it sends 
 other ranks before running it, and it alone schedules and samples; a dead rank is ``EngineDead``.
 A pooling (embedding) model runs its own kind of step instead (``pooling_step``: whole inputs, one
 embedding each, reported once, finished), on one device.
+A request with structured output waits outside the scheduler until its grammar has compiled in
+the background (``podium.structured``); each step first queues the ones that are ready, so no step
+waits for a compilation.
 
 Async scheduling (``async_scheduling``; on where the platform asks for it: accelerators, whose
 steps run while the host goes on; never where the platform samples on the host). A step N whose sampling needs nothing from the host is left
@@ -37,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent import futures
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +75,7 @@ from .shard import ModelShard
 from .spec import SpecDecodingStats, build_proposer
 from .spec.verify import verify
 from .startup import StartupTimer, format_startup
+from .structured import GrammarService
 from .tenant import DEFAULT_TENANT, Tenant
 
 logger = logging.getLogger(__name__)
@@ -178,6 +183,9 @@ class LLMEngine:
         self.async_scheduling = (bool(config.async_scheduling) and not self.runner.shaping.sample_on_host
                                  and spec is None and self.pooler is None)  # verification books tokens on the host
         self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread
+        self.grammars = GrammarService(self.tokenizer, source.hf_config.vocab_size, source.eos_token_ids,
+                                       config.structured_outputs_backend)
+        self._compiling: list[Sequence] = []  # constrained sequences whose grammar is not compiled yet
         self._requests: dict[str, RequestState | PoolingRequest] = {}
         self._seq_ids = itertools.count()
         self._prefill_tokens = 0  # prompt (not decode) tokens computed, over the engine's life
@@ -295,9 +303,9 @@ class LLMEngine:
             return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, tenant)
         params = params or SamplingParams()
         requested_max_tokens = params.max_tokens  # the caller's: a generation_config default is no request
-        if params.structured_outputs is not None:
-            raise InvalidParameter("structured_outputs: no grammar backend is installed in this engine yet",
-                                   param="structured_outputs")
+        grammar = None
+        if params.structured_outputs is not None:  # checked now; compiled in the background
+            grammar = self.grammars.request(params.structured_outputs)
         if self.sampling_defaults:
             params = with_fallbacks(params, self.sampling_defaults)
         bound_to_vocab(params, self.sampler.vocab_size)
@@ -315,11 +323,14 @@ class LLMEngine:
         if tenant is not None and not isinstance(tenant, Tenant):
             raise ValueError(f"tenant must be a podium.Tenant, got {type(tenant).__name__}")
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, arrival, priority,
-                         tenant=tenant or DEFAULT_TENANT) for i in range(params.n)]
+                         tenant=tenant or DEFAULT_TENANT, grammar=grammar) for i in range(params.n)]
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],
                                                   RequestMetrics(arrival_time=arrival), output_kind=output_kind)
         for seq in seqs:
-            self.scheduler.add(seq)
+            if grammar is not None and not grammar.done():
+                self._compiling.append(seq)
+            else:
+                self.scheduler.add(seq)
         return len(ids)
 
     def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams | None,
@@ -351,10 +362,33 @@ class LLMEngine:
                                     tenant=tenant or DEFAULT_TENANT))
         return len(ids)
 
+    def _admit_compiled(self, several: dict[str, RequestState]) -> None:
+        """Queue the sequences whose grammar has compiled; end those whose compilation failed. When
+        nothing else can run, wait a moment for the oldest compilation instead of spinning."""
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            futures.wait([self._compiling[0].grammar], timeout=0.005)
+        waiting = []
+        for seq in self._compiling:
+            if not seq.grammar.done():
+                waiting.append(seq)
+            elif seq.grammar.exception() is not None:
+                logger.error("request %s: its grammar did not compile: %s", seq.request_id, seq.grammar.exception())
+                self._fail_uncompiled(seq, several)
+            else:
+                self.scheduler.add(seq)
+        self._compiling = waiting
+
+    def _fail_uncompiled(self, seq: Sequence, several: dict[str, RequestState]) -> None:
+        seq.status, seq.finish_reason = _FINISHED, "abort"
+        req = self._requests.get(seq.request_id)
+        if req is not None:
+            several[seq.request_id] = req
+
     def abort_request(self, request_id: str | Seq[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             if self._requests.pop(rid, None) is None:
                 continue
+            self._compiling = [s for s in self._compiling if s.request_id != rid]
             for seq in self.scheduler.abort(rid):
                 self._forget(seq)
 
@@ -399,6 +433,9 @@ class LLMEngine:
             self.tp.check()  # a worker that died between steps: EngineDead before planning
         if self.pooler is not None:
             return self._pooling_step(started)
+        several: dict[str, RequestState] = {}  # requests reported after the pass (n > 1, or ended early)
+        if self._compiling:
+            self._admit_compiled(several)
         previous, self._in_flight = self._in_flight, None
         if self.proposer is not None:
             self._propose()
@@ -406,7 +443,6 @@ class LLMEngine:
         self._step_work = (plan, previous)  # what a fault in this step fails (kept as is: no cost per step)
         if self.fault_injector is not None:
             self.fault_injector(plan)
-        several: dict[str, RequestState] = {}  # requests reported after the pass (n > 1, or ended early)
         for seq in plan.finished:  # sequences the scheduler ended itself (could never fit)
             self._forget(seq)
             if seq.request_id in self._requests:
@@ -643,7 +679,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + len(self._compiling),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=self.num_kv_blocks,
             kv_cache_usage=bm.usage,

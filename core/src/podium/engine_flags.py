@@ -22,7 +22,15 @@ from typing import Any
 
 from podium_plugin_api.options import parse_option_pairs
 
-from .config import DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, PLAN_BROADCASTS, SCHEDULING_POLICIES, EngineConfig
+from .config import (
+    DEFAULT_MODEL,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PLAN_BROADCASTS,
+    SCHEDULING_POLICIES,
+    STRUCTURED_OUTPUTS_BACKENDS,
+    EngineConfig,
+)
 from .engine_args import VLLM_ARGS
 from .pooling_config import RUNNERS
 
@@ -96,6 +104,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("quantization", "how the weights run quantized: gguf (a GGUF file's blocks kept), fp8 (a float checkpoint "
          "quantized at load), or a plugin's method; none: a GGUF file dequantized at load",
          default="what the checkpoint's quantization_config says; GGUF files dequantized", aliases=("-q",)),
+    Flag("structured_outputs_backend", "grammar library of structured output where a request names none",
+         choices=STRUCTURED_OUTPUTS_BACKENDS, aliases=("--guided-decoding-backend",)),
     Flag("tokenizer_cache", "keep a GGUF file's converted tokenizer on disk", type=bool,
          default="on, unless $PODIUM_TOKENIZER_CACHE=0"),
     Flag("speculative_config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '

@@ -14,6 +14,7 @@ engine fills in when it reads the token. Outputs never show placeholders.
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    grammar: Future | None = None  # structured output: the compiled grammar (podium.structured), else None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

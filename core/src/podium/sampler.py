@@ -3,7 +3,8 @@
 One row of ``logits`` per sequence, in order. The processing order follows vLLM:
 
     raw logits --(logprobs are taken here: log_softmax of the raw model output)
-      -> logit_bias -> min_tokens (EOS / stop ids masked) -> repetition penalty (prompt + output)
+      -> grammar mask (structured output: disallowed tokens -inf) -> logit_bias
+      -> min_tokens (EOS / stop ids masked) -> repetition penalty (prompt + output)
       -> presence / frequency penalties (output) -> greedy rows: argmax
       -> temperature -> top-k / top-p (platform op) -> min-p -> random draw
 
@@ -32,6 +33,7 @@ from podium_plugin_api.ops import top_k_top_p as reference_top_k_top_p
 from .errors import StepFault
 from .outputs import Logprob, PositionLogprobs
 from .request import Sequence
+from .structured import GrammarMasks
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this temperature a row is greedy (as in vLLM)
 _MASK64 = (1 << 64) - 1
@@ -66,6 +68,7 @@ class _SeqState:
     bias_ids: list[int]
     bias_values: list[float]
     min_token_mask: list[int]  # ids masked while num_output_tokens < min_tokens
+    constrained: bool = False  # structured output: a grammar masks its logits
     slot: int = -1  # row in the penalty counts, -1: no penalties
     counted: int = 0  # tokens of seq.token_ids already in its counts
 
@@ -87,6 +90,7 @@ class _Batch:
     seeded_uniforms: list[float] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
     logprob_k: list[int] = field(default_factory=list)
+    grammar_rows: list[int] = field(default_factory=list)
 
 
 class _TokenCounts:
@@ -137,6 +141,7 @@ class Sampler:
         self._argmax = first_argmax if argmax is reference_argmax else argmax
         self._states: dict[int, _SeqState] = {}
         self._counts = _TokenCounts(vocab_size, self.device)
+        self._grammars = GrammarMasks(vocab_size)
         self._generator: torch.Generator | None = None  # shared by unseeded rows; made on first use
 
     # -- per-sequence state ----------------------------------------------------------------------
@@ -145,6 +150,8 @@ class Sampler:
         state = self._states.pop(seq_id, None)
         if state is not None and state.slot >= 0:
             self._counts.release(state.slot)
+        if state is not None and state.constrained:
+            self._grammars.forget(seq_id)
 
     def _state(self, seq: Sequence) -> _SeqState:
         state = self._states.get(seq.seq_id)
@@ -168,8 +175,9 @@ class Sampler:
         seed_key = None
         if p.seed is not None and not greedy:
             seed_key = _mix64(_mix64(p.seed & _MASK64) ^ seq.sample_index)
-        plain = greedy and not bias and not masked and not penalised and p.logprobs is None
-        state = _SeqState(plain, greedy, seed_key, list(bias), list(bias.values()), masked)
+        constrained = seq.grammar is not None
+        plain = greedy and not bias and not masked and not penalised and p.logprobs is None and not constrained
+        state = _SeqState(plain, greedy, seed_key, list(bias), list(bias.values()), masked, constrained)
         if penalised:
             state.slot = self._counts.acquire(seq.prompt_token_ids)
             state.counted = seq.num_prompt_tokens
@@ -178,10 +186,11 @@ class Sampler:
     # -- sampling --------------------------------------------------------------------------------
     def can_defer(self, seqs: list[Sequence]) -> bool:
         """Whether ``sample_device`` serves these sequences: none reads its token history
-        (penalties) or wants logprobs, both of which need the previous tokens on the host."""
+        (penalties, a grammar's matcher) or wants logprobs, all of which need the previous tokens
+        on the host."""
         for seq in seqs:
             state = self._state(seq)
-            if state.slot >= 0 or seq.params.logprobs is not None:
+            if state.slot >= 0 or state.constrained or seq.params.logprobs is not None:
                 return False
         return True
 
@@ -225,7 +234,9 @@ class Sampler:
                              f"got {list(logits.shape)}")
 
     def _tokens(self, logits: torch.Tensor, seqs: list[Sequence], states: list[_SeqState], batch: _Batch) -> torch.Tensor:
-        """Edits (bias, min_tokens), penalties, then the choice of each row -> [N] on the device."""
+        """Grammar masks, edits (bias, min_tokens), penalties, then the choice of each row -> [N]."""
+        if batch.grammar_rows:
+            self._grammars.apply(logits, batch.grammar_rows, [seqs[r] for r in batch.grammar_rows])
         if batch.edit_rows:
             index = _on(logits.device, [batch.edit_rows, batch.edit_ids])  # [2, M]
             values = _on(logits.device, batch.edit_values, logits.dtype)
@@ -253,6 +264,8 @@ class Sampler:
                 b.edit_values += [float("-inf")] * len(st.min_token_mask)
             if st.slot >= 0:
                 b.penalty_rows.append(row)
+            if st.constrained:
+                b.grammar_rows.append(row)
             if st.seed_key is not None:
                 b.seeded_rows.append(row)
                 b.seeded_uniforms.append(seeded_uniform(st.seed_key, seq.num_output_tokens))

@@ -15,8 +15,8 @@ _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_log
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output, as vLLM names it: exactly one of ``json`` (a JSON schema, dict or
-    string), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF/GBNF) or ``json_object``
-    (any JSON object). ``backend`` picks the grammar backend (None: the engine's default)."""
+    string), ``regex``, ``choice`` (a list of strings), ``grammar`` (xgrammar's EBNF, llguidance's
+    Lark) or ``json_object`` (any JSON object); ``podium.structured`` enforces it. ``backend`` picks the grammar backend (None: the engine's default)."""
 
     json: dict | str | None = None
     regex: str | None = None

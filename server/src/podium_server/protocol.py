@@ -1,8 +1,8 @@
 """The OpenAI wire format: request and response models for every endpoint, in one place.
 
 Requests reject unknown fields ("Unrecognized request argument supplied", as OpenAI does) so a
-typo is never silently ignored. Features the engine does not have yet (tools, images,
-``json_schema``) are declared here so they can be refused with a clear 400 by the handlers.
+typo is never silently ignored. Features the engine does not have yet (images, audio) are
+declared here so they can be refused with a clear 400 by the handlers.
 """
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # vLLM's: admission order under --scheduling-policy priority
+    # vLLM's structured output fields (structured_outputs.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     # accepted and ignored (a debug log line): bookkeeping fields of OpenAI's API that do not change
     # the output here (IGNORED_FIELDS)
     store: bool | None = None
@@ -87,7 +94,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 # fields accepted from OpenAI's API that change nothing here: a debug log line names them
 IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "user",
-                  "verbosity", "prediction", "web_search_options", "prompt_cache_retention", "parallel_tool_calls")
+                  "verbosity", "prediction", "web_search_options", "prompt_cache_retention")
 
 
 class CompletionRequest(SamplingFields):
@@ -160,18 +167,28 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # tool_calls etc. are refused by the handler (with "not supported yet"), any other key too, so the
-    # schema declares no other keys
+    # function_call and audio are refused by the handler (with "not supported yet"), any other key
+    # too, so the schema declares no other keys
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (reach the chat template)
+    tool_call_id: str | None = None  # a tool message's answer to that call
     refusal: str | None = None  # an assistant message's refusal, as OpenAI returns it (not shown to the model)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -213,9 +230,40 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(BaseModel):
+    """A tool call, whole (a response) or a streamed piece of one (``index`` set; id, type and name
+    come in its first piece, argument fragments after)."""
+
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class _OmitsNoToolCalls(BaseModel):
+    """Leaves ``tool_calls`` out of the JSON when there are none (plain chat stays byte-identical)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class ChatResponseMessage(_OmitsNoToolCalls):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -240,6 +288,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: Any) -> dict:

@@ -23,7 +23,7 @@ from podium.chat_template import ChatPrompt
 from podium.errors import InvalidParameter, PodiumError
 from podium.outputs import RequestOutput
 from podium.pooling_params import PoolingParams
-from podium.sampling_params import SamplingParams
+from podium.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .async_engine import AsyncEngine, RequestStream
 from .errors import APIError, bad_request, from_engine_error, from_validation_error, logger, not_supported
@@ -90,7 +90,8 @@ class ServingBase:
 
     @staticmethod
     def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         # the fields a request leaves unset (None) stay unset, so the model's generation_config.json
         # defaults fill them in the engine (EngineConfig.generation_config)
         unset_is_default = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
@@ -102,7 +103,7 @@ class ServingBase:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens, structured_outputs=constraint,
                 **{k: v for k, v in unset_is_default.items() if v is not None})
         except InvalidParameter as exc:
             raise from_engine_error(exc) from None

@@ -1,10 +1,14 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, ``n`` choices.
 
 The messages go to the engine as a ``ChatPrompt``: it renders them with the model's chat template
-(``reasoning_effort`` sets the template's thinking switch where it has one) and checks the context.
-Streaming sends, per choice, a role delta first, then the engine's content deltas as they come,
-then a chunk with the finish reason; then a usage chunk if ``stream_options.include_usage``; then
-``[DONE]``. Tools, images, audio and structured output are refused with a 400 "not supported yet".
+(``reasoning_effort`` sets the template's thinking switch where it has one; ``tools`` are the
+template's variable, and the history may hold assistant ``tool_calls`` and ``tool`` messages) and
+checks the context. ``tool_choice`` "required" or a named function is enforced by a grammar
+(``tool_choice``); ``response_format`` and vLLM's constraint fields by ``structured_outputs``.
+Streaming sends, per choice, a role delta first, then the engine's content deltas as they come (or
+``tool_calls`` pieces), then a chunk with the finish reason; then a usage chunk if
+``stream_options.include_usage``; then ``[DONE]``. Images and audio are refused with a 400 "not
+supported yet".
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from .protocol import (
     random_id,
 )
 from .serving_base import ChunkTemplate, ServingBase, log_ignored, reject_unsupported
+from .structured_outputs import from_response_format, structured_outputs
+from .tool_choice import ToolCallStream, ToolMode, check_tools, parse_calls, template_messages, tool_mode
 
 _PART_NAMES = {"image_url": "images are", "input_image": "images are", "input_audio": "audio input is",
                "file": "file inputs are", "video_url": "video inputs are"}
-_MESSAGE_EXTRAS_REFUSED = {"tool_calls": "tool calls are", "function_call": "function calls are",
-                           "audio": "audio is"}
+_MESSAGE_EXTRAS_REFUSED = {"function_call": "function calls are", "audio": "audio is"}
+_MESSAGE_FIELDS_KEPT = ("name", "tool_calls", "tool_call_id")  # passed to the template as they are
 
 
 class ChatHandler(ServingBase):
@@ -47,18 +53,23 @@ class ChatHandler(ServingBase):
         self.check_sampling(req)
         self.check_chat_features(req)
         log_ignored(req)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, self._template_kwargs(req))
+        functions = check_tools(req.tools)
+        mode, tool_constraint = tool_mode(req, functions)
+        constraint = structured_outputs(req, ("response_format", from_response_format(req.response_format)),
+                                        ("tool_choice", tool_constraint))
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, self._template_kwargs(req), req.tools)
         top_n = None
         if req.logprobs:
             top_n = req.top_logprobs or 0
         elif req.top_logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-        params = self.sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=top_n)
+        params = self.sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=top_n,
+                                      constraint=constraint)
         request_id = random_id("chatcmpl")
         (stream,) = await self.add_all(request_id, [prompt], [params], "messages", req.priority)
         if req.stream:
-            return self.event_stream(self._chunks(req, request_id, stream))
-        return await self.unless_disconnected(request, self._response(req, request_id, stream))
+            return self.event_stream(self._chunks(req, request_id, stream, mode))
+        return await self.unless_disconnected(request, self._response(req, request_id, stream, mode))
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
         kwargs = dict(req.chat_template_kwargs or {})
@@ -72,23 +83,23 @@ class ChatHandler(ServingBase):
 
     @staticmethod
     def check_chat_features(req: ChatCompletionRequest) -> None:
-        reject_unsupported(req.tools or req.functions, "tools (function calling) are", "tools")
-        reject_unsupported(req.tool_choice not in (None, "none") or req.function_call not in (None, "none"),
-                           "tool_choice is", "tool_choice")
-        if req.response_format is not None and req.response_format.type != "text":
-            reject_unsupported(True, f"response_format {req.response_format.type!r} is", "response_format")
+        reject_unsupported(req.functions, "functions (the legacy form of tools) are", "functions")
+        reject_unsupported(req.function_call not in (None, "none"), "function_call (use tool_choice) is",
+                           "function_call")
         reject_unsupported(req.modalities not in (None, ["text"]), "modalities other than text are", "modalities")
         reject_unsupported(req.audio, "audio output is", "audio")
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: dict | None = None) -> ChatPrompt:
-        """The messages as the engine's chat template takes them (checked here: only text content)."""
-        conversation = [self._message(i, m) for i, m in enumerate(messages)]
-        return ChatPrompt(conversation, add_generation_prompt, template_kwargs=template_kwargs or {})
+                    template_kwargs: dict | None = None, tools: list[dict] | None = None) -> ChatPrompt:
+        """The messages as the engine's chat template takes them (checked here: only text content;
+        tool calls' arguments parsed, as templates read them), with ``tools`` as its variable."""
+        conversation = template_messages([self._message(i, m) for i, m in enumerate(messages)])
+        return ChatPrompt(conversation, add_generation_prompt, tools=tools or None,
+                          template_kwargs=template_kwargs or {})
 
     @staticmethod
     def _message(i: int, message: ChatMessage) -> dict:
-        reject_unsupported(message.role in ("tool", "function"), f"{message.role} messages are", f"messages[{i}].role")
+        reject_unsupported(message.role == "function", "function messages (use tool) are", f"messages[{i}].role")
         for key, value in (message.model_extra or {}).items():
             if value is not None and key in _MESSAGE_EXTRAS_REFUSED:
                 reject_unsupported(True, _MESSAGE_EXTRAS_REFUSED[key], f"messages[{i}].{key}")
@@ -105,28 +116,36 @@ class ChatHandler(ServingBase):
                 texts.append(part.text)
             content = "\n".join(texts)
         role = "system" if message.role == "developer" else message.role
-        return {"role": role, "content": content or ""}
+        kept = {key: getattr(message, key) for key in _MESSAGE_FIELDS_KEPT if getattr(message, key) is not None}
+        return {"role": role, "content": content or "", **kept}
 
     # -- not streaming --------------------------------------------------------------------------
-    async def _response(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream) -> Response:
+    async def _response(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
+                        mode: ToolMode | None) -> Response:
         (out,) = await self.finals([stream])
         choices = []
         for c in out.outputs:
             logprobs = None
             if req.logprobs:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0, self.ctx.token_text)
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+            calls = parse_calls(mode, c.text) if mode is not None else None
+            if calls:
+                message = ChatResponseMessage(content=None, tool_calls=calls)
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         body = ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
                                       usage=_usage(stream.num_prompt_tokens, completion_tokens))
         return Response(body.model_dump_json(), media_type="application/json")
 
     # -- streaming ------------------------------------------------------------------------------
-    async def _chunks(self, req: ChatCompletionRequest, request_id: str,
-                      stream: RequestStream) -> AsyncIterator[ChatCompletionChunk]:
+    async def _chunks(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
+                      mode: ToolMode | None) -> AsyncIterator[ChatCompletionChunk]:
         """The engine's deltas as chunks: each new text goes out as it is (the engine held back what
-        a stop string might still cut), one chunk per choice that changed."""
+        a stop string might still cut), one chunk per choice that changed; a tool-call choice's text
+        as its ``tool_calls`` pieces."""
         created, model = int(time.time()), self.ctx.model_name
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -137,6 +156,7 @@ class ChatHandler(ServingBase):
         try:
             for index in range(req.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            tool_streams = [ToolCallStream(mode) for _ in range(req.n)] if mode is not None else None
             templates = [ChunkTemplate(chunk([ChatStreamChoice(index=index, delta=DeltaMessage(
                 content=ChunkTemplate.PLACEHOLDER))])) for index in range(req.n)]  # plain content deltas
             completion_tokens = 0
@@ -146,7 +166,9 @@ class ChatHandler(ServingBase):
                     choice = self._choice(req, c)
                     if choice is None:
                         continue
-                    if not continuous and choice.logprobs is None and choice.finish_reason is None:
+                    if tool_streams is not None:
+                        choice = _as_tool_calls(choice, tool_streams[c.index])
+                    if not continuous and tool_streams is None and choice.logprobs is None and choice.finish_reason is None:
                         yield templates[c.index].render(choice.delta.content)
                     else:
                         usage = _usage(stream.num_prompt_tokens, completion_tokens) if continuous else None
@@ -167,6 +189,19 @@ class ChatHandler(ServingBase):
         delta = DeltaMessage(content=c.text) if c.text or not finished else DeltaMessage()
         return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                 finish_reason=c.finish_reason if finished else None)
+
+
+def _as_tool_calls(choice: ChatStreamChoice, tool_stream: ToolCallStream) -> ChatStreamChoice:
+    """A content delta of a tool-call choice as its ``tool_calls`` pieces."""
+    finished = choice.finish_reason is not None
+    pieces = tool_stream.feed(choice.delta.content or "", finished)
+    finish_reason = choice.finish_reason
+    if finish_reason == "stop" and (tool_stream.started or tool_stream.calls):
+        finish_reason = "tool_calls"
+    delta = DeltaMessage(tool_calls=pieces or None)
+    if finished and tool_stream.calls == []:  # a "required" array that does not parse: its text as content
+        delta = DeltaMessage(content=tool_stream.text)
+    return ChatStreamChoice(index=choice.index, delta=delta, logprobs=choice.logprobs, finish_reason=finish_reason)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:

@@ -19,6 +19,7 @@ from .errors import bad_request
 from .logprobs import completion_logprobs
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, random_id
 from .serving_base import ChunkTemplate, ServingBase, log_ignored, reject_unsupported
+from .structured_outputs import structured_outputs
 
 
 @dataclass
@@ -37,8 +38,9 @@ class CompletionsHandler(ServingBase):
         log_ignored(req)
         prompts = self.prompts(req.prompt)
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        constraint = structured_outputs(req)
         params = [self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                       prompt_logprobs=prompt_logprobs) for _ in prompts]
+                                       prompt_logprobs=prompt_logprobs, constraint=constraint) for _ in prompts]
         request_id = random_id("cmpl")
         streams = await self.add_all(request_id, [p.token_ids for p in prompts], params, "prompt", req.priority)
         if req.stream:

@@ -1,0 +1,92 @@
+"""``GrammarMasks``: the sampler's side of structured output.
+
+One matcher per constrained sequence (keyed by ``seq_id``), made from ``Sequence.grammar`` when the
+sequence first samples. Before each mask a matcher catches up with its sequence's output tokens
+(the tokens appended since it last looked), so a sampled token is accepted exactly once, whichever
+way the step went. A preempted sequence keeps its output tokens and so its matcher; if its output
+ever shrinks below what the matcher consumed, the matcher is reset and replays the output.
+
+The mask of a step: each constrained row's matcher writes its allowed tokens into one row of a host
+int32 bitmask [R, ceil(V / 32)]; one copy to the device; its bytes unpack through a 256-entry
+table to 0 (allowed) or -inf (forbidden) per token, added to the logits before any other logit
+processing. Rows without a grammar are never touched, and a step without constrained rows does no
+mask work at all.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..request import Sequence
+from .backend import Matcher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    matcher: Matcher
+    consumed: int = 0  # output tokens the matcher has accepted
+    broken: bool = False  # a token it could not accept (logged); the row is no longer masked
+
+
+class GrammarMasks:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // 32)
+        self._tracked: dict[int, _Tracked] = {}
+        self._tables: dict[tuple, torch.Tensor] = {}  # byte value -> its 8 tokens' 0 / -inf, per device and dtype
+
+    def forget(self, seq_id: int) -> None:
+        self._tracked.pop(seq_id, None)
+
+    def matcher(self, seq: Sequence) -> Matcher:
+        """The sequence's matcher, caught up with its output tokens."""
+        tracked = self._tracked.get(seq.seq_id)
+        if tracked is None:
+            tracked = self._tracked[seq.seq_id] = _Tracked(seq.grammar.result().matcher())
+        start, end = seq.num_prompt_tokens, seq.num_tokens - seq.num_pending_tokens  # the output on the host
+        if tracked.consumed > end - start:  # the output was rewound: replay it from the start
+            tracked.matcher.reset()
+            tracked.consumed, tracked.broken = 0, False
+        if not tracked.broken:
+            for token in seq.token_ids[start + tracked.consumed:end]:
+                if not tracked.matcher.accept(token):
+                    logger.error("sequence %s: the grammar rejects token %d after %d tokens; its output is no "
+                                 "longer constrained", seq.request_id, token, tracked.consumed)
+                    tracked.broken = True
+                    break
+                tracked.consumed += 1
+        return tracked.matcher
+
+    def host_mask(self, seqs: list[Sequence], pin: bool = False) -> torch.Tensor:
+        """The bitmask [R, words] int32 on the host of these constrained sequences, one row each
+        (``pin``: in pinned memory, so that its copy to an accelerator does not wait for the device)."""
+        mask = torch.full((len(seqs), self.words), -1, dtype=torch.int32, pin_memory=pin)
+        for row, seq in enumerate(seqs):
+            matcher = self.matcher(seq)
+            if not self._tracked[seq.seq_id].broken and not matcher.is_terminated():
+                matcher.fill_bitmask(mask, row)
+        return mask
+
+    def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+        """Set logits[rows[i], t] = -inf for every token t the grammar of ``seqs[i]`` forbids now."""
+        device = logits.device
+        host = self.host_mask(seqs, pin=device.type != "cpu")  # [R, W] int32 (as deferred.py pins)
+        key = (device, logits.dtype)
+        table = self._tables.get(key)
+        if table is None:  # [256, 8]: bit i of byte value b clear (token forbidden) -> -inf, else 0
+            bits = torch.tensor([[(b >> i) & 1 for i in range(8)] for b in range(256)], dtype=torch.bool)
+            table = self._tables[key] = torch.where(bits, 0.0, float("-inf")).to(device, logits.dtype)
+        # the int32 words as little-endian bytes: byte k of word j holds tokens 32 j + 8 k + (0..7);
+        # adding 0 / -inf (one gather, one add) is several times faster on a CPU than a masked fill
+        data = host.view(torch.uint8).view(-1).to(device, non_blocking=True)  # [R * W * 4]
+        penalty = table.index_select(0, data.int()).view(len(rows), -1)[:, :self.vocab_size]  # [R, V]
+        if len(rows) == logits.shape[0]:
+            logits.add_(penalty)
+            return
+        index = torch.tensor(rows).to(device, non_blocking=True)
+        logits.index_copy_(0, index, logits.index_select(0, index).add_(penalty))
