@@ -245,6 +245,8 @@ def test_invalid_completion_requests(client, body, status, param):
     ({"messages": []}, "messages"),
     ({"max_tokens": 3}, "messages: Field required"),
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools[0] must be"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "--enable-auto-tool-choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "images are not supported yet"),
     ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema"}},
@@ -307,6 +309,25 @@ def test_auth_and_dead_engine(mode):
         r = c.post("/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sesame"})
         assert r.status_code == 503
         assert c.get("/health").status_code == 503
+
+
+def test_a_failure_right_after_an_output_ends_the_stream():
+    """The output and the failure set the stream's event once between two reads: the reader must get
+    the output, then the error (it once waited forever for a second wake-up)."""
+    from podium.outputs import CompletionOutput, RequestOutput
+    from podium_server.async_engine import EngineDeadError, RequestStream
+
+    async def read() -> list:
+        stream = RequestStream("r")
+        stream.put(RequestOutput("r", None, [0], [CompletionOutput(0, "a", [0])], False), 0.0)
+        stream.fail(EngineDeadError("gone"))
+        seen = []
+        with pytest.raises(EngineDeadError, match="gone"):
+            async for output in stream.outputs():
+                seen.append(output.outputs[0].text)
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(read(), 5)) == ["a"]
 
 
 # -- what only the process mode has ------------------------------------------------------------

@@ -69,7 +69,9 @@ def test_the_spec_declares_every_request_body(url):
     spec = httpx.get(f"{url}/openapi.json").json()
     for path, model in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
                         ("/v1/embeddings", "EmbeddingRequest"), ("/tokenize", "TokenizeRequest"),
-                        ("/detokenize", "DetokenizeRequest")]:
+                        ("/detokenize", "DetokenizeRequest"),
+                        ("/v1/messages", "MessagesRequest"), ("/v1/messages/count_tokens", "CountTokensRequest"),
+                        ("/v1/responses", "ResponsesRequest")]:
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
         assert "model" in spec["components"]["schemas"][model]["properties"]

@@ -15,11 +15,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import podium
 
 from . import __version__
+from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .async_engine import AsyncEngine
 from .audit import AuditLog
 from .drain import Drain
@@ -46,6 +48,8 @@ from .serving_base import ServerContext
 from .serving_chat import ChatHandler
 from .serving_completions import CompletionsHandler
 from .serving_embeddings import EmbeddingsHandler
+from .serving_messages import CountTokensHandler, MessagesHandler
+from .serving_responses import ResponsesHandler, ResponsesRequest
 from .serving_tokens import DetokenizeHandler, TokenizeHandler
 from .settings import ServerSettings
 from .tenants import TenantRegistry
@@ -73,7 +77,8 @@ def _context(engine: AsyncEngine, settings: ServerSettings) -> ServerContext:
     aliases = frozenset({settings.engine.model, info.model})
     return ServerContext(engine=engine, model_name=info.model_name, model_aliases=aliases,
                          max_model_len=info.max_model_len, tokenizer=info.tokenizer,
-                         token_text=TokenText(info.tokenizer))
+                         token_text=TokenText(info.tokenizer), tool_call_parser=settings.tool_call_parser,
+                         auto_tool_choice=settings.enable_auto_tool_choice, reasoning_parser=settings.reasoning_parser)
 
 
 def create_app(settings: ServerSettings | None = None, engine: Any = None) -> FastAPI:
@@ -97,7 +102,9 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
         served.on_kv_events = app.state.kv_log.append
         app.state.handlers = {"completions": CompletionsHandler(ctx), "chat": ChatHandler(ctx),
                               "tokenize": TokenizeHandler(ctx), "detokenize": DetokenizeHandler(ctx),
-                              "embeddings": EmbeddingsHandler(ctx)}
+                              "embeddings": EmbeddingsHandler(ctx),
+                              "messages": MessagesHandler(ctx), "count_tokens": CountTokensHandler(ctx),
+                              "responses": ResponsesHandler(ctx)}
         ctx.engine.start(metrics)
         try:
             yield
@@ -121,7 +128,10 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
     audit = AuditLog(settings.audit) if settings.audit is not None else None
     tenant_metrics = TenantMetrics()
     app.add_middleware(ServiceMiddleware, tenants=tenants, audit=audit, metrics=tenant_metrics,
-                       json_limits=limits)  # outermost
+                       json_limits=limits)
+    if settings.allowed_origins:  # outermost, so refusals (401, 413, 429) carry the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers))
     install_error_handlers(app)
     _add_routes(app)
     add_replica_routes(app)
@@ -161,6 +171,11 @@ def _add_routes(app: FastAPI) -> None:
     async def detokenize(request: Request) -> Response:
         return await request.app.state.handlers["detokenize"].handle(request)
 
+    def handled_by(name: str):
+        async def route(request: Request) -> Response:
+            return await request.app.state.handlers[name].handle(request)
+        return route
+
     async def models(request: Request) -> ModelList:
         ctx = ctx_of(request)
         return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.engine.info.model, max_model_len=ctx.max_model_len)])
@@ -190,6 +205,9 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/v1/messages", handled_by("messages"), methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", handled_by("count_tokens"), methods=["POST"])
+    app.add_api_route("/v1/responses", handled_by("responses"), methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
@@ -200,4 +218,7 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/metrics", metrics, methods=["GET"])
     declare_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                                  "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
-                                 "/detokenize": DetokenizeRequest})
+                                 "/detokenize": DetokenizeRequest,
+
+                                 "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+                                 "/v1/responses": ResponsesRequest})

@@ -12,6 +12,7 @@ at once (uvicorn's own shutdown).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import ssl
@@ -22,8 +23,10 @@ from podium.engine_flags import add_engine_flags, engine_kwargs
 
 from .audit import AuditSettings
 from .logs import configure_logging
+from .reasoning import REASONING_PARSERS
 from .settings import ENGINE_MODES, LOG_LEVELS, METRICS_COMPAT, ServerSettings
 from .tls import TLSSettings
+from .tool_parsers import TOOL_PARSERS
 
 
 def register(subparsers) -> None:
@@ -60,6 +63,20 @@ def register(subparsers) -> None:
                         help="uvicorn's and Podium's log level (default: info)")
     server.add_argument("--debug", action="store_true", help="show tracebacks (default: off)")
     add_service_flags(parser)
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the model family's tool-call format, parsed for tool_choice 'auto' (default: none)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model decide whether to call a tool, tool_choice 'auto' (needs "
+                             "--tool-call-parser) (default: off)")
+    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split the model's <think> section into reasoning_content (default: none)")
+    server.add_argument("--allowed-origins", type=_name_list, default=(),
+                        help="CORS: origins allowed to call the API from a browser, comma-separated or a JSON "
+                             "list; '*' for any (default: none, no CORS headers)")
+    server.add_argument("--allowed-methods", type=_name_list, default=("*",),
+                        help="CORS: allowed methods (default: *)")
+    server.add_argument("--allowed-headers", type=_name_list, default=("*",),
+                        help="CORS: allowed request headers (default: *)")
     parser.set_defaults(func=run)
 
 
@@ -99,7 +116,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           tls=TLSSettings.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs,
                                                      args.ssl_cert_reqs),
                           max_json_depth=args.max_json_depth, max_json_string_chars=args.max_json_string_chars,
-                          max_json_array_items=args.max_json_array_items, metrics_compat=args.metrics_compat)
+                          max_json_array_items=args.max_json_array_items, metrics_compat=args.metrics_compat,
+                          tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
+                          allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers)
 
 
 def audit_settings(args: argparse.Namespace) -> AuditSettings | None:
@@ -119,6 +139,19 @@ def uvicorn_config(app, settings: ServerSettings):
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           timeout_graceful_shutdown=settings.shutdown_timeout or None,
                           access_log=settings.log_level in ("debug", "trace"), **tls)
+
+
+def _name_list(value: str) -> tuple[str, ...]:
+    """``a,b`` or vLLM's JSON form ``["a", "b"]``."""
+    if value.lstrip().startswith("["):
+        try:
+            names = json.loads(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return tuple(names)
+    return tuple(n.strip() for n in value.split(",") if n.strip())
 
 
 def run(args: argparse.Namespace) -> int:

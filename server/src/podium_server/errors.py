@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` (and, on Anthropic's
+``/v1/messages``, Anthropic's: ``{"type": "error", "error": {"type", "message"}}``).
 
 Handlers raise ``APIError``; the exception handlers installed by ``install_error_handlers`` turn
 it, pydantic validation errors, Starlette's HTTP errors (404 route, 405 method) and anything
@@ -34,8 +35,21 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "invalid_request_error"),
+                                           "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status)
+
+
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -89,16 +103,16 @@ def _short(value: object) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(is_anthropic(request.url.path))
 
     @app.exception_handler(PodiumError)
     async def _engine_error(_: Request, exc: PodiumError) -> JSONResponse:
         return (from_engine_error(exc) or APIError(500, str(exc))).response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response(is_anthropic(request.url.path))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -107,9 +121,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Not found: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}"
-        return APIError(exc.status_code, message).response()
+        return APIError(exc.status_code, message).response(is_anthropic(request.url.path))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+        return error.response(is_anthropic(request.url.path))

@@ -1,8 +1,9 @@
 """Checks made before any handler runs (plain ASGI middleware): the API key, the drain, the body.
 
 The key protects the API (``/v1/*``, ``/tokenize``, ``/detokenize``); ``/health``, ``/version``,
-``/metrics`` and the replica report stay open for load balancers, Prometheus and routers. Keys
-are compared in constant time; the scheme ``Bearer`` in any case (RFC 7235).
+``/metrics`` and the replica report stay open for load balancers, Prometheus and routers. The key
+comes as ``Authorization: Bearer KEY`` (OpenAI's clients; the scheme in any case, RFC 7235) or
+``x-api-key: KEY`` (Anthropic's). Keys are compared in constant time.
 
 While the server drains (drain.py) a new API request gets 503 with ``Retry-After``; the requests
 let in are counted until their response ends. A body is read here, in full, before the handler
@@ -19,7 +20,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .drain import RETRY_AFTER_S, Drain
-from .errors import APIError
+from .errors import APIError, is_anthropic
 from .json_limits import JsonLimits, check_json_body
 
 _OPEN_PATHS = ("/health", "/version", "/metrics", "/ping")
@@ -42,15 +43,20 @@ class GuardMiddleware:
             return
         path = scope["path"]
         api = path not in _OPEN_PATHS and not path.startswith(_STATUS_PREFIX)
-        if self._key is not None and path not in _OPEN_PATHS and scope["method"] != "OPTIONS" \
-                and not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
-            await _send_error(send, APIError(401, "Incorrect or missing API key. Send it as "
-                                                  "'Authorization: Bearer <key>'.", code="invalid_api_key"))
-            return
+        anthropic = is_anthropic(path)
+        if self._key is not None and path not in _OPEN_PATHS and scope["method"] != "OPTIONS":
+            headers = dict(scope["headers"])
+            x_api_key = headers.get(b"x-api-key")
+            x_api_key_ok = x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self._key)
+            if not (self._authorized(headers.get(b"authorization", b"")) or x_api_key_ok):
+                await _send_error(send, APIError(401, "Incorrect or missing API key. Send it as 'Authorization: "
+                                                      "Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key"),
+                                  anthropic)
+                return
         drain = self._drain
         if api and drain is not None and drain.draining:
             await _send_error(send, APIError(503, "The server is shutting down and takes no new requests; "
-                                                  "retry on another replica", code="server_draining"))
+                                                  "retry on another replica", code="server_draining"), anthropic)
             return
         if api and drain is not None:
             drain.enter()
@@ -58,7 +64,7 @@ class GuardMiddleware:
             if scope["method"] in _WITH_BODY:
                 body, error = await self._read_body(scope, receive)
                 if error is not None:
-                    await _send_error(send, error)
+                    await _send_error(send, error, anthropic)
                     return
                 receive = _replay(body, receive)
             await self.app(scope, receive, send)
@@ -109,8 +115,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-async def _send_error(send: Send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _send_error(send: Send, error: APIError, anthropic: bool = False) -> None:
+    body = json.dumps(error.anthropic_body() if anthropic else error.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -213,7 +213,7 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template (enable_thinking)
 
 
 class ChatLogprobTop(BaseModel):
@@ -231,8 +231,14 @@ class ChatLogprobs(BaseModel):
 
 
 class FunctionCall(BaseModel):
+    """A call's function: whole (name and arguments), or in a streamed piece only what it adds."""
+
     name: str | None = None
     arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ToolCall(BaseModel):
@@ -249,20 +255,23 @@ class ToolCall(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class _OmitsNoToolCalls(BaseModel):
-    """Leaves ``tool_calls`` out of the JSON when there are none (plain chat stays byte-identical)."""
+class _OmitsUnusedParts(BaseModel):
+    """Leaves out ``reasoning_content`` and ``tool_calls`` when there are none (plain chat bytes stay
+    as they are)."""
 
     @model_serializer(mode="wrap")
-    def _drop_no_tool_calls(self, handler):
+    def _omit_unused(self, handler):
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
-class ChatResponseMessage(_OmitsNoToolCalls):
+class ChatResponseMessage(_OmitsUnusedParts):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -288,6 +297,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -48,6 +48,9 @@ class ServerContext:
     max_model_len: int
     tokenizer: Any
     token_text: TokenText
+    tool_call_parser: str | None = None  # the server's --tool-call-parser
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 class ServingBase:

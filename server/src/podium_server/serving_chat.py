@@ -7,8 +7,10 @@ checks the context. ``tool_choice`` "required" or a named function is enforced b
 (``tool_choice``); ``response_format`` and vLLM's constraint fields by ``structured_outputs``.
 Streaming sends, per choice, a role delta first, then the engine's content deltas as they come (or
 ``tool_calls`` pieces), then a chunk with the finish reason; then a usage chunk if
-``stream_options.include_usage``; then ``[DONE]``. Images and audio are refused with a 400 "not
-supported yet".
+``stream_options.include_usage``; then ``[DONE]``. With a reasoning parser, or tools and
+``tool_choice`` "auto" (``chat_output``: the server's tool-call parser), the text is split into
+``reasoning_content``, ``content`` and ``tool_calls`` (streamed as their own deltas). Images and
+audio are refused with a 400 "not supported yet".
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fastapi.responses import Response
 from podium.chat_template import THINKING_SWITCH, ChatPrompt, template_source
 
 from .async_engine import RequestStream
+from .chat_output import OutputParsing, OutputStream, output_parsing
 from .errors import bad_request, logger
 from .logprobs import chat_logprobs
 from .protocol import (
@@ -33,6 +36,8 @@ from .protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
     Usage,
     random_id,
 )
@@ -54,9 +59,13 @@ class ChatHandler(ServingBase):
         self.check_chat_features(req)
         log_ignored(req)
         functions = check_tools(req.tools)
-        mode, tool_constraint = tool_mode(req, functions)
+        mode, tool_constraint = tool_mode(req, functions, auto_tool_choice=self.auto_tool_choice)
         constraint = structured_outputs(req, ("response_format", from_response_format(req.response_format)),
                                         ("tool_choice", tool_constraint))
+        # a constrained output is the answer alone (no reasoning to split off); otherwise the
+        # server's parsers split it (the tool-call parser when the model chooses its calls)
+        parsing = OutputParsing() if constraint is not None else \
+            output_parsing(self.ctx, bool(functions) and req.tool_choice in (None, "auto"))
         prompt = self.chat_prompt(req.messages, req.add_generation_prompt, self._template_kwargs(req), req.tools)
         top_n = None
         if req.logprobs:
@@ -65,11 +74,19 @@ class ChatHandler(ServingBase):
             raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
         params = self.sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens, logprobs=top_n,
                                       constraint=constraint)
+        if parsing.keeps_special_tokens:
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         (stream,) = await self.add_all(request_id, [prompt], [params], "messages", req.priority)
         if req.stream:
-            return self.event_stream(self._chunks(req, request_id, stream, mode))
-        return await self.unless_disconnected(request, self._response(req, request_id, stream, mode))
+            return self.event_stream(self._chunks(req, request_id, stream, mode, parsing))
+        return await self.unless_disconnected(request, self._response(req, request_id, stream, mode,
+                                                                      parsing))
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        """Whether the model may choose its calls: ``--enable-auto-tool-choice`` with a ``--tool-call-parser``."""
+        return self.ctx.auto_tool_choice and bool(self.ctx.tool_call_parser)
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict:
         kwargs = dict(req.chat_template_kwargs or {})
@@ -121,7 +138,7 @@ class ChatHandler(ServingBase):
 
     # -- not streaming --------------------------------------------------------------------------
     async def _response(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                        mode: ToolMode | None) -> Response:
+                        mode: ToolMode | None, parsing: OutputParsing) -> Response:
         (out,) = await self.finals([stream])
         choices = []
         for c in out.outputs:
@@ -133,6 +150,8 @@ class ChatHandler(ServingBase):
             if calls:
                 message = ChatResponseMessage(content=None, tool_calls=calls)
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            elif mode is None and parsing.active:
+                message, finish_reason = _parsed_message(parsing, c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -142,7 +161,7 @@ class ChatHandler(ServingBase):
 
     # -- streaming ------------------------------------------------------------------------------
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                      mode: ToolMode | None) -> AsyncIterator[ChatCompletionChunk]:
+                      mode: ToolMode | None, parsing: OutputParsing) -> AsyncIterator[ChatCompletionChunk]:
         """The engine's deltas as chunks: each new text goes out as it is (the engine held back what
         a stop string might still cut), one chunk per choice that changed; a tool-call choice's text
         as its ``tool_calls`` pieces."""
@@ -157,12 +176,18 @@ class ChatHandler(ServingBase):
             for index in range(req.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
             tool_streams = [ToolCallStream(mode) for _ in range(req.n)] if mode is not None else None
+            parsed = [_ParsedChoice(parsing.stream()) for _ in range(req.n)] if parsing.active else None
             templates = [ChunkTemplate(chunk([ChatStreamChoice(index=index, delta=DeltaMessage(
                 content=ChunkTemplate.PLACEHOLDER))])) for index in range(req.n)]  # plain content deltas
             completion_tokens = 0
             async for delta in stream.outputs():
                 for c in sorted(delta.outputs, key=lambda c: c.index):
                     completion_tokens += len(c.token_ids)
+                    if parsed is not None:
+                        usage = _usage(stream.num_prompt_tokens, completion_tokens) if continuous else None
+                        for choice in self._parsed_deltas(req, c, parsed[c.index]):
+                            yield chunk([choice], usage)
+                        continue
                     choice = self._choice(req, c)
                     if choice is None:
                         continue
@@ -189,6 +214,46 @@ class ChatHandler(ServingBase):
         delta = DeltaMessage(content=c.text) if c.text or not finished else DeltaMessage()
         return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                 finish_reason=c.finish_reason if finished else None)
+
+    def _parsed_deltas(self, req: ChatCompletionRequest, c, parsed: _ParsedChoice) -> list[ChatStreamChoice]:
+        """A choice's new reasoning/content (one chunk) and tool-call deltas (one chunk each), from
+        the delta ``c`` of one sample."""
+        finished = c.finish_reason is not None
+        if not c.text and not c.token_ids and not finished:
+            return []
+        parsed.text += c.text
+        delta = parsed.stream.update(parsed.text, finished)
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0, self.ctx.token_text)
+        choices = []
+        if delta.reasoning or delta.content or logprobs is not None:
+            choices.append(ChatStreamChoice(index=c.index, logprobs=logprobs, delta=DeltaMessage(
+                content=delta.content or None, reasoning_content=delta.reasoning or None)))
+        for call in delta.tool_calls:
+            function = FunctionCall(name=call.name, arguments=call.arguments)
+            choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(tool_calls=[ToolCall(
+                index=call.index, id=call.id, type="function" if call.id else None, function=function)])))
+        if finished:
+            reason = "tool_calls" if parsed.stream.num_tool_calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason))
+        return choices
+
+
+class _ParsedChoice:
+    """A streamed choice's text so far and its parser state."""
+
+    def __init__(self, stream: OutputStream) -> None:
+        self.stream, self.text = stream, ""
+
+
+def _parsed_message(parsing: OutputParsing, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str]:
+    parsed = parsing.final(text)
+    calls = [ToolCall(id=c.id, type="function", function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in parsed.tool_calls]
+    message = ChatResponseMessage(content=parsed.content or (None if calls else ""), reasoning_content=parsed.reasoning,
+                                  tool_calls=calls or None)
+    return message, "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 def _as_tool_calls(choice: ChatStreamChoice, tool_stream: ToolCallStream) -> ChatStreamChoice:

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from podium.config import EngineConfig
 
 from .audit import AuditSettings
+from .reasoning import REASONING_PARSERS
 from .tenants import parse_keys_file
 from .tls import TLSSettings
+from .tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METRICS_COMPAT = ("none", "vllm")  # extra metric names served besides podium:'s (metrics.py)
@@ -32,6 +34,13 @@ class ServerSettings:
     api_keys_file: str | None = None  # keys -> tenants with limits (tenants.py); reloaded on change
     audit: AuditSettings | None = None  # --audit-log (audit.py)
     tls: TLSSettings | None = None  # --ssl-* (tls.py)
+    tool_call_parser: str | None = None  # tool_parsers.TOOL_PARSERS
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of the text
+    reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS
+    # CORS for browser front-ends: no origins, no CORS headers at all
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,6 +60,14 @@ class ServerSettings:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_keys_file is not None:
             parse_keys_file(self.api_keys_file)  # a broken file fails at startup, naming the problem
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser NAME)")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
+                             f"got {self.reasoning_parser!r}")
 
     @property
     def url(self) -> str:
