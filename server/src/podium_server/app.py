@@ -219,6 +219,5 @@ def _add_routes(app: FastAPI) -> None:
     declare_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                                  "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
                                  "/detokenize": DetokenizeRequest,
-
                                  "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
                                  "/v1/responses": ResponsesRequest})
