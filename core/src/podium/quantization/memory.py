@@ -16,7 +16,10 @@ def weight_bytes_by_dtype(model: nn.Module) -> dict[str, int]:
     for tensor in tensors:
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        try:
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        except RuntimeError:  # a device whose tensors expose no data pointer (XLA): a tied head is the same object
+            key = (id(tensor), -1)
         if key in seen:
             continue
         seen.add(key)
