@@ -234,3 +234,53 @@ def test_masks_apply_to_replayed_graph_steps():
     person = mixed[1].outputs[0]
     assert person.finish_reason == "stop"
     jsonschema.validate(json.loads(person.text), PERSON)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_end_ids_past_the_vocabulary_are_dropped(llm, backend):
+    """A shape config over a smaller tokenizer can name end ids the logits do not have (llguidance refused
+    to build at all); the backend keeps the ids it can use, so a finished grammar still allows the end."""
+    from podium.structured.backend import GrammarSpec
+    from podium.structured.service import make_backend
+    engine = llm.engine
+    vocab = engine.source.hf_config.vocab_size
+    eos = engine.source.eos_token_ids[0]
+    grammars = make_backend(backend, engine.tokenizer, vocab, [eos, vocab + 128_000])
+    matcher = grammars.matcher(grammars.compile(GrammarSpec.from_params(StructuredOutputsParams(choice=["yes"]))))
+    for token in engine.tokenizer.encode("yes", add_special_tokens=False):
+        assert matcher.accept(token)
+    mask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    matcher.fill_bitmask(mask, 0)
+    allowed = np.flatnonzero(_unpack(mask[0].numpy(), vocab))
+    assert allowed.tolist() == [eos]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_batched_fill_equals_row_by_row(llm, backend):
+    """The threaded many-row fill writes each matcher's mask into its own row, whatever the order of
+    the rows, exactly as the one-row fill does (a mixed-up row would let a sequence break its grammar)."""
+    from podium.structured.backend import GrammarSpec
+    from podium.structured.service import make_backend
+    engine = llm.engine
+    vocab = engine.source.hf_config.vocab_size
+    grammars = make_backend(backend, engine.tokenizer, vocab, engine.source.eos_token_ids)
+    compiled = grammars.compile(GrammarSpec.from_params(StructuredOutputsParams(json=PERSON)))
+    (out,) = llm.generate(["Describe a person as JSON:"], constrained(backend, json=PERSON), use_tqdm=False)
+    tokens = list(out.outputs[0].token_ids)
+    matchers = []
+    for n in range(len(tokens)):  # matcher n has taken the first n tokens: a different mask each
+        matcher = grammars.matcher(compiled)
+        assert all(matcher.accept(t) for t in tokens[:n])
+        matchers.append(matcher)
+    words = (vocab + 31) // 32
+    one_by_one = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    for row, matcher in enumerate(matchers):
+        matcher.fill_bitmask(one_by_one, row)
+    rows = [2 * (len(matchers) - 1 - i) + 1 for i in range(len(matchers))]  # reversed, with gaps
+    batched = torch.full((2 * len(matchers) + 1, words), -1, dtype=torch.int32)
+    type(matchers[0]).fill_bitmasks(matchers, batched, rows)
+    assert len({bytes(one_by_one[i].numpy()) for i in range(len(matchers))}) > 3  # the masks do differ
+    for i, row in enumerate(rows):
+        assert torch.equal(batched[row], one_by_one[i]), f"matcher {i} (row {row})"
+    untouched = sorted(set(range(batched.shape[0])) - set(rows))
+    assert bool((batched[untouched] == -1).all())

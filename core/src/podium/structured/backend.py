@@ -76,6 +76,11 @@ class Matcher(Protocol):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32, host)."""
 
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """``matchers[i].fill_bitmask(bitmask, rows[i])`` for every i, in one call (a library's own
+        batched, threaded fill)."""
+
     def accept(self, token_id: int) -> bool:
         """Advance with ``token_id``; False if the grammar does not allow it (the state is unchanged)."""
 

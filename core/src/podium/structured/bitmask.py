@@ -66,10 +66,18 @@ class GrammarMasks:
         """The bitmask [R, words] int32 on the host of these constrained sequences, one row each
         (``pin``: in pinned memory, so that its copy to an accelerator does not wait for the device)."""
         mask = torch.full((len(seqs), self.words), -1, dtype=torch.int32, pin_memory=pin)
+        live: dict[type, tuple[list[Matcher], list[int]]] = {}  # per backend: its matchers and their rows
         for row, seq in enumerate(seqs):
             matcher = self.matcher(seq)
             if not self._tracked[seq.seq_id].broken and not matcher.is_terminated():
-                matcher.fill_bitmask(mask, row)
+                matchers, rows = live.setdefault(type(matcher), ([], []))
+                matchers.append(matcher)
+                rows.append(row)
+        for kind, (matchers, rows) in live.items():
+            if len(rows) == 1:
+                matchers[0].fill_bitmask(mask, rows[0])
+            else:
+                kind.fill_bitmasks(matchers, mask, rows)
         return mask
 
     def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:

@@ -19,8 +19,20 @@ class LLGuidanceMatcher:
         self._matcher, self._fill, self._eos = matcher, fill, eos_token_ids
         self._ended = False
 
+    _executor: Any = None  # one llguidance LLExecutor (its thread pool) for every step's fill
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._fill(self._matcher, bitmask, row)
+
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[LLGuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Many rows at once, over llguidance's threads."""
+        import llguidance
+        import llguidance.torch
+        if cls._executor is None:
+            cls._executor = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(cls._executor, [(m._matcher, row) for m, row in zip(matchers, rows)],
+                                                     bitmask)
 
     def accept(self, token_id: int) -> bool:
         accepted = self._matcher.consume_token(token_id) and not self._matcher.is_error()

@@ -23,6 +23,9 @@ from .backend import GrammarBackend, GrammarSpec, Matcher
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> GrammarBackend:
+    # A config may name end ids past the logits' width (a shape config over a smaller tokenizer); the model
+    # cannot sample them, and llguidance refuses them outright.
+    eos_token_ids = [i for i in eos_token_ids if 0 <= i < vocab_size]
     if name == "xgrammar":
         from .xgrammar_backend import XGrammarBackend
         return XGrammarBackend(tokenizer, vocab_size, eos_token_ids)

@@ -12,11 +12,22 @@ from .backend import GrammarSpec, choice_regex, unsupported_feature
 
 
 class XGrammarMatcher:
+    _batch: Any = None  # one xgrammar BatchGrammarMatcher (its thread pool) for every step's fill
+
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Many rows at once, over xgrammar's threads: at batch 256 the row-by-row fill is most of
+        structured output's cost per step."""
+        if cls._batch is None:
+            import xgrammar as xgr
+            cls._batch = xgr.BatchGrammarMatcher()
+        cls._batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, rows)
 
     def accept(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
