@@ -284,3 +284,27 @@ def test_batched_fill_equals_row_by_row(llm, backend):
         assert torch.equal(batched[row], one_by_one[i]), f"matcher {i} (row {row})"
     untouched = sorted(set(range(batched.shape[0])) - set(rows))
     assert bool((batched[untouched] == -1).all())
+
+
+def test_constrained_steps_are_deferred_and_equal_synchronous(llm, monkeypatch):
+    """With async scheduling a constrained row samples while its previous token is still in flight:
+    the matcher takes that token from the step in flight. Such steps really are deferred, and every
+    output (greedy and seeded) equals the synchronous engine's token for token."""
+    import podium.engine as engine_module
+    deferred_constrained = []
+    launch = engine_module.launch
+
+    def counting_launch(sampler, logits, seqs, *args, **kwargs):
+        deferred_constrained.append(sum(s.grammar is not None for s in seqs))
+        return launch(sampler, logits, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "launch", counting_launch)
+    eager = LLM(str(smollm2_gguf()), dtype="float32", max_num_seqs=16, seed=0, async_scheduling=True)
+    params = [constrained(json=PERSON), constrained(regex=DATE), constrained("llguidance", choice=CHOICES),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(json_object=True))]
+    outs = eager.generate(PROMPTS, params, use_tqdm=False)
+    assert eager.engine.async_scheduling and sum(deferred_constrained) > 20, deferred_constrained
+    again = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in again]
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), PERSON)

@@ -562,13 +562,14 @@ class LLMEngine:
                     self.tp.send_step(plan, feed)
                     step = self.runner.execute(plan, feed)
             seqs = [output.scheduled[i].seq for i in plan.samples]
+            pending = previous.tokens_by_seq if previous is not None else None
             if defer:
-                return launch(self.sampler, step.logits, seqs, step.num_tokens, step.used_graph, self.device)
+                return launch(self.sampler, step.logits, seqs, step.num_tokens, step.used_graph, self.device, pending)
             prompt = prompt_logprobs(self.sampler, output, plan, step.prompt_logits) if plan.prompt_spans else {}
             if plan.sample_drafts:
                 items = [output.scheduled[i] for i in plan.samples]
                 return VerifyStep(step.logits, seqs, [s.drafts for s in items], items, prompt, step.num_tokens)
-            return sample_now(self.sampler, step.logits, seqs, prompt, step.num_tokens, step.used_graph)
+            return sample_now(self.sampler, step.logits, seqs, prompt, step.num_tokens, step.used_graph, pending)
 
     # -- speculative decoding --------------------------------------------------------------------
     def _propose(self) -> None:
@@ -610,7 +611,8 @@ class LLMEngine:
                 return False
             if s.samples:
                 seqs.append(s.seq)
-        return self.sampler.can_defer(seqs)
+        # (a verify step samples its drafts on the host: constrained rows stay out of deferral with a proposer)
+        return self.sampler.can_defer(seqs, grammars=self.proposer is None)
 
     def _add_placeholders(self, launched: LaunchedStep) -> None:
         """Give each sequence of an in-flight step a placeholder for its token, unless that token

@@ -33,7 +33,7 @@ from podium_plugin_api.ops import top_k_top_p as reference_top_k_top_p
 from .errors import StepFault
 from .outputs import Logprob, PositionLogprobs
 from .request import Sequence
-from .structured import GrammarMasks
+from .structured import GrammarMasks, PendingTokens
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this temperature a row is greedy (as in vLLM)
 _MASK64 = (1 << 64) - 1
@@ -184,21 +184,23 @@ class Sampler:
         return state
 
     # -- sampling --------------------------------------------------------------------------------
-    def can_defer(self, seqs: list[Sequence]) -> bool:
-        """Whether ``sample_device`` serves these sequences: none reads its token history
-        (penalties, a grammar's matcher) or wants logprobs, all of which need the previous tokens
-        on the host."""
+    def can_defer(self, seqs: list[Sequence], grammars: bool = True) -> bool:
+        """Whether ``sample_device`` serves these sequences: none keeps penalty counts or wants
+        logprobs, which need every previous token on the host. A grammar's matcher does too, but
+        only at sampling time, after the step's forward is launched: ``pending`` hands it the
+        previous step's tokens then (``grammars=False``: keep constrained rows out anyway)."""
         for seq in seqs:
             state = self._state(seq)
-            if state.slot >= 0 or state.constrained or seq.params.logprobs is not None:
+            if state.slot >= 0 or (state.constrained and not grammars) or seq.params.logprobs is not None:
                 return False
         return True
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pending: PendingTokens | None = None) -> SamplerOutput:
         """logits [N, V] (any float dtype), one row per sequence in ``seqs`` -> one token (and
         logprobs) each. Plain greedy rows take the argmax of the logits as they come; everything
-        else computes in float32."""
+        else computes in float32. ``pending``: the tokens of a step still in flight (seq_id -> token),
+        read only when a constrained sequence ends in such a placeholder."""
         self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):  # the common greedy case: nothing but an argmax
@@ -209,7 +211,7 @@ class Sampler:
         if batch.logprob_rows:  # [L, V], taken before any edit below
             rows = torch.tensor(batch.logprob_rows, device=logits.device)
             raw_logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
-        tokens = self._tokens(logits, seqs, states, batch)  # [N]
+        tokens = self._tokens(logits, seqs, states, batch, pending)  # [N]
         logprobs: list[PositionLogprobs | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             chosen = tokens.index_select(0, rows)  # [L]
@@ -219,24 +221,27 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     @torch.inference_mode()
-    def sample_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The tokens [N] (long, on the logits' device) without waiting for them: no host sync.
+    def sample_device(self, logits: torch.Tensor, seqs: list[Sequence],
+                      pending: PendingTokens | None = None) -> torch.Tensor:
+        """The tokens [N] (long, on the logits' device) without waiting for them: no host sync
+        (but for constrained rows, which wait for ``pending`` while this step's forward runs).
         Only for sequences ``can_defer`` accepts (no penalties, no logprobs)."""
         self._check(logits, seqs)
         states = [self._state(s) for s in seqs]
         if all(st.plain for st in states):
             return self._argmax(logits)
-        return self._tokens(logits.float(), seqs, states, self._gather(seqs, states))
+        return self._tokens(logits.float(), seqs, states, self._gather(seqs, states), pending)
 
     def _check(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits must be [{len(seqs)}, {self.vocab_size}] (sequences, vocab), "
                              f"got {list(logits.shape)}")
 
-    def _tokens(self, logits: torch.Tensor, seqs: list[Sequence], states: list[_SeqState], batch: _Batch) -> torch.Tensor:
+    def _tokens(self, logits: torch.Tensor, seqs: list[Sequence], states: list[_SeqState], batch: _Batch,
+                pending: PendingTokens | None = None) -> torch.Tensor:
         """Grammar masks, edits (bias, min_tokens), penalties, then the choice of each row -> [N]."""
         if batch.grammar_rows:
-            self._grammars.apply(logits, batch.grammar_rows, [seqs[r] for r in batch.grammar_rows])
+            self._grammars.apply(logits, batch.grammar_rows, [seqs[r] for r in batch.grammar_rows], pending)
         if batch.edit_rows:
             index = _on(logits.device, [batch.edit_rows, batch.edit_ids])  # [2, M]
             values = _on(logits.device, batch.edit_values, logits.dtype)

@@ -36,12 +36,20 @@ class LaunchedStep:
         ids = self.host.tolist()
         return StepResult(list(zip(self.seqs, ids)), [None] * len(ids), {}, self.num_tokens, self.used_graph)
 
+    def tokens_by_seq(self) -> dict[int, int]:
+        """seq_id -> its sampled token, waiting for the copy (a grammar's matcher of the next step)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids = self.host.tolist()
+        return {seq_id: ids[row] for seq_id, row in self.rows.items()}
+
 
 def launch(sampler, logits: torch.Tensor | None, seqs: list[Sequence], num_tokens: int, used_graph: bool,
-           device: torch.device) -> LaunchedStep:
-    """Sample ``logits`` [N, V] of ``seqs`` on the device and start the tokens' copy to the host."""
+           device: torch.device, pending=None) -> LaunchedStep:
+    """Sample ``logits`` [N, V] of ``seqs`` on the device and start the tokens' copy to the host
+    (``pending``: the in-flight step's ``tokens_by_seq``, for grammars)."""
     if seqs:
-        tokens = sampler.sample_device(logits, seqs)  # [N] long, on the device
+        tokens = sampler.sample_device(logits, seqs, pending)  # [N] long, on the device
     else:
         tokens = torch.zeros(0, dtype=torch.long, device=device)
     if tokens.device.type == "cpu":

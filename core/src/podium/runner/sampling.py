@@ -21,11 +21,12 @@ class StepResult:
 
 
 def sample_now(sampler, logits: torch.Tensor | None, seqs: list[Sequence], prompt_logprobs: dict[int, list],
-               num_tokens: int, used_graph: bool) -> StepResult:
-    """Sample ``logits`` [N, V] of ``seqs`` and wait for the tokens."""
+               num_tokens: int, used_graph: bool, pending=None) -> StepResult:
+    """Sample ``logits`` [N, V] of ``seqs`` and wait for the tokens (``pending``: the in-flight
+    step's ``tokens_by_seq``, for grammars)."""
     if not seqs:
         return StepResult([], [], prompt_logprobs, num_tokens, used_graph)
-    out = sampler.sample(logits, seqs)
+    out = sampler.sample(logits, seqs, pending)
     return StepResult(list(zip(seqs, out.token_ids)), out.logprobs, prompt_logprobs, num_tokens, used_graph)
 
 

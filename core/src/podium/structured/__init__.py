@@ -13,8 +13,8 @@ sequence, advanced with the sequence's output tokens before each mask.
 """
 
 from .backend import GrammarBackend, GrammarSpec, Matcher
-from .bitmask import GrammarMasks
+from .bitmask import GrammarMasks, PendingTokens
 from .service import BACKENDS, CompiledGrammar, GrammarService
 
 __all__ = ["BACKENDS", "CompiledGrammar", "GrammarBackend", "GrammarMasks", "GrammarService", "GrammarSpec",
-           "Matcher"]
+           "Matcher", "PendingTokens"]

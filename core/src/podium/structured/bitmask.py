@@ -11,11 +11,17 @@ int32 bitmask [R, ceil(V / 32)]; one copy to the device; its bytes unpack throug
 table to 0 (allowed) or -inf (forbidden) per token, added to the logits before any other logit
 processing. Rows without a grammar are never touched, and a step without constrained rows does no
 mask work at all.
+
+With async scheduling a sequence's last token may still be on the device (a placeholder, sampled
+by the step in flight) when its next step samples. The mask is built after that step's forward
+is launched: ``pending`` then waits for the previous step's tokens (already sampled, or nearly, on
+the device's queue) and the matcher takes the token a step early, while the forward runs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,8 @@ from ..request import Sequence
 from .backend import Matcher
 
 logger = logging.getLogger(__name__)
+
+PendingTokens = Callable[[], dict[int, int]]  # the in-flight step's tokens by seq_id (waits for them)
 
 
 @dataclass
@@ -43,17 +51,24 @@ class GrammarMasks:
     def forget(self, seq_id: int) -> None:
         self._tracked.pop(seq_id, None)
 
-    def matcher(self, seq: Sequence) -> Matcher:
-        """The sequence's matcher, caught up with its output tokens."""
+    def matcher(self, seq: Sequence, pending: dict[int, int] | None = None) -> Matcher:
+        """The sequence's matcher, caught up with its output tokens (and its placeholder's token,
+        from ``pending``, when its last token is still in flight)."""
         tracked = self._tracked.get(seq.seq_id)
         if tracked is None:
             tracked = self._tracked[seq.seq_id] = _Tracked(seq.grammar.result().matcher())
         start, end = seq.num_prompt_tokens, seq.num_tokens - seq.num_pending_tokens  # the output on the host
-        if tracked.consumed > end - start:  # the output was rewound: replay it from the start
+        in_flight: list[int] = []
+        if seq.num_pending_tokens:
+            if pending is None or seq.seq_id not in pending or seq.num_pending_tokens > 1:
+                raise RuntimeError(f"sequence {seq.request_id}: its grammar needs the token still in flight")
+            in_flight = [pending[seq.seq_id]]
+        if tracked.consumed > end - start + len(in_flight):  # the output was rewound: replay it from the start
             tracked.matcher.reset()
             tracked.consumed, tracked.broken = 0, False
+        tail = seq.token_ids[start + tracked.consumed:end] + in_flight[max(0, tracked.consumed - (end - start)):]
         if not tracked.broken:
-            for token in seq.token_ids[start + tracked.consumed:end]:
+            for token in tail:
                 if not tracked.matcher.accept(token):
                     logger.error("sequence %s: the grammar rejects token %d after %d tokens; its output is no "
                                  "longer constrained", seq.request_id, token, tracked.consumed)
@@ -62,13 +77,14 @@ class GrammarMasks:
                 tracked.consumed += 1
         return tracked.matcher
 
-    def host_mask(self, seqs: list[Sequence], pin: bool = False) -> torch.Tensor:
+    def host_mask(self, seqs: list[Sequence], pin: bool = False, pending: PendingTokens | None = None) -> torch.Tensor:
         """The bitmask [R, words] int32 on the host of these constrained sequences, one row each
         (``pin``: in pinned memory, so that its copy to an accelerator does not wait for the device)."""
         mask = torch.full((len(seqs), self.words), -1, dtype=torch.int32, pin_memory=pin)
         live: dict[type, tuple[list[Matcher], list[int]]] = {}  # per backend: its matchers and their rows
+        in_flight = pending() if pending is not None and any(s.num_pending_tokens for s in seqs) else None
         for row, seq in enumerate(seqs):
-            matcher = self.matcher(seq)
+            matcher = self.matcher(seq, in_flight)
             if not self._tracked[seq.seq_id].broken and not matcher.is_terminated():
                 matchers, rows = live.setdefault(type(matcher), ([], []))
                 matchers.append(matcher)
@@ -80,10 +96,11 @@ class GrammarMasks:
                 kind.fill_bitmasks(matchers, mask, rows)
         return mask
 
-    def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence],
+              pending: PendingTokens | None = None) -> None:
         """Set logits[rows[i], t] = -inf for every token t the grammar of ``seqs[i]`` forbids now."""
         device = logits.device
-        host = self.host_mask(seqs, pin=device.type != "cpu")  # [R, W] int32 (as deferred.py pins)
+        host = self.host_mask(seqs, pin=device.type != "cpu", pending=pending)  # [R, W] int32 (as deferred.py pins)
         key = (device, logits.dtype)
         table = self._tables.get(key)
         if table is None:  # [256, 8]: bit i of byte value b clear (token forbidden) -> -inf, else 0
