@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from podium_plugin_api.ops import apply_token_bitmask as reference_apply_token_bitmask
 
 from ..request import Sequence
