@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from podium_plugin_api.ops import apply_token_bitmask as reference_apply_token_bitmask
 from podium_plugin_api.ops import argmax as reference_argmax
 from podium_plugin_api.ops import top_k_top_p as reference_top_k_top_p
 
@@ -141,7 +142,7 @@ class Sampler:
         self._argmax = first_argmax if argmax is reference_argmax else argmax
         self._states: dict[int, _SeqState] = {}
         self._counts = _TokenCounts(vocab_size, self.device)
-        self._grammars = GrammarMasks(vocab_size)
+        self._grammars = GrammarMasks(vocab_size, (ops or {}).get("apply_token_bitmask", reference_apply_token_bitmask))
         self._generator: torch.Generator | None = None  # shared by unseeded rows; made on first use
 
     # -- per-sequence state ----------------------------------------------------------------------
