@@ -10,6 +10,7 @@
 #   1b_on    llama-3.2-1b-shape, the mode, and 256 concurrent streams through the server's engine
 #            loop (podium_server.ThreadEngine in process: no fastapi/uvicorn needed)
 #   1b_off   the 1B in the default mode, engine A's ways only
+#   gemm_sweep  with the time left: the GEMM's time against cuBLAS under other fixed tilings
 #   bash benchmarks/invariant_gpu.sh        (results in $OUT/summary.txt; OUT defaults to ./invariant_out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +39,12 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: at most LIMIT, and never past th
 }
 
 ENGINE="python benchmarks/invariant_gpu.py engine --out $OUT"
-step kernels 50 python benchmarks/invariant_gpu_kernels.py --out "$OUT"
+step kernels 45 python benchmarks/invariant_gpu_kernels.py --out "$OUT"
 step 8b_on 100 $ENGINE --model llama-3.1-8b-shape --mode on --throughput
 step 8b_off 75 $ENGINE --model llama-3.1-8b-shape --mode off --throughput
 step 1b_on 45 $ENGINE --model llama-3.2-1b-shape --mode on --streams
 step 1b_off 25 $ENGINE --model llama-3.2-1b-shape --mode off --skip-b
+step gemm_sweep 40 python benchmarks/invariant_gpu_kernels.py --out "$OUT" --sweep
 python benchmarks/invariant_gpu.py summary --out "$OUT" >> "$OUT/summary.txt" 2>> "$OUT/log.txt"
 cat "$OUT/steps.txt" >> "$OUT/summary.txt" && rm -f "$OUT/steps.txt"
 echo "total $(( $(date +%s) - begin )) s" >> "$OUT/summary.txt"
