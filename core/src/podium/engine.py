@@ -250,7 +250,8 @@ class LLMEngine:
                                    self.max_model_len, config.scheduling_policy, chunked_prefill=not pooling)
         on_host = self.runner.shaping.sample_on_host  # where the platform's steps sample
         self.sampler = Sampler(source.hf_config.vocab_size, torch.device("cpu") if on_host else self.device,
-                               ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed)
+                               ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed,
+                               batch_invariant=config.batch_invariant)
 
     def check_alive(self) -> None:
         """Raise EngineDead if the engine can no longer serve (a tensor-parallel rank is gone)."""

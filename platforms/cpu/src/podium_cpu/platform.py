@@ -21,7 +21,8 @@ Choices made here, from what the machine offers (``cpu_info``):
   attention is theirs. Linears run on one native kernel for every batch (``batch_invariant_rules``:
   each output element sums its products in one order whatever the rows), norms are per row
   already, and attention takes every query token alone (``attention_plan.EVERY_TOKEN_ALONE``), so a
-  prompt token is computed exactly as a decode would be; a dtype without a native linear is refused.
+  prompt token is computed exactly as a decode would be; top-k / top-p is the reference's full sort
+  (no pre-filter); a dtype without a native linear is refused.
 """
 
 from __future__ import annotations
@@ -144,7 +145,13 @@ class CpuPlatform(Platform):
         return [_lazy_zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
 
     def custom_ops(self) -> dict:
-        return cpu_ops(load_kernels()[0])
+        """The native ops; in the batch-invariant mode without the top-k pre-filter, which runs only
+        when every row of the batch has a top-k, and whose partial sort ranks tied logits unlike the
+        reference's full sort: a row's kept set at its k-th rank would depend on its company."""
+        ops = cpu_ops(load_kernels()[0])
+        if self._invariant:
+            ops.pop("top_k_top_p", None)
+        return ops
 
     def linear_rules(self) -> dict[torch.dtype, LinearRule]:
         """Each dtype's linear kernels here (``linear_choice``); builds the native kernels on first use."""
