@@ -27,12 +27,10 @@ Choices made here, from what the machine offers (``cpu_info``):
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -44,6 +42,7 @@ from .cpu_info import has_native_bf16, usable_cores
 from .embedding import native_embeddings
 from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
+from .host_memory import resident_zeros
 from .ipex_support import ipex_status
 from .linear_choice import LinearChoice, LinearRule, batch_invariant_rules, choose, linear_rules
 from .linear_packing import pack_linear_layers
@@ -135,13 +134,11 @@ class CpuPlatform(Platform):
         return self._backend_note
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
-        """Zeroed caches whose pages the OS zeroes on first touch (``calloc``), not all up front.
-
-        ``torch.zeros`` writes every byte (about half a second per GiB); numpy's zeros are lazily
-        zeroed pages, so startup pays only for the bytes a run actually uses.
-        """
+        """Zeroed caches, resident from the start (``host_memory``: RSS stays flat as blocks are first
+        used, and a host that cannot hold the cache fails here), committed by the kernel without
+        ``torch.zeros``'s write of every byte."""
         shape = self.attention_backend().kv_cache_shape(spec, num_blocks)
-        return [_lazy_zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
+        return [resident_zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
 
     def custom_ops(self) -> dict:
         return cpu_ops(load_kernels()[0])
@@ -182,14 +179,6 @@ def _graphs_possible(choice: str) -> bool:
     """Decode steps can be captured (graphs.py) where the attention is the native kernel's: not forced
     elsewhere, and a C compiler to build it (cheap to ask; the build itself happens on first use)."""
     return choice in ("auto", "native") and compiler_found()
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> torch.Tensor:
-    """A zeroed, ``align``-byte aligned tensor from calloc'd memory (pages zeroed on first touch)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
 def _attention_setting(choice: str) -> str:

@@ -1,0 +1,75 @@
+"""Host memory for the KV cache: zeroed, aligned, and resident from the start.
+
+The KV cache is the engine's one large allocation. Left to fault in on first touch (calloc'd
+pages), it makes the process's RSS climb for as long as the block manager hands out blocks it has
+never used, and with a prefix cache that is until every block has held something: minutes to
+hours of growth that looks like a leak from outside, an out-of-memory kill hours in (rather than
+at startup) on a host that cannot hold the cache, and page faults inside the steps that first
+write a block. So the pages are committed once, when the cache is allocated:
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) faults them in without writing them, and where the
+kernel refuses it one write per page does the same, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import mmap
+import sys
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h
+
+
+def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> torch.Tensor:
+    """A zeroed, ``align``-byte aligned tensor whose every page is resident already."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + align, dtype=np.uint8)  # calloc: zero pages, none resident yet
+    commit_pages(raw)
+    start = -raw.ctypes.data % align
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
+def commit_pages(array: np.ndarray) -> None:
+    """Fault in every page of ``array`` (contiguous) for writing, leaving its contents as they are."""
+    if array.nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    address = array.ctypes.data
+    start = address - address % page
+    if _populate_write(start, address + array.nbytes - start):
+        return
+    flat = array.reshape(-1).view(np.uint8)
+    first = -address % page  # the first byte of each page the array covers
+    # a write per page, values unchanged (a copy: numpy skips assigning a view to itself)
+    flat[first::page] = flat[first::page].copy()
+    flat[:1] = flat[:1].copy()
+
+
+def _populate_write(start: int, length: int) -> bool:
+    """``madvise(MADV_POPULATE_WRITE)`` over the range; False where this OS or kernel has no such advice."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    if madvise(start, length, MADV_POPULATE_WRITE) == 0:
+        return True
+    logger.debug("madvise(MADV_POPULATE_WRITE) failed (errno %d): committing the KV cache page by page",
+                 ctypes.get_errno())
+    return False
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise on Linux (the advice number is Linux's), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    function = ctypes.CDLL(None, use_errno=True).madvise
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
