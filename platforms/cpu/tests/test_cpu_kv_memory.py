@@ -48,8 +48,10 @@ def test_fresh_zeros_are_not_resident_until_committed():
     """The premise (a calloc'd array's pages fault in on first touch), then ``commit_pages``."""
     array = np.zeros(LAYER_BYTES, dtype=np.uint8)
     assert resident_fraction(array.ctypes.data, array.nbytes) < 0.01
+    assert host_memory.resident_bytes(torch.from_numpy(array)) < 0.01 * LAYER_BYTES
     host_memory.commit_pages(array)
     assert resident_fraction(array.ctypes.data, array.nbytes) == 1.0
+    assert LAYER_BYTES <= host_memory.resident_bytes(torch.from_numpy(array)) <= LAYER_BYTES + 2 * mmap.PAGESIZE
     assert not array.any()
 
 

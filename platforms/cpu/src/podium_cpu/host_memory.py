@@ -7,7 +7,8 @@ hours of growth that looks like a leak from outside, an out-of-memory kill hours
 at startup) on a host that cannot hold the cache, and page faults inside the steps that first
 write a block. So the pages are committed once, when the cache is allocated:
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) faults them in without writing them, and where the
-kernel refuses it one write per page does the same, slower.
+kernel refuses it one write per page does the same, slower. ``resident_bytes`` says how much of a
+tensor is in memory (``mincore``), for diagnostics such as ``benchmarks/rss_offline.py``.
 """
 
 from __future__ import annotations
@@ -52,9 +53,25 @@ def commit_pages(array: np.ndarray) -> None:
     flat[:1] = flat[:1].copy()
 
 
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the pages under ``tensor`` (contiguous, host) that are in memory now, from ``mincore``
+    (a diagnostic: what of a cache a process holds); 0 where this is not Linux."""
+    mincore = _libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
+    if mincore is None:
+        return 0
+    page = mmap.PAGESIZE
+    address = tensor.data_ptr()
+    start = address - address % page
+    length = address + tensor.numel() * tensor.element_size() - start
+    pages = (ctypes.c_ubyte * -(-length // page))()
+    if mincore(start, length, pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on a tensor's pages")
+    return int((np.frombuffer(pages, dtype=np.uint8) & 1).sum()) * page
+
+
 def _populate_write(start: int, length: int) -> bool:
     """``madvise(MADV_POPULATE_WRITE)`` over the range; False where this OS or kernel has no such advice."""
-    madvise = _madvise()
+    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     if madvise is None:
         return False
     if madvise(start, length, MADV_POPULATE_WRITE) == 0:
@@ -65,11 +82,11 @@ def _populate_write(start: int, length: int) -> bool:
 
 
 @functools.cache
-def _madvise():
-    """libc's madvise on Linux (the advice number is Linux's), else None."""
+def _libc_function(name: str, argtypes: tuple | list):
+    """libc's ``name`` on Linux (the advice numbers used here are Linux's), else None."""
     if not sys.platform.startswith("linux"):
         return None
-    function = ctypes.CDLL(None, use_errno=True).madvise
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function
