@@ -1,8 +1,9 @@
-"""The KV cache's host memory is resident from the start, so serving never grows the process.
+"""The KV cache's host memory: lazily zeroed by default, resident from the start with the
+``kv_cache_commit`` option, so that serving never grows the process.
 
-Lazily zeroed pages (calloc) would fault in as the block manager hands out blocks for the first
-time; with a prefix cache it hands out every block before reusing one, so a serving process's RSS
-climbed by the whole cache's size over minutes to hours. Residency is read with ``mincore``, page
+Lazily zeroed pages (calloc) fault in as the block manager hands out blocks for the first time;
+with a prefix cache it hands out every block before reusing one, so a serving process's RSS
+climbs by the whole cache's size over its first minutes, then stays. Residency is read with ``mincore``, page
 by page, which needs no timing and no RSS noise. Each cache here is larger than glibc's largest
 mmap threshold (32 MiB), so it is a fresh mapping, not recycled heap pages that are resident anyway.
 """
@@ -68,9 +69,11 @@ def test_commit_pages_keeps_the_contents(monkeypatch, populate):
     assert np.array_equal(data, before)
 
 
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "lazy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_allocated_kv_cache_is_resident_zeroed_and_aligned(dtype):
+def test_allocated_kv_cache_is_zeroed_aligned_and_resident_when_committed(dtype, commit):
     platform = CpuPlatform()
+    platform.activate({"attention": "auto", "kv_cache_commit": commit})
     element = torch.empty((), dtype=dtype).element_size()
     spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_size=64, block_size=16, dtype=dtype)
     blocks = LAYER_BYTES // (spec.bytes_per_block // spec.num_layers) + 1
@@ -79,15 +82,19 @@ def test_allocated_kv_cache_is_resident_zeroed_and_aligned(dtype):
     for cache in caches:
         assert cache.dtype == dtype and cache.numel() * element >= LAYER_BYTES
         assert cache.data_ptr() % 64 == 0
-        assert tensor_resident(cache) == 1.0
+        assert tensor_resident(cache) == 1.0 if commit else tensor_resident(cache) < 0.01
         assert not cache.any()
 
 
-def test_engine_kv_cache_is_resident_before_the_first_request(tmp_path):
-    """The engine's own caches (the allocation the soak's RSS growth came from): all resident from
-    the start, so a block used for the first time adds nothing to the process."""
+def test_engine_kv_cache_is_resident_before_the_first_request_with_the_option(tmp_path):
+    """The engine's own caches (the allocation the soak's RSS growth came from): with
+    ``kv_cache_commit`` all resident from the start, so a block used for the first time adds
+    nothing to the process; by default none is before a request touches it."""
     save_tiny_model("llama", {}, tmp_path, seed=1)
-    engine = LLMEngine(model=str(tmp_path), device="cpu", dtype="float32", block_size=16,
-                       kv_cache_memory=3 * LAYER_BYTES * 2, max_model_len=64, enforce_eager=True)
+    common = dict(model=str(tmp_path), device="cpu", dtype="float32", block_size=16,
+                  kv_cache_memory=3 * LAYER_BYTES * 2, max_model_len=64, enforce_eager=True)
+    engine = LLMEngine(**common, platform_options={"kv_cache_commit": True})
     assert len(engine.kv_caches) == 3
     assert [tensor_resident(cache) for cache in engine.kv_caches] == [1.0, 1.0, 1.0]
+    lazy = LLMEngine(**common)
+    assert max(tensor_resident(cache) for cache in lazy.kv_caches) < 0.01

@@ -1,14 +1,14 @@
-"""Host memory for the KV cache: zeroed, aligned, and resident from the start.
+"""Host memory for the KV cache: zeroed, aligned, and (on request) resident from the start.
 
 The KV cache is the engine's one large allocation. Left to fault in on first touch (calloc'd
-pages), it makes the process's RSS climb for as long as the block manager hands out blocks it has
-never used, and with a prefix cache that is until every block has held something: minutes to
-hours of growth that looks like a leak from outside, an out-of-memory kill hours in (rather than
-at startup) on a host that cannot hold the cache, and page faults inside the steps that first
-write a block. So the pages are committed once, when the cache is allocated:
-``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) faults them in without writing them, and where the
-kernel refuses it one write per page does the same, slower. ``resident_bytes`` says how much of a
-tensor is in memory (``mincore``), for diagnostics such as ``benchmarks/rss_offline.py``.
+pages, the default), it makes the process's RSS climb for as long as the block manager hands out
+blocks it has never used, and with a prefix cache that is until every block has held something:
+growth that looks like a leak from outside but stops at the cache's size. The platform option
+``kv_cache_commit`` commits the pages once, when the cache is allocated, so RSS is flat from the
+start and a host that cannot hold the cache fails at startup: ``madvise(MADV_POPULATE_WRITE)``
+(Linux 5.14+) faults them in without writing them, and where the kernel refuses it one write per
+page does the same, slower. ``resident_bytes`` says how much of a tensor is in memory
+(``mincore``), for diagnostics such as ``benchmarks/rss_offline.py``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ logger = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 
 
-def resident_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> torch.Tensor:
-    """A zeroed, ``align``-byte aligned tensor whose every page is resident already."""
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, commit: bool, align: int = 64) -> torch.Tensor:
+    """A zeroed, ``align``-byte aligned tensor; ``commit``: its every page resident already."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(nbytes + align, dtype=np.uint8)  # calloc: zero pages, none resident yet
-    commit_pages(raw)
+    if commit:
+        commit_pages(raw)
     start = -raw.ctypes.data % align
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
