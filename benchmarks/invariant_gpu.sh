@@ -20,8 +20,8 @@ mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 : > "$OUT/log.txt"
 begin=$(date +%s)
-if ! python -c "import podium, podium_cuda, podium_server" 2>/dev/null; then
-  pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cuda -e ./server \
+if ! python3 -c "import podium, podium_cuda, podium_server" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cuda -e ./server \
     >> "$OUT/log.txt" 2>&1
 fi
 
@@ -38,14 +38,14 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: at most LIMIT, and never past th
   echo "step $name: rc $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 }
 
-ENGINE="python benchmarks/invariant_gpu.py engine --out $OUT"
-step kernels 45 python benchmarks/invariant_gpu_kernels.py --out "$OUT"
+ENGINE="python3 benchmarks/invariant_gpu.py engine --out $OUT"
+step kernels 45 python3 benchmarks/invariant_gpu_kernels.py --out "$OUT"
 step 8b_on 100 $ENGINE --model llama-3.1-8b-shape --mode on --throughput
 step 8b_off 75 $ENGINE --model llama-3.1-8b-shape --mode off --throughput
 step 1b_on 45 $ENGINE --model llama-3.2-1b-shape --mode on --streams
 step 1b_off 25 $ENGINE --model llama-3.2-1b-shape --mode off --skip-b
-step gemm_sweep 40 python benchmarks/invariant_gpu_kernels.py --out "$OUT" --sweep
-python benchmarks/invariant_gpu.py summary --out "$OUT" >> "$OUT/summary.txt" 2>> "$OUT/log.txt"
+step gemm_sweep 40 python3 benchmarks/invariant_gpu_kernels.py --out "$OUT" --sweep
+python3 benchmarks/invariant_gpu.py summary --out "$OUT" >> "$OUT/summary.txt" 2>> "$OUT/log.txt"
 cat "$OUT/steps.txt" >> "$OUT/summary.txt" && rm -f "$OUT/steps.txt"
 echo "total $(( $(date +%s) - begin )) s" >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
