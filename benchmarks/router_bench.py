@@ -84,9 +84,12 @@ def processes(commands: list[list[str]], log_dir: Path):
                 proc.kill()
 
 
+def serve_command(args, extra: str = "") -> list[str]:
+    return [PODIUM, "serve", *shlex.split(args.serve_args), *shlex.split(extra), "--log-level", "warning"]
+
+
 def replicas(args, log_dir: Path, count: int, extra: str = ""):
-    serve = [PODIUM, "serve", *shlex.split(args.serve_args), *shlex.split(extra), "--log-level", "warning"]
-    return processes([serve] * count, log_dir)
+    return processes([serve_command(args, extra)] * count, log_dir)
 
 
 def router(urls: list[str], policy: str, log_dir: Path):
@@ -135,16 +138,19 @@ def run_prefix(args, log_dir: Path) -> None:
                 "--suffix-len", str(suffix_len), "--num-prompts", str(prompts), "--output-len", str(args.output_len),
                 "--request-rate", str(args.request_rate), "--seed", "0"]
     rows = []
-    for policy, count in (("ttft", args.replicas), ("round-robin", args.replicas), ("single replica", 1)):
-        with replicas(args, log_dir, count) as urls:  # fresh caches for every policy
+    groups = (("ttft", args.replicas), ("round-robin", args.replicas), ("single replica", 1))
+    # every policy gets replicas of its own (fresh caches), all started at once: the starts overlap
+    with replicas(args, log_dir, sum(count for _, count in groups)) as every_url:
+        for policy, count in groups:
+            urls, every_url = every_url[:count], every_url[count:]
             if policy == "single replica":
                 result = bench(urls[0], workload, log_dir)
             else:
                 with router(urls, policy, log_dir) as (router_url,):
                     result = bench(router_url, workload, log_dir)
             hits, queries = prefix_hits(urls)
-        rows.append([policy, count, f"{hits / max(queries, 1):.3f}", f"{result['mean_ttft_ms']:.1f}",
-                     f"{result['p99_ttft_ms']:.1f}", result["completed"], result["failed"]])
+            rows.append([policy, count, f"{hits / max(queries, 1):.3f}", f"{result['mean_ttft_ms']:.1f}",
+                         f"{result['p99_ttft_ms']:.1f}", result["completed"], result["failed"]])
     ratio = float(rows[1][3]) / max(float(rows[0][3]), 1e-9)
     report(f"prefix repetition (10 x {prefix_len} + {suffix_len}, {prompts} requests, "
            f"{args.request_rate} req/s): round-robin / ttft mean TTFT = {ratio:.2f}x",
@@ -179,7 +185,7 @@ def run_mixed(args, log_dir: Path) -> None:
     input_len, output_len = (64, 8) if args.small else (args.input_len, args.output_len)
     rates = [float(r) for r in args.rates.split(",")]
     rows = []
-    with replicas(args, log_dir, 1, args.fast_args) as (fast,), replicas(args, log_dir, 1, args.slow_args) as (slow,):
+    with processes([serve_command(args, args.fast_args), serve_command(args, args.slow_args)], log_dir) as (fast, slow):
         for rate in rates:
             for policy in ("ttft", "round-robin"):
                 with router([fast, slow], policy, log_dir) as (router_url,):
