@@ -37,7 +37,11 @@ def test_config_is_validated_with_the_reason():
     assert speculative_config(json.dumps(NGRAM)) == SpeculativeConfig(**NGRAM)
     assert EngineConfig(speculative_config=NGRAM).speculative_config.num_speculative_tokens == 3
     for bad, words in [({"method": "medusa"}, "method must be one of"),
-                       ({"method": "draft_model", "num_speculative_tokens": 2}, "not implemented"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+                       ({"method": "eagle3"}, "needs 'model'"),
+                       ({"method": "ngram", "model": "x"}, "takes no model"),
+                       ({"method": "draft_model", "model": "x", "draft_tensor_parallel_size": 2},
+                        "draft_tensor_parallel_size=2"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "must not exceed"),
                        ({"method": "ngram", "k": 2}, "unknown key"), ({"num_speculative_tokens": 2}, "needs a method"),

@@ -51,20 +51,31 @@ class StepLogits:
     prompt_logits: list[torch.Tensor]  # [rows, V] per ``plan.prompt_spans`` entry
     num_tokens: int
     used_graph: bool
+    # what ``ModelRunner.keep_hidden`` kept of the step's hidden states [T, ...], in token order
+    # (None: nothing is kept; the default)
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, platform: Platform, kv_caches: list[torch.Tensor], block_size: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_model_len: int, device: torch.device, table: BlockTable | None = None) -> None:
+        """``table``: another runner's block table to read (a speculative draft's cache is indexed
+        by the target's tables, so both see the same blocks); None: this runner's own."""
         self.model, self.platform, self.kv_caches = model, platform, kv_caches
         self.backend = platform.attention_backend()
         self.shaping = platform.step_shaping()
         self.block_size, self.device = block_size, device
-        self.table = BlockTable(max_num_seqs, -(-max_model_len // block_size))
+        self.table = table if table is not None else BlockTable(max_num_seqs, -(-max_model_len // block_size))
         self.eager = EagerStep(model, self.backend, kv_caches, self.table, self.shaping, block_size, device)
         self.decode_graphs = DecodeGraphs(model, self.backend, kv_caches, self.table, self.shaping, block_size,
                                           device, platform.capabilities().pinned_memory)
         self.last_used_graph = False
+
+    def keep_hidden(self, keep) -> None:
+        """Keep ``keep(hidden [T', H]) -> [T', ...]`` of every later step (eager or replayed) in
+        ``StepLogits.hidden``: what a speculative draft head reads of the target. Set before graphs
+        are captured (their outputs then include it); without it a step keeps nothing."""
+        self.eager.keep = self.decode_graphs.keep = keep
 
     @property
     def graphs(self) -> dict:
@@ -81,12 +92,13 @@ class ModelRunner:
         size = self.decode_graphs.size_for(plan.num_seqs) if plan.is_pure_decode else None
         self.last_used_graph = size is not None
         if size is None:
-            logits, prompt = self.eager.run(plan, batch, feed_tokens)
-            return StepLogits(logits, prompt, plan.num_tokens, False)
-        logits = self.decode_graphs.replay(size, plan, batch, feed_tokens)[:plan.num_seqs]
-        if len(plan.samples) != plan.num_seqs:
-            logits = logits[torch.tensor(plan.samples).to(logits.device, non_blocking=True)]
-        return StepLogits(logits, [], plan.num_tokens, True)
+            logits, prompt, hidden = self.eager.run(plan, batch, feed_tokens)
+            return StepLogits(logits, prompt, plan.num_tokens, False, hidden)
+        logits, hidden = self.decode_graphs.replay(size, plan, batch, feed_tokens)
+        logits = logits[:plan.num_seqs] if plan.samples else None
+        if logits is not None and len(plan.samples) != plan.num_seqs:
+            logits = logits[torch.tensor(plan.samples, dtype=torch.long).to(logits.device, non_blocking=True)]
+        return StepLogits(logits, [], plan.num_tokens, True, None if hidden is None else hidden[:plan.num_tokens])
 
     def hidden_states(self, plan: StepPlan) -> torch.Tensor:
         """Run ``plan`` eagerly and return the hidden states of its tokens [T, hidden] (a pooling
