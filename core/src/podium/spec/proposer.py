@@ -25,8 +25,10 @@ if TYPE_CHECKING:  # (podium.config imports this package: no engine modules at i
 class Proposer(Protocol):
     k: int
 
-    def propose(self, token_ids: list[int], k: int | None = None, prediction: list[int] | None = None) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``token_ids`` (the prompt and the output so far)."""
+    def propose(self, token_ids: list[int], k: int | None = None, prediction: list[int] | None = None,
+                position: int = 0) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token_ids`` (the prompt and the output so far, of which
+        ``position`` are output); ``prediction``: the request's expected output tokens, if any."""
 
 
 class Drafter(Protocol):

@@ -66,7 +66,8 @@ class Speculator:
             if k <= 0:
                 seq.draft_token_ids = []
             elif proposer is not None:
-                seq.draft_token_ids = proposer.propose(seq.token_ids, k, self._predictions.get(seq.seq_id))
+                seq.draft_token_ids = proposer.propose(seq.token_ids, k, self._predictions.get(seq.seq_id),
+                                                       seq.num_output_tokens)
             else:
                 seq.draft_token_ids = [0] * k if drafter.ready(seq) else []  # filled by ``draft``
 
