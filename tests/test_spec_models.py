@@ -15,7 +15,7 @@ import pytest
 from eagle_fixtures import reference_drafts, save_eagle_head
 from engine_fixtures import smollm2_gguf
 from model_fixtures import save_tiny_model, single_thread  # noqa: F401 (fixture)
-from test_spec_decode import assert_idle, chi_square_p, outputs, target_sequences, tiny_llm
+from test_spec_decode import NGRAM, assert_idle, chi_square_p, outputs, target_sequences, tiny_llm
 
 from podium import LLM, SamplingParams
 
@@ -243,10 +243,11 @@ def test_smollm2_outputs_equal_plain_decoding(smollm2_expected, smollm2_heads, m
     assert_idle(llm)
 
 
-def test_heads_run_through_captured_graphs(models, monkeypatch):
-    """On a platform that captures decode graphs (replayed by re-running), the target's kept hidden
-    states come out of its graphs and the heads' and the draft's one-token steps replay graphs:
-    the output is still the plain one."""
+def test_speculation_runs_through_captured_graphs(models, monkeypatch):
+    """On a platform that captures graphs (replayed by re-running the captured function over its
+    static buffers): verify steps replay their own graphs (rows padded to k + 1 tokens), the target's
+    kept hidden states come out of its graphs, the heads' and the draft's one-token steps replay
+    graphs, and the output is still the plain one."""
     from engine_fixtures import run_engines_on
     from test_runner_graph_path import GraphCpuPlatform
 
@@ -254,22 +255,27 @@ def test_heads_run_through_captured_graphs(models, monkeypatch):
     prompts, params = random_prompts(8, seed=7), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     expected = outputs(tiny_llm(root / "target", None, enforce_eager=True), prompts, params)
     run_engines_on(monkeypatch, GraphCpuPlatform())
-    for method, draft in PROPOSERS:
-        llm = tiny_llm(root / "target", spec_config(root, method, draft or "target"), device=GraphCpuPlatform.name)
-        runners = [llm.engine.runner, llm.engine.shard.companion.runner]
-        assert all(r.graphs for r in runners)
-        replayed = [0, 0]
+    for method, draft in [("ngram", None), *PROPOSERS]:
+        spec = NGRAM if method == "ngram" else spec_config(root, method, draft or "target")
+        llm = tiny_llm(root / "target", spec, device=GraphCpuPlatform.name)
+        companion = llm.engine.shard.companion
+        runners = [llm.engine.runner] + ([companion.runner] if companion is not None else [])
+        assert all(r.graphs for r in runners) and llm.engine.runner.verify_graphs.captured
+        replayed = {"verify": 0, "decode": 0, "draft": 0}
         for i, runner in enumerate(runners):
             execute = runner.execute
 
             def counted(plan, *args, _i=i, _execute=execute, _replayed=replayed):
                 step = _execute(plan, *args)
-                _replayed[_i] += step.used_graph
+                kind = "draft" if _i else "verify" if plan.sample_drafts else "decode"
+                _replayed[kind] += step.used_graph
                 return step
 
             monkeypatch.setattr(runner, "execute", counted)
         assert outputs(llm, prompts, params) == expected, method
-        # the heads' steps and the draft's one-token steps replay; the target's pure-decode steps
-        # (no drafts: a sequence's last token) replay with their kept hidden states where a head reads them
-        assert replayed[1] > 0 and (replayed[0] > 0 or method == "draft_model"), (method, replayed)
+        # every proposer's verify steps replay; the heads' and the draft's one-token steps too; the
+        # target's pure-decode steps (a sequence's last token: no drafts) replay with the hidden
+        # states a head reads
+        assert replayed["verify"] > 0 and (replayed["draft"] > 0 or method == "ngram"), (method, replayed)
+        assert replayed["decode"] > 0 or method in ("ngram", "draft_model"), (method, replayed)
         assert_idle(llm)

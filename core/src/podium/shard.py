@@ -175,5 +175,10 @@ class ModelShard:
     def capture_graphs(self) -> None:
         if self.platform.capabilities().graph_capture and not self.config.enforce_eager and not self.pooling:
             self.runner.capture_graphs(self.config.max_num_seqs, self.grad_off)
+            spec = self.config.speculative_config
+            if spec is not None:  # verify steps: k + 1 tokens a row, within the step's token budget
+                q = spec.num_speculative_tokens + 1
+                self.runner.capture_verify_graphs(q - 1, max(1, min(self.config.max_num_seqs, self.token_budget // q)),
+                                                  self.grad_off)
             if self.companion is not None:
                 self.companion.capture_graphs(self.config.max_num_seqs, self.grad_off)

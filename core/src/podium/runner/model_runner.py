@@ -7,13 +7,15 @@ The pieces, one concept each:
     batch.py        a plan's flat batch on the host; its attention metadata on the device
     eager.py        a step run eagerly, shaped as the platform asks (``StepShaping``)
     graphs.py       captured decode steps and their replay (inputs staged by one copy: staging.py)
+    verify_graphs.py  captured speculative verify steps (rows padded to k + 1 tokens)
     deferred.py     async scheduling: tokens sampled on the device, read a step later
     sampling.py     sampling now: tokens and logprobs for the engine
 
 Per step the runner writes the plan's new block-table entries, builds the flat batch (for T new
 tokens of S sequences: input ids, positions and slots [T]; query_start_loc [S + 1], seq_lens [S],
 block tables [S, W]), replays a captured graph when the step is pure decode and a captured size
-holds it, else runs the model eagerly, and returns the logits of the rows that sample. Sampling is
+holds it (a verify step of decodes with drafts: a captured verify graph), else runs the model
+eagerly, and returns the logits of the rows that sample. Sampling is
 the caller's (the engine's): ``execute`` is the per-device half of a step.
 
 Tensor and pipeline parallelism plug in here without reshaping it. Tensor parallelism (issue 26)
@@ -41,6 +43,7 @@ from .block_table import BlockTable
 from .eager import EagerStep
 from .graphs import DecodeGraphs
 from .plan import StepPlan
+from .verify_graphs import VerifyGraphs
 
 
 @dataclass
@@ -69,6 +72,7 @@ class ModelRunner:
         self.eager = EagerStep(model, self.backend, kv_caches, self.table, self.shaping, block_size, device)
         self.decode_graphs = DecodeGraphs(model, self.backend, kv_caches, self.table, self.shaping, block_size,
                                           device, platform.capabilities().pinned_memory)
+        self.verify_graphs = VerifyGraphs(self.decode_graphs)  # speculative verify steps (k + 1 tokens a row)
         self.last_used_graph = False
 
     def keep_hidden(self, keep) -> None:
@@ -90,7 +94,11 @@ class ModelRunner:
             raise RuntimeError("the plan has placeholder tokens but no step's tokens were given to fill them")
         batch = host_batch(plan, self.table, self.block_size)
         size = self.decode_graphs.size_for(plan.num_seqs) if plan.is_pure_decode else None
-        self.last_used_graph = size is not None
+        verify = self.verify_graphs.size_for(plan) if plan.sample_drafts and not plan.prompt_spans else None
+        self.last_used_graph = size is not None or verify is not None
+        if verify is not None:
+            logits, hidden = self.verify_graphs.replay(verify, batch)
+            return StepLogits(logits, [], plan.num_tokens, True, hidden)
         if size is None:
             logits, prompt, hidden = self.eager.run(plan, batch, feed_tokens)
             return StepLogits(logits, prompt, plan.num_tokens, False, hidden)
@@ -114,5 +122,15 @@ class ModelRunner:
         if runner is None:
             return 0.0
         seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+        self.platform.synchronize()
+        return seconds
+
+    def capture_verify_graphs(self, k: int, max_batch: int, no_grad) -> float:
+        """Capture speculative verify steps (every row its last token and up to ``k`` drafts) for
+        up to ``max_batch`` sequences where the platform can (``verify_graphs``); returns seconds."""
+        runner = self.platform.graph_runner()
+        if runner is None:
+            return 0.0
+        seconds = self.verify_graphs.capture(runner, k, max_batch, no_grad)
         self.platform.synchronize()
         return seconds
