@@ -333,25 +333,13 @@ class LLMEngine:
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],
                                                   RequestMetrics(arrival_time=arrival), output_kind=output_kind)
         if self.speculator is not None:
-            self.speculator.add(seqs, self._prediction_ids(params))
+            self.speculator.add(seqs, params.prediction, self.tokenizer)
         for seq in seqs:
             if grammar is not None and not grammar.done():
                 self._compiling.append(seq)
             else:
                 self.scheduler.add(seq)
         return len(ids)
-
-    def _prediction_ids(self, params: SamplingParams) -> list[int] | None:
-        """The tokens of a request's predicted output where the proposer reads them (n-gram)."""
-        prediction = params.prediction
-        if not prediction or not self.speculator.reads_predictions:
-            return None
-        if isinstance(prediction, str):
-            if self.tokenizer is None:
-                raise InvalidParameter("this model has no tokenizer to read the prediction's text; give its token "
-                                       "ids", param="prediction")
-            return self.tokenizer.encode(prediction, add_special_tokens=False)
-        return [int(t) for t in prediction]
 
     def _add_pooling_request(self, request_id: str, prompt: str | list[int], params: PoolingParams | None,
                              arrival_time: float | None, priority: int, tenant: Tenant | None) -> int:

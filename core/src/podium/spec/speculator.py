@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..errors import InvalidParameter
 from ..request import Sequence
 from ..scheduler import SchedulerOutput
 from .config import SpeculativeConfig
@@ -44,10 +45,19 @@ class Speculator:
         """Whether a request's predicted output changes what is proposed (n-gram lookup only)."""
         return self.proposer is not None
 
-    def add(self, seqs: list[Sequence], prediction: list[int] | None) -> None:
-        if prediction and self.reads_predictions:
-            for seq in seqs:
-                self._predictions[seq.seq_id] = prediction
+    def add(self, seqs: list[Sequence], prediction: str | list[int] | None, tokenizer) -> None:
+        """A new request's sequences; ``prediction``: its predicted output (text or token ids), kept
+        as tokens where the proposer reads it (InvalidParameter: text without a tokenizer)."""
+        if not prediction or not self.reads_predictions:
+            return
+        if isinstance(prediction, str):
+            if tokenizer is None:
+                raise InvalidParameter("this model has no tokenizer to read the prediction's text; give its token "
+                                       "ids", param="prediction")
+            prediction = tokenizer.encode(prediction, add_special_tokens=False)
+        tokens = [int(t) for t in prediction]
+        for seq in seqs:
+            self._predictions[seq.seq_id] = tokens
 
     def forget(self, seq: Sequence) -> None:
         self._predictions.pop(seq.seq_id, None)
