@@ -8,8 +8,11 @@ drops after a few chunks (disconnects), n=2 samples, logprobs, and ``--bad-fract
 hostile requests (top_k beyond int64, JSON nested 10,000 deep, unknown fields, negative
 max_tokens, broken JSON, a prompt past the context). Reported (JSON, and a summary on stdout):
 requests answered, outcomes by class (a bad request must get a 4xx; anything else is a failure),
-p50/p99 latency per window, the server's RSS per window (its process and the engine process), and
-at the end, after the load: the KV blocks free (from /metrics) and /health.
+per window the requests answered, the failures by class, p50/p99 latency and the RSS of the server
+process and of the engine process (process mode; with ``--engine-mode thread`` the engine is the
+server's), RSS growth per process (first window to last, and after the first quarter), and at the
+end, after the load: the KV blocks free (from /metrics) and /health. Exit status 1 on any failure
+or a KV block not free at the end.
 """
 
 from __future__ import annotations
@@ -93,20 +96,30 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, bad_fraction: floa
 
 
 # -- the server's memory ----------------------------------------------------------------------------------
-def _rss_bytes(pid: int) -> dict[int, int]:
-    """RSS of ``pid`` and each of its descendants (the engine process), by pid, from /proc."""
-    sizes, todo = {}, [pid]
+def _rss_bytes(pid: int) -> dict[str, int]:
+    """RSS by role, from /proc: ``server`` (``pid``), ``engine`` (its descendants: the engine process
+    in process mode, tensor-parallel workers) and ``helpers`` (multiprocessing's resource tracker)."""
+    sizes: dict[str, int] = {}
+    todo = [(pid, "server")]
     while todo:
-        p = todo.pop()
+        p, role = todo.pop()
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    sizes[p] = int(line.split()[1]) * 1024
+                    sizes[role] = sizes.get(role, 0) + int(line.split()[1]) * 1024
             for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
+                todo += [(int(c), _role(int(c))) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue
     return sizes
+
+
+def _role(pid: int) -> str:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "engine"
+    return "helpers" if b"resource_tracker" in command else "engine"
 
 
 def _listening_pid(port: int) -> int | None:
@@ -173,31 +186,47 @@ def _metric(text: str, name: str) -> float | None:
 
 def _report(records, rss_series, metrics: str, health: int, started: float, args) -> dict:
     outcomes = Counter(f"{kind}={outcome}" for _, _, kind, outcome in records)
-    failures = {k: v for k, v in outcomes.items()
-                if not (k.endswith("=ok") or k.endswith("=rejected_4xx") or k.endswith("=disconnected"))}
     windows = []
     for i, (at, sizes) in enumerate(rss_series):
-        rss = sum(sizes.values())
         lo = rss_series[i - 1][0] if i else 0.0
-        latencies = sorted(lat for end, lat, kind, outcome in records
-                           if lo < end - started <= at and outcome == "ok")
-        windows.append({"t_s": at, "answered": sum(1 for end, *_ in records if lo < end - started <= at),
+        mine = [r for r in records if lo < r[0] - started <= at]
+        latencies = sorted(lat for _, lat, _, outcome in mine if outcome == "ok")
+        windows.append({"t_s": at, "answered": len(mine),
+                        "errors": dict(Counter(f"{k}={o}" for _, _, k, o in mine if not _expected(f"{k}={o}"))),
                         "p50_s": round(statistics.median(latencies), 3) if latencies else None,
                         "p99_s": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 3)
                         if latencies else None,
-                        "rss_mib": round(rss / 2**20, 1) if rss else None,
-                        "rss_mib_by_pid": {str(p): round(b / 2**20, 1) for p, b in sizes.items()}})
+                        "rss_mib": {role: round(b / 2**20, 1) for role, b in sorted(sizes.items())}})
     free, total = _metric(metrics, "podium:num_free_kv_blocks"), _metric(metrics, "podium:num_kv_blocks")
-    rss = [w["rss_mib"] for w in windows if w["rss_mib"]]
-    half = len(rss) // 2
     return {
         "duration_s": args.duration, "concurrency": args.concurrency, "bad_fraction": args.bad_fraction,
-        "requests_answered": len(records), "outcomes": dict(sorted(outcomes.items())), "failures": failures,
+        "requests_answered": len(records), "outcomes": dict(sorted(outcomes.items())),
+        "failures": {k: v for k, v in outcomes.items() if not _expected(k)},
         "kv_blocks_free_at_end": free, "kv_blocks_total": total, "health_at_end": health,
-        # growth: the mean RSS of the second half over the first half's (1.0 = flat)
-        "rss_growth_ratio": round(statistics.mean(rss[half:]) / statistics.mean(rss[:half]), 3) if half else None,
-        "windows": windows,
+        **_rss_growth(windows), "windows": windows,
     }
+
+
+def _expected(outcome: str) -> bool:
+    """An answer the soak wants: a completed request, a hostile one refused with a 4xx, a client's own drop."""
+    return outcome.endswith(("=ok", "=rejected_4xx", "=disconnected"))
+
+
+def _rss_growth(windows: list[dict]) -> dict:
+    """Per role: MiB from the first window to the last, and after the first quarter of the run (the
+    allocator and the kernels' caches settle under the first requests; growth after that is a leak);
+    with the mean of the second half over the first half's (1.0 = flat)."""
+    growth, after_warmup, ratio = {}, {}, {}
+    roles = sorted({role for w in windows for role in w["rss_mib"]})
+    for role in roles:
+        rss = [w["rss_mib"][role] for w in windows if role in w["rss_mib"]]
+        if len(rss) < 2:
+            continue
+        half, quarter = len(rss) // 2, len(rss) // 4
+        growth[role] = round(rss[-1] - rss[0], 1)
+        after_warmup[role] = round(rss[-1] - rss[quarter], 1)
+        ratio[role] = round(statistics.mean(rss[half:]) / statistics.mean(rss[:half]), 3)
+    return {"rss_growth_mib": growth, "rss_growth_after_warmup_mib": after_warmup, "rss_growth_ratio": ratio}
 
 
 def _free_port() -> int:
@@ -259,7 +288,8 @@ def main() -> int:
     print(text)
     print(f"soak: {report['requests_answered']} requests in {args.duration:g} s, failures {report['failures'] or 0}, "
           f"KV blocks free at end {report['kv_blocks_free_at_end']:g}/{report['kv_blocks_total']:g}, "
-          f"RSS growth {report['rss_growth_ratio']}, /health {report['health_at_end']}", file=sys.stderr)
+          f"RSS growth (MiB, first window to last) {report['rss_growth_mib']}, after the first quarter "
+          f"{report['rss_growth_after_warmup_mib']}, /health {report['health_at_end']}", file=sys.stderr)
     return 0 if not report["failures"] and report["kv_blocks_free_at_end"] == report["kv_blocks_total"] else 1
 
 

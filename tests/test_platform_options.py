@@ -198,7 +198,8 @@ def test_the_engine_activates_once_then_binds_its_device_through_one_plugin_mana
     monkeypatch.setattr(platform_setup, "load_plugins", lambda: loads.append(1) or patched())
     LLM(tiny, dtype="float32", enforce_eager=True, platform_options={"attention": "torch"})
     assert loads == [1]  # one discovery, one plugin manager, per engine
-    assert platform.calls[:3] == [("activate", {"attention": "torch"}), ("device_count",), ("set_device", 0)]
+    assert platform.calls[:3] == [("activate", {"attention": "torch", "kv_cache_commit": False}), ("device_count",),
+                                 ("set_device", 0)]
     assert ("custom_ops",) in platform.calls[3:]
 
 

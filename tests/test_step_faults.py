@@ -17,7 +17,10 @@ from model_fixtures import TINY, save_tiny_model
 
 from podium.engine import MAX_CONSECUTIVE_FAULTS, LLMEngine
 from podium.errors import EngineDead, InvalidParameter, StepFault
+from podium.outputs import PoolingRequestOutput
+from podium.pooling_params import PoolingParams
 from podium.sampling_params import SamplingParams
+from podium.tenant import Tenant
 
 VOCAB = TINY["vocab_size"]
 
@@ -281,3 +284,66 @@ def test_scheduler_reset_keeps_the_tenants_fair_share():
     bm.release_all()
     assert scheduler.tenant_tokens() == served and scheduler.num_waiting == 2
     assert [s.seq for s in scheduler.schedule().scheduled] == seqs[1:]  # light is behind: it goes first
+
+
+# -- pooling requests in a failed step ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pooling_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen3-embedding")
+    save_tiny_model("qwen3", {"head_dim": 32, "tie_word_embeddings": True}, folder, seed=5)
+    return str(folder)
+
+
+def embed_all(engine: LLMEngine, prompts: dict[str, tuple[list[int], Tenant]], fault=None) -> tuple[dict, dict]:
+    """Add embedding requests and step until all end; returns (each finished embedding, errors)."""
+    for rid, (prompt, tenant) in prompts.items():
+        engine.add_request(rid, prompt, PoolingParams(), tenant=tenant)
+    engine.fault_injector = fault
+    done, errors = {}, {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            assert isinstance(out, PoolingRequestOutput) and out.finished
+            if out.error is not None:
+                errors[out.request_id] = out.error
+            else:
+                done[out.request_id] = out.outputs.data
+    engine.fault_injector = None
+    assert not engine.has_unfinished_requests()
+    return done, errors
+
+
+def test_a_failed_step_fails_its_pooling_requests_only(pooling_dir):
+    """A decoder run as a pooling model (its K/V written into blocks held for one step), two tenants
+    in the fair queue: a fault pinned to one embedding request fails it alone, a fault pinned to
+    none fails that step's requests, each as a pooling output carrying the error; every other
+    request gets the embedding it gets alone, every block is free, and the engine goes on."""
+    engine = LLMEngine(model=pooling_dir, device="cpu", dtype="float32", runner="pooling", block_size=4,
+                       num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    rng = random.Random(4)
+    tenants = [Tenant("a"), Tenant("b")]
+    prompts = {f"e{i}": ([rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))], tenants[i % 2])
+               for i in range(8)}
+    solo = {rid: embed_all(engine, {rid: item})[0][rid] for rid, item in prompts.items()}
+    expected: set[str] = set()
+
+    def inject(plan) -> None:
+        in_step = sorted(s.seq.request_id for s in plan.scheduled)
+        if "e1" in in_step and "e1" not in expected:
+            expected.add("e1")
+            raise StepFault("e1", "bad things in e1")
+        if "e5" in in_step and "e5" not in expected:
+            expected.update(in_step)
+            raise RuntimeError("injected step fault")
+
+    done, errors = embed_all(engine, prompts, inject)
+    assert {"e1", "e5"} <= expected and len(expected) == 3  # the unpinned fault met a step of two
+    assert set(errors) == expected and "bad things in e1" in errors["e1"]
+    assert all("RuntimeError: injected step fault" in errors[rid] for rid in expected - {"e1"})
+    assert set(done) == set(prompts) - expected
+    for rid, vector in done.items():
+        torch.testing.assert_close(vector, solo[rid], atol=1e-6, rtol=1e-5)
+    assert all_free(engine)
+    again, errors = embed_all(engine, {"later": prompts["e1"]})
+    assert not errors and torch.equal(again["later"], solo["e1"]) and all_free(engine)

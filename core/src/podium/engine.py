@@ -62,11 +62,11 @@ from .kv_cache import dtype_name, kv_sizing_note
 from .loader import resolve_model, sampling_defaults
 from .models.registry import model_class
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
-from .outputs import RequestMetrics, RequestOutput
+from .outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from .parallel.worker import start_workers
 from .platform_setup import start_platform
 from .pooling_params import PoolingParams
-from .pooling_step import PoolingRequest, pooling_step, select_pooler
+from .pooling_step import PoolingRequest, failed_output, pooling_step, select_pooler
 from .quantization import select_quantization
 from .request import Sequence, SequenceStatus
 from .request_limits import bound_to_vocab
@@ -200,7 +200,7 @@ class LLMEngine:
         self._decode_seconds = 0.0
         self._step_work: tuple[SchedulerOutput, LaunchedStep | None] | None = None  # the running step, once planned
         self._consecutive_faults = 0
-        # a test hook: called with each step's plan before it runs; what it raises is a fault of that step
+        # a test hook: called with each step's plan (text or pooling) before it runs; what it raises is a fault of that step
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
@@ -256,7 +256,8 @@ class LLMEngine:
                                    self.max_model_len, config.scheduling_policy, chunked_prefill=not pooling)
         on_host = self.runner.shaping.sample_on_host  # where the platform's steps sample
         self.sampler = Sampler(source.hf_config.vocab_size, torch.device("cpu") if on_host else self.device,
-                               ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed)
+                               ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed,
+                               batch_invariant=config.batch_invariant)
 
     def check_alive(self) -> None:
         """Raise EngineDead if the engine can no longer serve (a tensor-parallel rank is gone)."""
@@ -525,10 +526,12 @@ class LLMEngine:
             culprits.update(seq.request_id for seq in previous.seqs)
         return culprits
 
-    def _fail_request(self, request_id: str, message: str) -> RequestOutput:
+    def _fail_request(self, request_id: str, message: str) -> RequestOutput | PoolingRequestOutput:
         req = self._requests.pop(request_id)
         for seq in self.scheduler.abort(request_id, reason="error"):
             self._forget(seq)
+        if isinstance(req, PoolingRequest):
+            return failed_output(req, message)
         output = self.processor.build_output(req)
         output.error = message
         return output
@@ -536,6 +539,9 @@ class LLMEngine:
     def _pooling_step(self, started: float) -> list:
         """A pooling model's step: whole inputs in, their embeddings out (``pooling_step``)."""
         plan = self.scheduler.schedule()
+        self._step_work = (plan, None)  # what a fault in this step fails
+        if self.fault_injector is not None:
+            self.fault_injector(plan)
         for seq in plan.finished:  # cannot fit at all (refused at add_request, so only a smaller cache)
             logger.error("input of request %s (%d tokens) can never fit the scheduler; dropped", seq.request_id,
                          seq.num_tokens)

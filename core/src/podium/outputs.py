@@ -84,14 +84,16 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class PoolingOutput:
-    """A pooling model's output for one input: ``data`` [dimensions] float32 on the host."""
+    """A pooling model's output for one input: ``data`` [dimensions] float32 on the host (None when
+    the request failed)."""
 
     data: object  # torch.Tensor (not imported here: outputs stay importable without torch)
 
 
 @dataclass(slots=True)
 class PoolingRequestOutput:
-    """What a pooling request finishes with (vLLM's shape); reported once, finished."""
+    """What a pooling request finishes with (vLLM's shape); reported once, finished. ``error``: why
+    the engine failed it (a fault in its step), as ``RequestOutput.error``; then no data."""
 
     request_id: str
     outputs: PoolingOutput
@@ -99,6 +101,7 @@ class PoolingRequestOutput:
     finished: bool = True
     prompt: str | None = None
     metrics: RequestMetrics | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -118,8 +121,10 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+    error: str | None = None  # the pooling output's (then the embedding is empty)
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
-                   output.finished)
+        data = output.outputs.data
+        return cls(output.request_id, EmbeddingOutput([] if data is None else data.tolist()), output.prompt_token_ids,
+                   output.finished, output.error)

@@ -61,14 +61,19 @@ def pooling_step(plan: SchedulerOutput, runner, pooler: Pooler, requests: dict, 
     with grad_off():
         hidden = runner.hidden_states(step)  # [T, hidden]
         pooled = pooler.pool(hidden, step.query_lens)  # [S, hidden], host
-    outputs = []
-    for item, vector in zip(plan.scheduled, pooled):
-        seq = item.seq
-        scheduler.finish(seq, "stop")
-        req = requests.pop(seq.request_id, None)
-        if req is None:  # aborted while the step ran
-            continue
-        embedding = pooler.finish(vector, req.params)
-        outputs.append(PoolingRequestOutput(req.request_id, PoolingOutput(embedding), req.prompt_token_ids,
-                                            finished=True, prompt=req.prompt, metrics=req.metrics))
+    # every embedding first: a fault raised here leaves each request of the step unfinished, for the
+    # engine's recovery to fail or retry; none is finished without its report
+    outputs = [PoolingRequestOutput(req.request_id, PoolingOutput(pooler.finish(vector, req.params)),
+                                    req.prompt_token_ids, finished=True, prompt=req.prompt, metrics=req.metrics)
+               for req, vector in zip((requests.get(item.seq.request_id) for item in plan.scheduled), pooled)
+               if req is not None]  # None: aborted while the step ran
+    for item in plan.scheduled:
+        scheduler.finish(item.seq, "stop")
+        requests.pop(item.seq.request_id, None)
     return outputs
+
+
+def failed_output(req: PoolingRequest, message: str) -> PoolingRequestOutput:
+    """The report of a pooling request the engine failed (a fault in its step): no data, the error."""
+    return PoolingRequestOutput(req.request_id, PoolingOutput(None), req.prompt_token_ids, finished=True,
+                                prompt=req.prompt, metrics=req.metrics, error=message)

@@ -14,7 +14,8 @@ would need one per vocabulary entry: much cheaper on a CPU). A seeded row's u is
 random stream: a hash of (seed, sample index, output position), so a seed gives the same text
 whatever else is in the batch (or after a preemption), sample indices of one seed differ, and all
 seeded rows of a step cost one host-to-device copy, no per-row kernel. Unseeded rows share one
-torch generator (seeded from the engine seed) and one vectorised draw.
+torch generator (seeded from the engine seed) and one vectorised draw. In the batch-invariant mode the
+running sums are whole units of probability (``exact_draw``), the same in any summation order.
 
 Per-sequence state (seed key, penalty counts) lives here, keyed by ``seq_id``, until ``forget``.
 Penalty counts sit in persistent rows of one [slots, V] tensor and are updated each step with only
@@ -27,10 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from podium_plugin_api.ops import apply_token_bitmask as reference_apply_token_bitmask
 from podium_plugin_api.ops import argmax as reference_argmax
 from podium_plugin_api.ops import top_k_top_p as reference_top_k_top_p
 
 from .errors import StepFault
+from .exact_draw import exact_inverse_cdf
 from .outputs import Logprob, PositionLogprobs
 from .request import Sequence
 from .structured import GrammarMasks, PendingTokens
@@ -128,10 +131,14 @@ class _TokenCounts:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device, ops: dict | None = None, eos_token_ids=(), seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device, ops: dict | None = None, eos_token_ids=(), seed: int = 0,
+                 batch_invariant: bool = False) -> None:
+        """``batch_invariant``: the draw sums probabilities as integers (``exact_draw``), so a row's
+        token does not depend on how the device orders a float running sum for the batch's shape."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
+        self.batch_invariant = batch_invariant
         self.device = torch.device(device)
         self.eos_token_ids = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]
         self.seed = seed
@@ -141,7 +148,7 @@ class Sampler:
         self._argmax = first_argmax if argmax is reference_argmax else argmax
         self._states: dict[int, _SeqState] = {}
         self._counts = _TokenCounts(vocab_size, self.device)
-        self._grammars = GrammarMasks(vocab_size)
+        self._grammars = GrammarMasks(vocab_size, (ops or {}).get("apply_token_bitmask", reference_apply_token_bitmask))
         self._generator: torch.Generator | None = None  # shared by unseeded rows; made on first use
 
     # -- per-sequence state ----------------------------------------------------------------------
@@ -342,6 +349,8 @@ class Sampler:
             uniform = torch.empty(rows, 1, device=device).uniform_(generator=self._generator)  # [N, 1]
             if seeded_rows:
                 uniform.index_copy_(0, torch.tensor(seeded_rows).to(device, non_blocking=True), seeded)
+        if self.batch_invariant:
+            return exact_inverse_cdf(probs, uniform)
         cdf = probs.cumsum(dim=-1)  # [N, V]
         total = cdf[:, -1:]  # [N, 1]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))  # < total

@@ -12,6 +12,7 @@ from podium_cpu.attention_plan import EVERY_TOKEN_ALONE, TILE_MIN_QUERY, build_p
 from podium_cpu.linear_choice import linear_rules
 from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import AttentionMetadata
+from podium_plugin_api import ops as reference
 
 KERNELS, WHY = load_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"native kernels did not build: {WHY}")
@@ -19,7 +20,7 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"native kernels did 
 
 def activated(attention: str = "auto", invariant: bool = False) -> CpuPlatform:
     platform = CpuPlatform()
-    platform.activate({"attention": attention})
+    platform.activate({"attention": attention, "kv_cache_commit": False})
     if invariant:
         platform.use_batch_invariant_kernels()
     return platform
@@ -80,3 +81,21 @@ def test_every_prompt_token_goes_the_decode_way_in_the_mode():
     assert alone.tokens.tolist() == [0, 1, 2, 3, 4, 5]
     assert alone.token_positions.tolist() == [3, 4, 5, 6, 7, 3]
     assert alone.token_seqs.tolist() == [0, 0, 0, 0, 0, 1]
+
+
+def test_top_k_keeps_the_same_tied_tokens_alone_and_among_rows_without_one():
+    """bf16 logits tie often. The default op's pre-filter (taken when every row has a top-k) ranks
+    ties by a partial sort, the reference by a full sort, so a row alone (pre-filter) and beside a
+    row without top-k (reference) may keep different tokens at its k-th rank. The mode's op table
+    has no pre-filter: the same tokens either way."""
+    logits = (torch.randn(2, 4096, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16().float()
+    top_k, top_p = torch.tensor([40, 0]), torch.tensor([1.0, 1.0])
+
+    def kept(ops, rows):
+        top_k_top_p = ops.get("top_k_top_p", reference.top_k_top_p)
+        return top_k_top_p(logits[:rows], top_k[:rows], top_p[:rows])[0] > float("-inf")
+
+    default, invariant = activated().custom_ops(), activated(invariant=True).custom_ops()
+    assert "top_k_top_p" in default and "top_k_top_p" not in invariant
+    assert not torch.equal(kept(default, 1), kept(default, 2))  # what the mode removes, on these logits
+    assert torch.equal(kept(invariant, 1), kept(invariant, 2))

@@ -118,6 +118,25 @@ def check_argmax(ops: OpTable, dtype: torch.dtype, rows: int, vocab: int, device
         assert torch.equal(got.cpu(), want), f"{what}: {got.cpu().tolist()} != torch's {want.tolist()}"
 
 
+def check_token_bitmask(op, dtype: torch.dtype, rows: int, vocab: int, device: str, seed: int) -> None:
+    """Structured output's mask equal to the contract's reference, bit for bit: every row masked, and
+    a subset in another order, over a vocabulary ending mid-word, with all-allowed / all-forbidden
+    words among random ones, on rows of a wider tensor (strided)."""
+    gen = torch.Generator().manual_seed(seed)
+    words = -(-vocab // 32)
+    for index in (None, torch.randperm(rows, generator=gen)[: max(1, rows // 2)]):
+        count = rows if index is None else len(index)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (count, words), generator=gen, dtype=torch.int64).to(torch.int32)
+        bitmask[0, 0], bitmask[-1, words - 1] = -1, 0
+        wide = torch.randn(rows, vocab + 7, generator=gen).to(dtype)
+        want = reference.apply_token_bitmask(wide[:, :vocab].clone(), bitmask, index)
+        logits = wide.to(device)[:, :vocab]
+        got = op(logits, bitmask.to(device), None if index is None else index.to(device))
+        what = f"apply_token_bitmask, {dtype}, [{rows}, {vocab}], rows {None if index is None else index.tolist()}"
+        assert got.data_ptr() == logits.data_ptr(), f"{what}: not in place"
+        assert torch.equal(got.cpu(), want), f"{what}: differs from the reference"
+
+
 # decode graph: Llama-3.1-8B attention (32 q heads, 8 KV heads, head 128), 8 sequences up to 2048
 # tokens, so the step the graph holds takes the split (flash-decoding) path
 NUM_SEQS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, MAX_LEN = 8, 32, 8, 128, 16, 2048

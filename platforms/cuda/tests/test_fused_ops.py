@@ -52,6 +52,14 @@ def test_argmax_is_torchs_first_maximum(dtype, rows, vocab, kernel_device):
     checks.check_argmax(FUSED_OPS, dtype, rows, vocab, kernel_device, seed=random.randrange(1 << 30))
 
 
+@pytest.mark.parametrize("dtype", checks.FUSED_OP_DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 100), (5, 2085), (3, 4096)])
+def test_token_bitmask_equals_reference(dtype, rows, vocab, kernel_device):
+    from podium_cuda.token_bitmask import apply_token_bitmask
+
+    checks.check_token_bitmask(apply_token_bitmask, dtype, rows, vocab, kernel_device, seed=random.randrange(1 << 30))
+
+
 def test_platform_installs_only_known_ops_with_reference_signatures(ops, kernel_device):
     assert set(ops) <= set(reference.REFERENCE_OPS)
     built = reference.build_op_table(ops)

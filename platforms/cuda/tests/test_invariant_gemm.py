@@ -12,6 +12,8 @@ import torch
 from cuda_checks import relative_error
 from torch import nn
 
+from podium_cuda.tuning import CUDA_TUNING
+
 pytestmark = pytest.mark.cuda
 gemm = pytest.importorskip("podium_cuda.invariant_gemm", reason="the batch-invariant GEMM needs triton")
 
@@ -38,7 +40,8 @@ def test_rows_do_not_depend_on_the_batch(kernel_device, k, n, bias):
         # one row alone, at a program's first/last row and the last. The interpreter's tl.dot is
         # numpy's matmul, whose BLAS rounds a row by its place in the tile (its own blocking, not
         # the kernel's), so there only rows at a program's first place compare; a GPU's MMA does not
-        for i in (0, 63, 64, 299) if kernel_device == "cuda" else (0, 64, 256):
+        block_m = CUDA_TUNING.invariant_gemm.block_m
+        for i in (0, 63, 64, 299) if kernel_device == "cuda" else (0, block_m, 2 * block_m):
             assert torch.equal(gemm.invariant_linear(x[i:i + 1], weight, b), full[i:i + 1]), (dtype, i)
         want = x.double() @ weight.double().T + (b.double() if bias else 0)
         tol = 1e-5 if dtype == torch.float32 else 1e-2

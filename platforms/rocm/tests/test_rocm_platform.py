@@ -18,6 +18,7 @@ from podium_plugin_api.discovery import load_plugins
 from podium_plugin_api.testing.platform_checks import check_capabilities, check_distributed_backend
 from podium_rocm import RocmPlatform
 from podium_rocm.arch import TARGET_ARCH, parse_arch
+from podium_rocm.platform import ROCM_BATCH_INVARIANT
 
 HIP_VERSION = "6.4.43482-0f2d60242"
 
@@ -111,7 +112,9 @@ def test_mi300x_capabilities(hip_build):
     assert caps.distributed_backend == "nccl"
     assert caps.graph_capture and caps.kv_cache_from_free_memory and caps.pinned_memory
     assert caps.default_dtype == torch.bfloat16 and torch.bfloat16 in caps.dtypes
-    assert caps.extra == {"gcn_arch": "gfx942", "wavefront_size": 64, "forced_on_cuda": False}
+    assert caps.extra == {"gcn_arch": "gfx942", "wavefront_size": 64, "forced_on_cuda": False,
+                          "batch_invariant": ROCM_BATCH_INVARIANT}
+    assert not caps.batch_invariant  # podium-cuda's batch-invariant kernels are not checked on AMD GPUs
 
 
 @pytest.mark.parametrize(
@@ -169,7 +172,8 @@ def test_switch_makes_rocm_available_on_a_cuda_device_and_says_so(cuda_build, mo
     assert availability.ok, availability.reason
     assert "forced onto CUDA for testing" in availability.reason and "NVIDIA H200" in availability.reason
     caps = platform.capabilities()
-    assert caps.extra == {"gcn_arch": TARGET_ARCH.gfx, "wavefront_size": 64, "forced_on_cuda": True}
+    assert caps.extra == {"gcn_arch": TARGET_ARCH.gfx, "wavefront_size": 64, "forced_on_cuda": True,
+                          "batch_invariant": ROCM_BATCH_INVARIANT}
     assert caps.fp8 == "e4m3fnuz"  # the target architecture's, as on the MI300X it stands in for
     assert platform.tuning().split.target_programs == 2 * 132
 

@@ -20,6 +20,8 @@ a KV cache; its reference lives in ``podium_plugin_api.encoder_attention``.
 ``gguf_linear`` and ``gguf_embedding`` compute with GGUF weights kept in ggml's block formats (a
 quantization method's layers call them); their reference and the layouts live in
 ``podium_plugin_api.gguf_blocks``. ``fp8_linear`` is the FP8 W8A8 product (``podium_plugin_api.fp8``).
+``apply_token_bitmask`` is structured output's mask: the tokens a grammar forbids get -inf, in
+place (a platform's kernel writes only those entries; the reference unpacks the whole mask).
 """
 
 from __future__ import annotations
@@ -135,6 +137,31 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+_BIT_TABLES: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> [256, 8]: a byte's 8 tokens as 0 / -inf
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, V] float, bitmask [R, ceil(V / 32)] int32 on logits' device, rows int64 [R] (None:
+    rows 0..R-1, R == B) -> logits, with logits[rows[i], t] = -inf where bit t % 32 of word t // 32 of
+    bitmask[i] is clear (the token is forbidden), in place. Set bits leave their logits untouched.
+
+    The words' layout is xgrammar's and llguidance's: token t is bit t % 32 of word t // 32, the
+    words little-endian, so byte k of word j holds tokens 32 j + 8 k + (0..7).
+    """
+    vocab = logits.shape[-1]
+    key = (logits.device, logits.dtype)
+    table = _BIT_TABLES.get(key)
+    if table is None:  # bit i of byte value b clear -> -inf, else 0
+        bits = torch.tensor([[(b >> i) & 1 for i in range(8)] for b in range(256)], dtype=torch.bool)
+        table = _BIT_TABLES[key] = torch.where(bits, 0.0, float("-inf")).to(logits.device, logits.dtype)
+    data = bitmask.contiguous().view(torch.uint8).view(-1)  # [R * W * 4]
+    # one gather and one add: several times faster on a CPU than unpacking bits and a masked fill
+    penalty = table.index_select(0, data.int()).view(bitmask.shape[0], -1)[:, :vocab]  # [R, V]
+    if rows is None:
+        return logits.add_(penalty)
+    return logits.index_copy_(0, rows, logits.index_select(0, rows).add_(penalty))
+
+
 REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -149,6 +176,7 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "gguf_linear": gguf_linear,
     "gguf_embedding": gguf_embedding,
     "fp8_linear": fp8_linear,
+    "apply_token_bitmask": apply_token_bitmask,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

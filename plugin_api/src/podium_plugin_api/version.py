@@ -24,11 +24,13 @@ Minor versions:
   the references.
 - 2.3: batch-invariant mode: ``Capabilities.batch_invariant`` and
   ``Platform.use_batch_invariant_kernels`` (the default refuses). A 2.0 plugin inherits the defaults.
+- 2.4: structured output's ``apply_token_bitmask`` op (the tokens a grammar forbids set to -inf in
+  place), with a reference the kit checks. Earlier plugins inherit the reference.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.3.0"
+API_VERSION = "2.4.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

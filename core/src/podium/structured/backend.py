@@ -84,6 +84,10 @@ class Matcher(Protocol):
     def accept(self, token_id: int) -> bool:
         """Advance with ``token_id``; False if the grammar does not allow it (the state is unchanged)."""
 
+    @classmethod
+    def accept_tokens(cls, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+        """``matchers[i].accept(tokens[i])`` for every i, in one call where the library has one."""
+
     def is_terminated(self) -> bool:
         """Whether the grammar has ended (an end-of-sequence token was accepted)."""
 

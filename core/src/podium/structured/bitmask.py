@@ -7,9 +7,8 @@ way the step went. A preempted sequence keeps its output tokens and so its match
 ever shrinks below what the matcher consumed, the matcher is reset and replays the output.
 
 The mask of a step: each constrained row's matcher writes its allowed tokens into one row of a host
-int32 bitmask [R, ceil(V / 32)]; one copy to the device; its bytes unpack through a 256-entry
-table to 0 (allowed) or -inf (forbidden) per token, added to the logits before any other logit
-processing. Rows without a grammar are never touched, and a step without constrained rows does no
+int32 bitmask [R, ceil(V / 32)]; one copy to the device; the platform's ``apply_token_bitmask`` op
+sets the forbidden tokens' logits to -inf before any other logit processing. Rows without a grammar are never touched, and a step without constrained rows does no
 mask work at all.
 
 With async scheduling a sequence's last token may still be on the device (a placeholder, sampled
@@ -26,11 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from podium_plugin_api.ops import apply_token_bitmask as reference_apply_token_bitmask
+
 from ..request import Sequence
 from .backend import Matcher
 
 logger = logging.getLogger(__name__)
 
+ApplyBitmask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 PendingTokens = Callable[[], dict[int, int]]  # the in-flight step's tokens by seq_id (waits for them)
 
 
@@ -42,11 +44,11 @@ class _Tracked:
 
 
 class GrammarMasks:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, apply_bitmask: ApplyBitmask = reference_apply_token_bitmask) -> None:
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
         self._tracked: dict[int, _Tracked] = {}
-        self._tables: dict[tuple, torch.Tensor] = {}  # byte value -> its 8 tokens' 0 / -inf, per device and dtype
+        self._apply_bitmask = apply_bitmask  # the platform's apply_token_bitmask op
 
     def forget(self, seq_id: int) -> None:
         self._tracked.pop(seq_id, None)
@@ -54,6 +56,12 @@ class GrammarMasks:
     def matcher(self, seq: Sequence, pending: dict[int, int] | None = None) -> Matcher:
         """The sequence's matcher, caught up with its output tokens (and its placeholder's token,
         from ``pending``, when its last token is still in flight)."""
+        tracked, tail = self._tail(seq, pending)
+        self._accept(seq, tracked, tail)
+        return tracked.matcher
+
+    def _tail(self, seq: Sequence, pending: dict[int, int] | None) -> tuple[_Tracked, list[int]]:
+        """The sequence's tracked matcher and the output tokens it has yet to accept."""
         tracked = self._tracked.get(seq.seq_id)
         if tracked is None:
             tracked = self._tracked[seq.seq_id] = _Tracked(seq.grammar.result().matcher())
@@ -67,15 +75,39 @@ class GrammarMasks:
             tracked.matcher.reset()
             tracked.consumed, tracked.broken = 0, False
         tail = seq.token_ids[start + tracked.consumed:end] + in_flight[max(0, tracked.consumed - (end - start)):]
-        if not tracked.broken:
-            for token in tail:
-                if not tracked.matcher.accept(token):
-                    logger.error("sequence %s: the grammar rejects token %d after %d tokens; its output is no "
-                                 "longer constrained", seq.request_id, token, tracked.consumed)
-                    tracked.broken = True
-                    break
-                tracked.consumed += 1
-        return tracked.matcher
+        return tracked, tail if not tracked.broken else []
+
+    @staticmethod
+    def _accept(seq: Sequence, tracked: _Tracked, tail: list[int]) -> None:
+        for token in tail:
+            if not tracked.matcher.accept(token):
+                _broken(seq, tracked, token)
+                return
+            tracked.consumed += 1
+
+    def _catch_up(self, seqs: list[Sequence], pending: dict[int, int] | None) -> list[_Tracked]:
+        """Every sequence's matcher caught up. A decode's single new token (the common case) is
+        accepted in one batched call per backend: at batch 256 the per-token calls were a large
+        part of the host's work per step."""
+        tracked_rows = []
+        singles: dict[type, tuple[list[Matcher], list[int], list[int]]] = {}  # matchers, tokens, rows
+        for row, seq in enumerate(seqs):
+            tracked, tail = self._tail(seq, pending)
+            tracked_rows.append(tracked)
+            if len(tail) == 1:
+                group = singles.setdefault(type(tracked.matcher), ([], [], []))
+                group[0].append(tracked.matcher)
+                group[1].append(tail[0])
+                group[2].append(row)
+            elif tail:
+                self._accept(seq, tracked, tail)
+        for kind, (matchers, tokens, rows) in singles.items():
+            for row, token, ok in zip(rows, tokens, kind.accept_tokens(matchers, tokens)):
+                if ok:
+                    tracked_rows[row].consumed += 1
+                else:
+                    _broken(seqs[row], tracked_rows[row], token)
+        return tracked_rows
 
     def host_mask(self, seqs: list[Sequence], pin: bool = False, pending: PendingTokens | None = None) -> torch.Tensor:
         """The bitmask [R, words] int32 on the host of these constrained sequences, one row each
@@ -83,11 +115,10 @@ class GrammarMasks:
         mask = torch.full((len(seqs), self.words), -1, dtype=torch.int32, pin_memory=pin)
         live: dict[type, tuple[list[Matcher], list[int]]] = {}  # per backend: its matchers and their rows
         in_flight = pending() if pending is not None and any(s.num_pending_tokens for s in seqs) else None
-        for row, seq in enumerate(seqs):
-            matcher = self.matcher(seq, in_flight)
-            if not self._tracked[seq.seq_id].broken and not matcher.is_terminated():
-                matchers, rows = live.setdefault(type(matcher), ([], []))
-                matchers.append(matcher)
+        for row, tracked in enumerate(self._catch_up(seqs, in_flight)):
+            if not tracked.broken and not tracked.matcher.is_terminated():
+                matchers, rows = live.setdefault(type(tracked.matcher), ([], []))
+                matchers.append(tracked.matcher)
                 rows.append(row)
         for kind, (matchers, rows) in live.items():
             if len(rows) == 1:
@@ -101,17 +132,12 @@ class GrammarMasks:
         """Set logits[rows[i], t] = -inf for every token t the grammar of ``seqs[i]`` forbids now."""
         device = logits.device
         host = self.host_mask(seqs, pin=device.type != "cpu", pending=pending)  # [R, W] int32 (as deferred.py pins)
-        key = (device, logits.dtype)
-        table = self._tables.get(key)
-        if table is None:  # [256, 8]: bit i of byte value b clear (token forbidden) -> -inf, else 0
-            bits = torch.tensor([[(b >> i) & 1 for i in range(8)] for b in range(256)], dtype=torch.bool)
-            table = self._tables[key] = torch.where(bits, 0.0, float("-inf")).to(device, logits.dtype)
-        # the int32 words as little-endian bytes: byte k of word j holds tokens 32 j + 8 k + (0..7);
-        # adding 0 / -inf (one gather, one add) is several times faster on a CPU than a masked fill
-        data = host.view(torch.uint8).view(-1).to(device, non_blocking=True)  # [R * W * 4]
-        penalty = table.index_select(0, data.int()).view(len(rows), -1)[:, :self.vocab_size]  # [R, V]
-        if len(rows) == logits.shape[0]:
-            logits.add_(penalty)
-            return
-        index = torch.tensor(rows).to(device, non_blocking=True)
-        logits.index_copy_(0, index, logits.index_select(0, index).add_(penalty))
+        mask = host.to(device, non_blocking=True)
+        index = None if len(rows) == logits.shape[0] else torch.tensor(rows).to(device, non_blocking=True)
+        self._apply_bitmask(logits, mask, index)
+
+
+def _broken(seq: Sequence, tracked: _Tracked, token: int) -> None:
+    logger.error("sequence %s: the grammar rejects token %d after %d tokens; its output is no longer constrained",
+                 seq.request_id, token, tracked.consumed)
+    tracked.broken = True

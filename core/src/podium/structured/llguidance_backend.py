@@ -39,6 +39,10 @@ class LLGuidanceMatcher:
         self._ended = self._ended or (accepted and token_id in self._eos)
         return accepted
 
+    @classmethod
+    def accept_tokens(cls, matchers: list[LLGuidanceMatcher], tokens: list[int]) -> list[bool]:
+        return [m.accept(t) for m, t in zip(matchers, tokens)]  # (llguidance has no batched consume)
+
     def is_terminated(self) -> bool:
         return self._ended
 

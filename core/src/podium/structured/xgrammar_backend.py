@@ -32,6 +32,11 @@ class XGrammarMatcher:
     def accept(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
 
+    @classmethod
+    def accept_tokens(cls, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
+        import xgrammar as xgr
+        return xgr.BatchGrammarMatcher.batch_accept_token([m._matcher for m in matchers], tokens)
+
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 

@@ -94,6 +94,7 @@ class NativeKernels:
     amx_fused_linear: dict = field(default_factory=dict)
     dpbf16_fused_linear: dict = field(default_factory=dict)
     embed_rows: dict = field(default_factory=dict)  # the embedding lookup
+    token_bitmask: dict = field(default_factory=dict)  # structured output's mask, in place
     # GGUF blocks kept quantized (gguf_linear.c): {ggml type id: {dtype: entry}}
     gguf_linear: dict = field(default_factory=dict)
     gguf_embed: dict = field(default_factory=dict)
@@ -232,6 +233,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_fma_pack": (_PACK, ("f32", "bf16")),
     "podium_fma_fused_linear": (_FUSED_LINEAR, ("f32", "bf16")),
     "podium_embed_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16")),
+    "podium_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT], ("f32", "bf16")),
     **{f"podium_gguf_{name}_linear": (_LINEAR, ("f32", "bf16")) for name in GGUF_TYPES.values()},
     **{f"podium_gguf_{name}_embed": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16"))
        for name in GGUF_TYPES.values()},
@@ -318,6 +320,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         amx_fused_linear=entries["podium_amx_fused_linear"] if amx_ready else {},
         dpbf16_fused_linear=entries["podium_dpbf16_fused_linear"] if dpbf16_ready else {},
         embed_rows=entries["podium_embed_rows"],
+        token_bitmask=entries["podium_token_bitmask"],
         gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},
         gguf_embed={t: entries[f"podium_gguf_{name}_embed"] for t, name in GGUF_TYPES.items()},
         replay=replay,

@@ -21,18 +21,17 @@ Choices made here, from what the machine offers (``cpu_info``):
   attention is theirs. Linears run on one native kernel for every batch (``batch_invariant_rules``:
   each output element sums its products in one order whatever the rows), norms are per row
   already, and attention takes every query token alone (``attention_plan.EVERY_TOKEN_ALONE``), so a
-  prompt token is computed exactly as a decode would be; a dtype without a native linear is refused.
+  prompt token is computed exactly as a decode would be; top-k / top-p is the reference's full sort
+  (no pre-filter); a dtype without a native linear is refused.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -44,6 +43,7 @@ from .cpu_info import has_native_bf16, usable_cores
 from .embedding import native_embeddings
 from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
+from .host_memory import zeroed_host_tensor
 from .ipex_support import ipex_status
 from .linear_choice import LinearChoice, LinearRule, batch_invariant_rules, choose, linear_rules
 from .linear_packing import pack_linear_layers
@@ -58,6 +58,11 @@ ATTENTION_OPTION = PlatformOption(
     "attention", str, "auto", "the paged attention that runs: the native C kernel, IPEX's, or pure torch "
     "(auto: native, else IPEX, else torch); a forced choice that cannot load is an error",
     choices=ATTENTION_CHOICES, env=ATTENTION_ENV)
+KV_COMMIT_OPTION = PlatformOption(
+    "kv_cache_commit", bool, False, "commit the KV cache's pages when it is allocated (host_memory): RSS "
+    "is the full cache from the start and a host that cannot hold it fails at startup, for about 0.5 s "
+    "of startup per GiB; off: pages fault in as blocks are first used, so RSS rises to the cache's size "
+    "over the first minutes of serving (a plateau, not a leak)")
 
 
 class CpuPlatform(Platform):
@@ -67,6 +72,7 @@ class CpuPlatform(Platform):
 
     def __init__(self) -> None:
         self._attention = "auto"  # the attention option; activate() sets it
+        self._commit_kv = False  # the kv_cache_commit option
         self._backend: AttentionBackend | None = None
         self._backend_note = ""
         self._capabilities: Capabilities | None = None
@@ -74,11 +80,13 @@ class CpuPlatform(Platform):
         self._invariant = False  # the batch-invariant mode (use_batch_invariant_kernels)
 
     def options(self) -> tuple[PlatformOption, ...]:
-        return (ATTENTION_OPTION,)
+        return (ATTENTION_OPTION, KV_COMMIT_OPTION)
 
     def activate(self, options: Mapping[str, Any]) -> None:
-        """Take the attention choice (nothing process-wide to set: threads are sized in set_device)."""
+        """Take the attention choice and the KV commit (nothing process-wide to set: threads are
+        sized in set_device)."""
         self._attention = options["attention"]
+        self._commit_kv = options["kv_cache_commit"]
         self._backend, self._capabilities = None, None
 
     def capabilities(self) -> Capabilities:
@@ -135,16 +143,20 @@ class CpuPlatform(Platform):
         return self._backend_note
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
-        """Zeroed caches whose pages the OS zeroes on first touch (``calloc``), not all up front.
-
-        ``torch.zeros`` writes every byte (about half a second per GiB); numpy's zeros are lazily
-        zeroed pages, so startup pays only for the bytes a run actually uses.
-        """
+        """Zeroed caches from calloc'd pages, which the OS zeroes on first touch: startup pays only for
+        the bytes a run uses (``torch.zeros`` writes every byte, about half a second per GiB). With
+        ``kv_cache_commit`` the pages are committed here instead (``host_memory``), without a write."""
         shape = self.attention_backend().kv_cache_shape(spec, num_blocks)
-        return [_lazy_zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
+        return [zeroed_host_tensor(shape, spec.dtype, commit=self._commit_kv) for _ in range(spec.num_layers)]
 
     def custom_ops(self) -> dict:
-        return cpu_ops(load_kernels()[0])
+        """The native ops; in the batch-invariant mode without the top-k pre-filter, which runs only
+        when every row of the batch has a top-k, and whose partial sort ranks tied logits unlike the
+        reference's full sort: a row's kept set at its k-th rank would depend on its company."""
+        ops = cpu_ops(load_kernels()[0])
+        if self._invariant:
+            ops.pop("top_k_top_p", None)
+        return ops
 
     def linear_rules(self) -> dict[torch.dtype, LinearRule]:
         """Each dtype's linear kernels here (``linear_choice``); builds the native kernels on first use."""
@@ -182,14 +194,6 @@ def _graphs_possible(choice: str) -> bool:
     """Decode steps can be captured (graphs.py) where the attention is the native kernel's: not forced
     elsewhere, and a C compiler to build it (cheap to ask; the build itself happens on first use)."""
     return choice in ("auto", "native") and compiler_found()
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> torch.Tensor:
-    """A zeroed, ``align``-byte aligned tensor from calloc'd memory (pages zeroed on first touch)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
 def _attention_setting(choice: str) -> str:

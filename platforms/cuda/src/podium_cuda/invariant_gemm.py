@@ -3,10 +3,12 @@ output element is summed in one order whatever M is.
 
 cuBLAS picks its kernel, tile and split-K from the problem's M, so the same row of x can be reduced
 in another order inside a batch of 256 than alone, and in bf16 the last bit differs. Here the
-tiling is a function of (N, K, dtype) only (``_config``): BLOCK_N x BLOCK_K tiles, BLOCK_M rows a
-program, one program per output tile walking K from 0 to K in BLOCK_K steps with one float32
-accumulator, no split-K. Rows past M are masked loads of zeros, so a row's sums see the same
-instructions in every M. The output is rounded once, after the bias is added in float32.
+tiling is a function of (N, K, dtype) only (``_config``, from ``KernelTuning.invariant_gemm``):
+BLOCK_N x BLOCK_K tiles, BLOCK_M rows a program, one program per output tile walking K from 0 to K
+in BLOCK_K steps with one float32 accumulator, no split-K. Rows past M are masked loads of zeros,
+so a row's sums see the same instructions in every M (M is not specialized on, so one compiled
+variant serves every M). The output is rounded once, after the bias is added in float32. float32
+multiplies in IEEE float32, not TF32, as F.linear does by default.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from .tuning import CUDA_TUNING, GemmTiling, KernelTuning
+
 INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -33,22 +38,36 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
                     mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK]
         w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :],
                     mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)  # [BN, BK]
-        acc = tl.dot(x, tl.trans(w), acc)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def _config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): from the weight's shape and dtype, never from M."""
-    block_k = 32 if dtype == torch.float32 else 64
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
-    return 64, block_n, block_k, 4
+NARROW_BELOW = 64  # column tiles under which a weight's tiles are halved in width (see _config)
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed by the batch-invariant GEMM (x [..., K], weight [N, K])."""
+def _config(n: int, dtype: torch.dtype, tiling: GemmTiling) -> GemmTiling:
+    """The tiles for a weight of ``n`` output features: from its shape and dtype, never from M.
+
+    block_n halves (down to 64) while the weight has fewer than NARROW_BELOW column tiles: a
+    4096-wide projection in 128-wide tiles gives a 256-row decode step 64 programs for ~132
+    multiprocessors. float32 tiles take half the block_k (twice the bytes an element)."""
+    block_n = min(tiling.block_n, max(16, triton.next_power_of_2(n)))
+    while block_n > 64 and triton.cdiv(n, block_n) < NARROW_BELOW:
+        block_n //= 2
+    block_k = tiling.block_k // 2 if dtype == torch.float32 else tiling.block_k
+    return GemmTiling(tiling.block_m, block_n, max(block_k, 16), tiling.num_warps, tiling.num_stages)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed by the batch-invariant GEMM (x [..., K], weight [N, K]);
+    tiles from ``tuning.invariant_gemm``."""
     if x.dtype != weight.dtype or x.dtype not in INVARIANT_DTYPES:
         raise ValueError(f"the batch-invariant GEMM takes x and weight of one dtype among "
                          f"{[str(d) for d in INVARIANT_DTYPES]}, got {x.dtype} and {weight.dtype}")
@@ -61,32 +80,34 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)  # [M, N]
     if rows.shape[0]:
-        block_m, block_n, block_k, warps = _config(n, k, x.dtype)
-        grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
+        t = _config(n, x.dtype, tuning.invariant_gemm)
+        grid = (triton.cdiv(rows.shape[0], t.block_m), triton.cdiv(n, t.block_n))  # row tiles of a column next
         _gemm_kernel[grid](rows, w, bias if bias is not None else w, out, rows.shape[0], n, k, rows.stride(0),
-                           w.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                           w.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=t.block_m,
+                           BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x.dtype == torch.float32,
+                           num_warps=t.num_warps, num_stages=t.num_stages)
     return out.reshape(*x.shape[:-1], n)
 
 
 class InvariantLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` (same parameters) that multiplies with the batch-invariant GEMM."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, tuning: KernelTuning = CUDA_TUNING) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.tuning = tuning
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(x, self.weight, self.bias)
+        return invariant_linear(x, self.weight, self.bias, self.tuning)
 
 
-def use_invariant_linears(model: nn.Module) -> int:
+def use_invariant_linears(model: nn.Module, tuning: KernelTuning = CUDA_TUNING) -> int:
     """Every ``nn.Linear`` of ``model`` becomes an InvariantLinear in place; returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, name, InvariantLinear(child))
+                setattr(module, name, InvariantLinear(child, tuning))
                 count += 1
     return count

@@ -9,7 +9,8 @@
        silu(gate) * up [BLOCK_M, BLOCK_N] at the assignments' rows of ``act`` [A, I]
     3. down kernel: act[rows] @ W_down[e]^T times each assignment's routing weight -> out [A, H]
        (float32; rows routed to no local expert get zeros)
-    4. out.view(T, K, H).sum(1): each token's K contributions, in a fixed order
+    4. out.view(T, K, H).sum(1): each token's K contributions, in a fixed order (in the
+       batch-invariant mode one elementwise add after another: ``invariant_fused_moe``)
 
 Every size is static (``sorted_ids`` holds A + (E + 1) * (BLOCK_M - 1) slots, rounded up), so a
 decode step with MoE layers captures into a CUDA graph; empty blocks return at once. BLOCK_K is the
@@ -150,17 +151,42 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, topk_weights: torch.Tensor, 
               tuning=None, tiling: MoETiling | None = None) -> torch.Tensor:
     """The contract's ``fused_moe`` (module docstring). ``tuning``: ignored (the ROCm platform passes
     its table to every op); ``tiling``: force one (benchmarks)."""
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    tiling = tiling or moe_tiling(topk_ids.numel(), experts.gate_up_proj.shape[0])
+    return _contributions(x, experts, topk_weights, topk_ids, tiling).sum(dim=1).to(x.dtype)  # [T, H]
+
+
+# the batch-invariant mode's one tiling, whatever the batch (the prefill one: decode steps pay for
+# 64-row blocks of which few rows are used)
+INVARIANT_MOE_TILING = MOE_TILINGS[-1][1]
+
+
+def invariant_fused_moe(x: torch.Tensor, experts: MoEExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        tuning=None) -> torch.Tensor:
+    """``fused_moe`` whose token rows do not depend on the batch: one tiling (``INVARIANT_MOE_TILING``)
+    at every size, and each token's K contributions added one after another by elementwise adds,
+    where ``sum(dim=1)`` would leave the order to the reduction torch configures for the shape."""
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    parts = _contributions(x, experts, topk_weights, topk_ids, INVARIANT_MOE_TILING)  # [T, K, H] float32
+    total = parts[:, 0]
+    for k in range(1, parts.shape[1]):
+        total = total + parts[:, k]
+    return total.to(x.dtype)
+
+
+def _contributions(x: torch.Tensor, experts: MoEExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   tiling: MoETiling) -> torch.Tensor:
+    """Steps 1-3 of the module docstring: each assignment's weighted expert output, [T, K, H] float32."""
     gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
     tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     count = topk_ids.numel()
-    if tokens == 0:
-        return torch.empty_like(x)
     if x.dtype != gate_up.dtype or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError(f"fused_moe: x ({x.dtype}) and expert weights ({gate_up.dtype}) must share a dtype, "
                          "with contiguous rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    tiling = tiling or moe_tiling(count, num_experts)
     sorted_ids, block_expert = align_by_expert(topk_ids, num_experts, tiling.block_m)
     blocks, ieee = block_expert.numel(), x.dtype == torch.float32
     act = torch.empty(count, inter, dtype=x.dtype, device=x.device)  # [A, I]
@@ -178,4 +204,4 @@ def fused_moe(x: torch.Tensor, experts: MoEExperts, topk_weights: torch.Tensor, 
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, IEEE=ieee,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
-    return out.view(tokens, topk_ids.shape[1], hidden).sum(dim=1).to(x.dtype)  # [T, H]
+    return out.view(tokens, topk_ids.shape[1], hidden)

@@ -48,13 +48,17 @@ NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: n
 
 
 @triton.jit
-def _tile_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """Largest sequence i whose first tile index (query_start_loc[i] // BLOCK_Q + i) is <= tile."""
+def _tile_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SPARE: tl.constexpr):
+    """Largest sequence i whose first tile index (query_start_loc[i] // BLOCK_Q + SPARE * i) is <= tile.
+
+    Sequence i gets q_len // BLOCK_Q + SPARE tile indices (some past its tokens): SPARE 1 where its
+    tiles start at its first new token, 2 where they start at a multiple of BLOCK_Q positions
+    (invariant_attention.py), so one more may straddle."""
     lo = 0
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q + SPARE * mid
         if first <= tile:
             lo = mid
         else:
@@ -258,7 +262,7 @@ def paged_attention_kernel(
         seq = tile
         j = 0
     else:
-        seq = _tile_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q)
+        seq = _tile_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q, 1)
         j = tile - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start

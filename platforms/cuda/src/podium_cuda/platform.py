@@ -5,6 +5,10 @@ Options (``podium platforms --verbose``): ``tuning`` changes the kernels' launch
 installed (alias ``PODIUM_CUDA_FUSED_OPS``), ``compile_log`` logs every Triton kernel variant built
 (alias ``PODIUM_TRITON_COMPILE_LOG``). They and the process-wide settings (the cuBLAS workspace,
 the compile-log hook) take effect in ``activate``, on the selected platform only.
+
+The batch-invariant mode (``use_batch_invariant_kernels``, after ``activate``) swaps the attention
+backend, the op table and the model's linears for kernels that reduce every row in one order
+whatever the batch (invariant_mode.py); the default mode's kernels and code paths are untouched.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ TRITON_OPTIONS = (
                    "fields of KernelTuning, tilings as block_m/block_n/num_warps/num_stages[/table_blocks] "
                    "(e.g. decode_rotary_in_attention=0,decode=16/64/4/2)", env=TUNING_ENV, parse=parse_tuning),
     PlatformOption("fused_ops", str, "auto", "the fused Triton ops installed: comma-separated op names, auto "
-                   "(the tuning's list) or none (the torch references)", env=FUSED_OPS_ENV, parse=parse_fused_ops),
+                   "(the tuning's list) or none (the torch references); the batch-invariant mode installs its own "
+                   "set", env=FUSED_OPS_ENV, parse=parse_fused_ops),
     PlatformOption("compile_log", bool, False, "log every Triton kernel variant this process builds or loads "
                    "(finds variants compiled in the middle of serving)", env=COMPILE_LOG_ENV),
 )
@@ -88,14 +93,6 @@ class CudaGraphRunner(GraphRunner):
         return replay
 
 
-# Why the mode is not offered yet: the linears have their batch-invariant GEMM (invariant_gemm.py,
-# fixed tiles, no split-K), but the paged-attention kernel's prefill tiles and decodes walk a
-# query's keys in different loops, and pure-decode steps split keys over a batch-dependent count.
-BATCH_INVARIANT_MISSING = ("not yet: the paged-attention kernel reduces a query's keys in another order in a prefill "
-                           "tile than in a decode (and splits decodes by batch size); the linears' batch-invariant "
-                           "GEMM exists (invariant_gemm.py)")
-
-
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
@@ -105,6 +102,7 @@ class CudaPlatform(Platform):
         self._backend: AttentionBackend | None = None
         self._changes: dict = {}  # the tuning option's field changes
         self._fused_ops: tuple[str, ...] | None = None  # the fused_ops option (None: the tuning's list)
+        self._invariant = False  # the batch-invariant mode (use_batch_invariant_kernels)
 
     def availability(self) -> Availability:
         return cuda_availability()
@@ -115,7 +113,7 @@ class CudaPlatform(Platform):
     def activate(self, options: Mapping[str, Any]) -> None:
         """Take the options; turn off the cuBLAS workspace (NVIDIA) and install the compile log if asked."""
         self._changes, self._fused_ops = dict(options["tuning"]), options["fused_ops"]
-        self._backend = None
+        self._backend, self._invariant = None, False
         if not getattr(torch.version, "hip", None):  # measured on NVIDIA only; hipBLAS keeps its default
             os.environ.setdefault(CUBLAS_WORKSPACE_ENV, CUBLAS_WORKSPACE_DEFAULT)
         if options["compile_log"]:
@@ -133,8 +131,14 @@ class CudaPlatform(Platform):
             distributed_backend="nccl",
             pinned_memory=True,
             kv_cache_from_free_memory=True,
-            extra={"batch_invariant": BATCH_INVARIANT_MISSING},
+            batch_invariant=True,
+            extra={"batch_invariant": "on" if self._invariant else "available (--batch-invariant)"},
         )
+
+    def use_batch_invariant_kernels(self) -> None:
+        """From here on: the batch-invariant attention, op table and linears (invariant_mode.py)."""
+        self._invariant = True
+        self._backend = None
 
     def config_defaults(self) -> dict:
         return {"gpu_memory_utilization": 0.90, "max_num_batched_tokens": 8192, "async_scheduling": True}
@@ -174,6 +178,10 @@ class CudaPlatform(Platform):
         return self._backend
 
     def _new_backend(self) -> AttentionBackend:
+        if self._invariant:
+            from .invariant_attention import InvariantAttentionBackend  # triton is imported here, not before
+
+            return InvariantAttentionBackend(tuning=self.tuning(), fp8_flavour=self._fp8_cache_flavour())
         from .attention import TritonAttentionBackend  # triton is imported here, not before
 
         return TritonAttentionBackend(tuning=self.tuning(), fp8_flavour=self._fp8_cache_flavour())
@@ -198,7 +206,12 @@ class CudaPlatform(Platform):
 
     def custom_ops(self) -> dict:
         """The fused Triton ops of the fused_ops option, by default those that measured faster than the
-        torch reference (``KernelTuning.fused_ops``), launched with this platform's tuning."""
+        torch reference (``KernelTuning.fused_ops``), launched with this platform's tuning. In the
+        batch-invariant mode its own fixed set instead (``invariant_mode.invariant_ops``)."""
+        if self._invariant:
+            from .invariant_mode import invariant_ops  # triton is imported here, not before
+
+            return invariant_ops()
         tuning, kernels = self.tuning(), op_kernels()
         names = tuning.fused_ops if self._fused_ops is None else self._fused_ops
         missing = [n for n in names if n not in kernels]
@@ -209,8 +222,14 @@ class CudaPlatform(Platform):
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """One-row bf16/fp16 linears (o_proj, lm_head at batch-1 decode) take the Triton GEMV
-        (``KernelTuning.gemv_batch1``): the model's nn.Linear modules become BatchOneLinear in place."""
+        (``KernelTuning.gemv_batch1``): the model's nn.Linear modules become BatchOneLinear in place.
+        In the batch-invariant mode every linear becomes an InvariantLinear instead, or the model is
+        refused with the reason (``invariant_mode.prepare_invariant_model``)."""
         tuning = self.tuning()
+        if self._invariant:
+            from .invariant_mode import prepare_invariant_model  # triton is imported here, not before
+
+            return prepare_invariant_model(model, tuning)
         if tuning.gemv_batch1:
             from .gemv import use_batch_one_linears  # triton is imported here, not before
 
@@ -225,5 +244,7 @@ def op_kernels() -> dict:
     from .gemv import GEMV_OPS
     from .gguf import GGUF_OPS
     from .moe import fused_moe
+    from .token_bitmask import apply_token_bitmask
 
-    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, "fused_moe": fused_moe, "fp8_linear": fp8_linear}
+    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, "fused_moe": fused_moe, "fp8_linear": fp8_linear,
+            "apply_token_bitmask": apply_token_bitmask}

@@ -45,6 +45,28 @@ class AttentionTiling:
 
 
 @dataclass(frozen=True)
+class GemmTiling:
+    """The batch-invariant GEMM's tiles (invariant_gemm.py): a program computes block_m x block_n
+    outputs walking K block_k at a time. Taken from the weight's shape and dtype, never from the
+    number of rows, so every row is summed in one order whatever the batch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            too_small = value < (1 if name == "num_warps" else 16)
+            if too_small or value & (value - 1):
+                raise ValueError(f"GemmTiling.{name} must be a power of two (>= 16 for blocks), got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"GemmTiling.num_stages must be >= 1, got {self.num_stages}")
+
+
+@dataclass(frozen=True)
 class SplitPolicy:
     """When a decode step splits each sequence's keys over several programs (flash-decoding).
 
@@ -87,10 +109,11 @@ class KernelTuning:
     # fused_moe: the grouped Triton GEMMs (moe.py); the reference's per-expert loop reads
     # expert counts on the host, which a CUDA graph cannot capture
     # gguf_linear / gguf_embedding: GGUF blocks dequantized in the kernel (gguf.py); the reference
-    # dequantizes the whole weight every call; fp8_linear: torch._scaled_mm (fp8_linear.py)
+    # dequantizes the whole weight every call; fp8_linear: torch._scaled_mm (fp8_linear.py);
+    # apply_token_bitmask: one launch writing the forbidden tokens only (token_bitmask.py)
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
                                   "rms_norm_linear", "silu_and_mul_linear", "fused_moe", "gguf_linear",
-                                  "gguf_embedding", "fp8_linear")
+                                  "gguf_embedding", "fp8_linear", "apply_token_bitmask")
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
@@ -139,6 +162,17 @@ class KernelTuning:
     # and of the attention kernel and its split merge
     gemv_pdl: bool = True
     attention_pdl: bool = True
+    # the batch-invariant mode (use_batch_invariant_kernels). Attention: one tiling for prefill and
+    # decode launches alike (invariant_attention.py), the decode tiling's, since decodes dominate a
+    # run and a prompt token then costs what a decode does; fp8 caches take the fp8 decode tiling
+    # (None: ``invariant_attention``). Linears: the batch-invariant GEMM's 16-bit tiles (fp32 halves
+    # block_k), the configuration batch_invariant_ops (Thinking Machines) uses on Hopper; weights
+    # with fewer than 64 column tiles of block_n take block_n / 2 so a 256-row decode step still
+    # spreads over the multiprocessors (invariant_gemm._config)
+    invariant_attention: AttentionTiling = AttentionTiling(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    invariant_fp8_attention: AttentionTiling | None = AttentionTiling(block_m=16, block_n=16, num_warps=1,
+                                                                      num_stages=5, table_blocks=64)
+    invariant_gemm: GemmTiling = GemmTiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 CUDA_TUNING = KernelTuning()  # the CUDA platform's table; the ``tuning`` option changes a copy of it
@@ -147,28 +181,33 @@ TUNING_ENV = "PODIUM_CUDA_TUNING"  # the alias of the tuning option
 FUSED_OPS_ENV = "PODIUM_CUDA_FUSED_OPS"  # the alias of the fused_ops option
 
 
-def _tiling_value(name: str, text: str, optional: bool) -> AttentionTiling | None:
-    """``block_m/block_n/num_warps/num_stages[/table_blocks]`` (e.g. 16/32/2/2), or none for an optional tiling."""
+TILING_FORMS = {"AttentionTiling": (AttentionTiling, "block_m/block_n/num_warps/num_stages[/table_blocks]", (4, 5)),
+                "GemmTiling": (GemmTiling, "block_m/block_n/block_k/num_warps/num_stages", (5,))}
+
+
+def _tiling_value(name: str, kind: str, text: str, optional: bool) -> AttentionTiling | GemmTiling | None:
+    """A tiling field's value, its numbers joined by / (e.g. 16/32/2/2), or none for an optional tiling."""
     if optional and text == "none":
         return None
+    cls, form, counts = TILING_FORMS[kind]
     parts = text.split("/")
-    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts):
-        raise ValueError(f"{name} takes block_m/block_n/num_warps/num_stages[/table_blocks]"
-                         f"{' or none' if optional else ''}, got {text!r}")
+    if len(parts) not in counts or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{name} takes {form}{' or none' if optional else ''}, got {text!r}")
     try:
-        return AttentionTiling(*map(int, parts))
+        return cls(*map(int, parts))
     except ValueError as error:
         raise ValueError(f"{name}: {error}") from None
 
 
 def parse_tuning(text: str) -> dict:
     """The ``tuning`` option, ``"field=value,..."``, as KernelTuning field changes (A/B runs on the
-    device): int and bool fields, tilings as m/n/w/s[/t] (or none where optional). ValueError names
-    what is settable and how."""
+    device): int and bool fields, attention tilings as m/n/w/s[/t], GEMM tilings as m/n/k/w/s (or
+    none where optional). ValueError names what is settable and how."""
     base = KernelTuning()
     changes = {}
     kinds = {f.name: type(getattr(base, f.name)) for f in fields(base)}
-    tilings = {f.name: "None" in str(f.type) for f in fields(base) if "AttentionTiling" in str(f.type)}  # -> optional
+    tilings = {f.name: (kind, "None" in str(f.type)) for f in fields(base)  # -> (kind, optional)
+               for kind in TILING_FORMS if kind in str(f.type)}
     settable = sorted(n for n, k in kinds.items() if k in (int, bool) or n in tilings)
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
@@ -177,7 +216,8 @@ def parse_tuning(text: str) -> dict:
         if (kind not in (int, bool) and name not in tilings) or not value:
             raise ValueError(f"cannot set {item!r}; settable: {settable} as name=value")
         if name in tilings:
-            changes[name] = _tiling_value(name, value, tilings[name])
+            kind, optional = tilings[name]
+            changes[name] = _tiling_value(name, kind, value, optional)
         elif kind is bool:
             if value not in ("0", "1", "true", "false"):
                 raise ValueError(f"{name} takes 0/1/true/false, got {value!r}")

@@ -19,6 +19,11 @@ from podium_plugin_api import AttentionBackend, Availability, Capabilities
 from .detection import RocmDevice, probe_device, rocm_availability
 from .tuning import tuning_for
 
+# podium-cuda's batch-invariant GEMM relies on a matrix unit whose row results ignore the other rows
+# and the row's place in the tile, which benchmarks/invariant_gpu.sh checks on an NVIDIA GPU only
+ROCM_BATCH_INVARIANT = ("not offered: podium-cuda's batch-invariant kernels are checked on NVIDIA GPUs "
+                        "(benchmarks/invariant_gpu.sh), not yet on AMD matrix cores")
+
 
 class RocmPlatform(CudaPlatform):
     name = "rocm"
@@ -57,8 +62,12 @@ class RocmPlatform(CudaPlatform):
                 "gcn_arch": device.arch.gfx,
                 "wavefront_size": device.arch.wavefront_size,
                 "forced_on_cuda": device.forced_on_cuda,
+                "batch_invariant": ROCM_BATCH_INVARIANT,
             },
         )
+
+    def use_batch_invariant_kernels(self) -> None:
+        raise NotImplementedError(f"platform 'rocm' has no batch-invariant mode: {ROCM_BATCH_INVARIANT}")
 
     def _new_backend(self) -> AttentionBackend:
         from .attention import RocmAttentionBackend  # triton is imported here, not before

@@ -11,6 +11,9 @@ at 1 and 7 tokens, top-1 and top-2 of 4 experts, with an expert no token picks a
 without grouped key/value heads.
 ``gguf_linear`` and ``gguf_embedding`` run every kept block format at 1, 2 and 7 rows on random blocks;
 ``fp8_linear`` each weight-scale granularity at 1, 2 and 7 rows.
+``apply_token_bitmask`` masks every row and a subset of rows in another order, over a vocabulary
+that ends mid-word, with all-allowed and all-forbidden words among random ones; it must give the
+reference's logits exactly (forbidden tokens -inf, the others untouched).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
     if name == "silu_and_mul_linear":
         return [(torch.randn(rows, 2 * HIDDEN, generator=gen).to(dtype), _linear(HIDDEN, bias, dtype, gen))
                 for rows in LINEAR_ROWS for bias in (False, True)]
+    if name == "apply_token_bitmask":
+        return [_bitmask_case(rows, dtype, gen) for rows in (None, [4, 0, 2])]
     if name == "fused_moe":
         return [_moe_case(rows, top_k, dtype, gen) for rows in (1, T) for top_k in (1, 2)]
     if name == "encoder_attention":
@@ -73,6 +78,16 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
         return [_fp8_case(rows, granularity, dtype, gen) for granularity in ("tensor", "channel", "block")
                 for rows in LINEAR_ROWS]
     return [op_inputs(name, dtype, gen)]
+
+
+def _bitmask_case(rows: list[int] | None, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
+    batch, vocab = 5, 100  # four words, the last one holding only 4 tokens
+    words = -(-vocab // 32)
+    count = batch if rows is None else len(rows)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (count, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[0, 1], bitmask[-1, 2] = -1, 0  # every token of a word allowed; every one forbidden
+    logits = torch.randn(batch, vocab, generator=gen).to(dtype)
+    return logits, bitmask, None if rows is None else torch.tensor(rows)
 
 
 def _fp8_case(rows: int, granularity: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
@@ -199,6 +214,12 @@ def _check_case(name: str, fn: Callable[..., Any], args: tuple[Any, ...], dtype:
         got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
         if not isinstance(got, torch.Tensor) or got.dtype != torch.int64 or not torch.equal(got, want):
             raise ConformanceError(f"{what}: returned {got}, the reference (first index of the maximum) {want}")
+        return
+    if name == "apply_token_bitmask":
+        got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+        if not isinstance(got, torch.Tensor) or not torch.equal(got.double(), want):
+            raise ConformanceError(f"{what}: the masked logits differ from the reference's (forbidden tokens "
+                                   "-inf, every other logit unchanged)")
         return
     outputs = want if isinstance(want, tuple) else (want,)
     results = got if isinstance(got, tuple) else (got,)

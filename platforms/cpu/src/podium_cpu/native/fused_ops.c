@@ -93,3 +93,32 @@ int NAME(const T *table, int64_t num_rows, int64_t dim, const int64_t *ids, int6
 
 DEFINE_EMBED(podium_embed_rows_f32, float)
 DEFINE_EMBED(podium_embed_rows_bf16, bf16_t)
+
+/* Structured output's mask, in place: logits[rows[i]][t] = -inf where bit t % 32 of word t / 32 of
+ * mask row i is clear (a forbidden token), for t < vocab; rows may be NULL (row i for mask row i).
+ * Only forbidden entries are written; a word of all-allowed tokens (all bits set, the common case
+ * of a permissive grammar) is skipped, one of all-forbidden tokens is a plain fill. */
+#define DEFINE_TOKEN_BITMASK(NAME, T, NEG_INF)                                                        \
+int NAME(T *logits, int64_t row_stride, const int32_t *mask, int64_t words, const int64_t *rows,     \
+         int64_t n, int64_t vocab, int num_threads) {                                                 \
+    _Pragma("omp parallel for num_threads(num_threads) if (n * vocab >= 16 * PARALLEL_MIN)")          \
+    for (int64_t i = 0; i < n; i++) {                                                                 \
+        T *row = logits + (rows ? rows[i] : i) * row_stride;                                          \
+        const uint32_t *bits = (const uint32_t *)(mask + i * words);                                  \
+        for (int64_t w = 0; w < words; w++) {                                                         \
+            uint32_t word = bits[w];                                                                  \
+            if (word == 0xffffffffu) continue;                                                        \
+            int64_t base = w * 32, count = vocab - base < 32 ? vocab - base : 32;                     \
+            if (word == 0) {                                                                          \
+                for (int64_t b = 0; b < count; b++) row[base + b] = NEG_INF;                          \
+                continue;                                                                             \
+            }                                                                                         \
+            for (int64_t b = 0; b < count; b++)                                                       \
+                if (!((word >> b) & 1u)) row[base + b] = NEG_INF;                                     \
+        }                                                                                             \
+    }                                                                                                 \
+    return 0;                                                                                         \
+}
+
+DEFINE_TOKEN_BITMASK(podium_token_bitmask_f32, float, -INFINITY)
+DEFINE_TOKEN_BITMASK(podium_token_bitmask_bf16, bf16_t, (bf16_t)0xFF80)
