@@ -1,4 +1,4 @@
-"""Speculative decoding on the CPU: SmolLM2 with n-gram prompt lookup against plain decoding, batch 1.
+"""Speculative decoding on the CPU: SmolLM2 with a proposer (n-gram lookup by default) against plain decoding, batch 1.
 
 The workload is where prompt lookup pays: a document and a request to repeat it with small edits,
 so most of the answer is in the prompt. Both engines run in this process on the same requests,
@@ -8,7 +8,12 @@ output token is decode time: from a request's first token to its last, over the 
 first (the prompt's prefill is the same in both and left out).
 
     python benchmarks/spec_cpu.py --pairs 3 --k 4
+    python benchmarks/spec_cpu.py --method draft_model --draft smollm2-135m-instruct   # its own draft
     python benchmarks/spec_cpu.py --smoke     # a quick check that it runs
+
+``--method draft_model --draft MODEL`` drafts with a model (the target itself: every greedy draft is
+accepted, so the ratio is that of a perfect draft as costly as the target, the ceiling for a real
+smaller one is between); ``--method eagle|eagle3 --draft FOLDER`` with an EAGLE head checkpoint.
 
 ``--oracle`` (any model, e.g. a random-weight shape): the proposer is replaced by one that proposes
 the plain engine's own greedy output, recorded first: every draft is accepted, as with the model as
@@ -47,7 +52,7 @@ class OracleProposer:
     def __init__(self, k: int, records: list[tuple[list[int], list[int]]]) -> None:
         self.k, self.records = k, records
 
-    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], k: int | None = None, prediction=None, position: int = 0) -> list[int]:
         k = self.k if k is None else k
         for prompt, output in self.records:
             if token_ids[:len(prompt)] == prompt:
@@ -74,52 +79,110 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[flo
     return seconds, tokens
 
 
+def speculative_engines(args, common: dict, plain: LLM, prompts, params) -> dict[str, LLM]:
+    """One engine per k (named like ``ngram k=4``); with ``--oracle`` each proposes the plain run's output."""
+    engines = {}
+    records = None
+    if args.oracle:
+        outs = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        records = [(p, o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    for k in args.ks:
+        if args.method == "ngram":
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max,
+                    "prompt_lookup_min": 1}
+        else:
+            spec = {"method": args.method, "num_speculative_tokens": k, "model": args.draft or args.model}
+        llm = LLM(args.model, speculative_config=spec, **common)
+        if records is not None:
+            llm.engine.speculator.proposer = OracleProposer(k, records)
+        engines[f"{'oracle' if args.oracle else args.method} k={k}"] = llm
+    return engines
+
+
+class VerifyGraphSwitch:
+    """Runs an engine's verify steps eagerly or from its captured verify graphs, in turn (``--verify-graphs-ab``)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.graphs = llm.engine.runner.verify_graphs.captured
+        self.saved = dict(self.graphs)
+
+    def set(self, on: bool) -> None:
+        self.graphs.clear()
+        if on:
+            self.graphs.update(self.saved)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", default="4", help="num_speculative_tokens, or a list (2,4,8): one engine each")
+    parser.add_argument("--method", default="ngram", choices=("ngram", "draft_model", "eagle", "eagle3"))
+    parser.add_argument("--draft", default=None, help="the draft model (draft_model) or head folder (eagle, eagle3)")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV cache bytes per engine (default: 4GiB off the CPU, where several engines share a device)")
     parser.add_argument("--oracle", action="store_true", help="propose the recorded greedy output (100%% accepted)")
+    parser.add_argument("--verify-graphs-ab", action="store_true",
+                        help="also time each speculative engine with its verify steps eager (not replayed)")
     parser.add_argument("--smoke", action="store_true", help="1 request, 16 tokens, 1 pair")
     args = parser.parse_args()
     if args.smoke:
         args.requests, args.max_tokens, args.pairs = 1, 16, 1
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-            "prompt_lookup_min": 1}
+    args.ks = [int(k) for k in args.k.split(",")]
+    if args.oracle and args.method != "ngram":
+        parser.error("--oracle replaces the n-gram proposer; leave --method at ngram")
+    memory = args.kv_cache_memory or (None if args.device == "cpu" else "4GiB")
     common = dict(device=args.device, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=8,
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, **({"kv_cache_memory": memory} if memory else {}))
     plain = LLM(args.model, **common)
-    ngram = LLM(args.model, speculative_config=spec, **common)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.oracle)
-    if args.oracle:
+    tokenizer = plain.engine.tokenizer
+    random_workload = args.oracle or tokenizer is None  # a shape without a tokenizer: random prompts
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=random_workload)
+    if random_workload:
         prompts = random_prompts(args.requests, 64, plain.engine.source.hf_config.vocab_size)
-        outs = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        ngram.engine.proposer = OracleProposer(args.k, [(p, o.outputs[0].token_ids) for p, o in zip(prompts, outs)])
     else:
         prompts = requests(plain.engine, args.requests)
-    run(plain, prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    run(ngram, prompts[:1], SamplingParams(temperature=0, max_tokens=4))
-    ms = {"plain": [], "ngram": []}
+    engines = {"plain": plain, **speculative_engines(args, common, plain, prompts, params)}
+    runs = dict(engines.items())
+    if args.verify_graphs_ab:
+        for name, llm in list(engines.items())[1:]:
+            runs[name + " eager verify"] = llm
+    switches = {name: VerifyGraphSwitch(llm) for name, llm in engines.items() if name != "plain"}
+    for llm in engines.values():  # warm-up
+        run(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=random_workload))
+    ms: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.pairs):
-        for name, llm in (("plain", plain), ("ngram", ngram)):
+        for name, llm in runs.items():
+            base = name.removesuffix(" eager verify")
+            if base in switches:
+                switches[base].set(not name.endswith(" eager verify"))
             seconds, tokens = run(llm, prompts, params)
             ms[name].append(1000 * seconds / tokens)
-    stats = ngram.engine.stats().spec_decoding
-    plain_ms, ngram_ms = statistics.median(ms["plain"]), statistics.median(ms["ngram"])
-    workload = "random 64-token prompts, oracle drafts" if args.oracle else "repeat-with-edits requests"
+    report(args, engines, switches, ms, "random 64-token prompts" + (", oracle drafts" if args.oracle else "")
+           if random_workload else "repeat-with-edits requests")
+
+
+def report(args, engines: dict[str, LLM], switches: dict, ms: dict[str, list[float]], workload: str) -> None:
     print(f"{args.model} on {args.device}, batch 1, {args.requests} {workload} x {args.max_tokens} tokens, "
-          f"{args.pairs} alternated pairs (median)")
-    print(f"plain      {plain_ms:7.2f} ms/token   runs {', '.join(f'{x:.2f}' for x in ms['plain'])}")
-    print(f"{'oracle' if args.oracle else 'ngram'} k={args.k}  {ngram_ms:7.2f} ms/token   runs {', '.join(f'{x:.2f}' for x in ms['ngram'])}")
-    print(f"ratio (plain / speculative ms/token): {plain_ms / ngram_ms:.2f}x")
-    print(f"acceptance rate {stats.acceptance_rate:.3f}, mean accepted length {stats.mean_accepted_length:.2f}, "
-          f"per position {', '.join(f'{r:.2f}' for r in stats.acceptance_rate_per_position)}")
+          f"{args.pairs} alternated rounds (median)")
+    plain_ms = statistics.median(ms["plain"])
+    for name, values in ms.items():
+        median = statistics.median(values)
+        ratio = "" if name == "plain" else f"   ratio {plain_ms / median:.2f}x"
+        print(f"{name:28s} {median:8.2f} ms/token   runs {', '.join(f'{x:.2f}' for x in values)}{ratio}")
+    for name, llm in engines.items():
+        stats = llm.engine.stats().spec_decoding
+        if stats is not None:
+            sizes = sorted(switches[name].saved) or "none (eager)"
+            print(f"{name}: acceptance rate {stats.acceptance_rate:.3f}, mean accepted length "
+                  f"{stats.mean_accepted_length:.2f}, per position "
+                  f"{', '.join(f'{r:.2f}' for r in stats.acceptance_rate_per_position)}; verify graph sizes: {sizes}")
 
 
 if __name__ == "__main__":

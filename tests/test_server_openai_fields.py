@@ -34,15 +34,17 @@ class ThinkingLetters(LetterTokenizer):
 
 
 class RecordingEngine(ScriptedEngine):
-    """Remembers the priority each request was added with."""
+    """Remembers the priority and the predicted output each request was added with."""
 
     def __init__(self) -> None:
         super().__init__(Knobs())
         self.tokenizer = ThinkingLetters()
         self.priorities: dict[str, int] = {}
+        self.predictions: dict[str, str | None] = {}
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, output_kind="cumulative"):
         self.priorities[request_id] = priority
+        self.predictions[request_id] = params.prediction
         return super().add_request(request_id, prompt, params, arrival_time, priority, output_kind)
 
 
@@ -68,6 +70,22 @@ def test_the_sdk_sends_todays_chat_fields_and_gets_200(served):
         extra_body={"priority": 0})
     assert reply.choices[0].message.content == expected(chat_ids("t"), 0, 4)  # thinking on: "t" rendered
     assert reply.usage.prompt_tokens == len(chat_ids("t"))
+
+
+def test_prediction_reaches_the_engine_as_text(served):
+    """OpenAI's ``prediction`` (a string, or text parts) becomes ``SamplingParams.prediction``, which
+    n-gram speculation reads; another type is refused."""
+    url, engine = served
+    headers = {"Authorization": "Bearer sesame"}
+    for content, text in (("abc", "abc"), ([{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}], "abcd")):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "prediction": {"type": "content", "content": content}}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        assert engine.predictions[r.json()["id"]] == text
+    body["prediction"] = {"type": "image", "content": "abc"}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 400 and "prediction" in r.text
 
 
 @pytest.mark.parametrize(("effort", "thinking"), [("none", "n"), ("minimal", "n"), ("high", "t"), (None, "")])

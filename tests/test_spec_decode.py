@@ -16,6 +16,7 @@ from model_fixtures import save_tiny_model, single_thread  # noqa: F401 (fixture
 from podium import LLM, SamplingParams
 from podium.config import EngineConfig
 from podium.engine_flags import add_engine_flags, engine_kwargs
+from podium.errors import InvalidParameter
 from podium.spec import NgramProposer, SpeculativeConfig, speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -37,7 +38,11 @@ def test_config_is_validated_with_the_reason():
     assert speculative_config(json.dumps(NGRAM)) == SpeculativeConfig(**NGRAM)
     assert EngineConfig(speculative_config=NGRAM).speculative_config.num_speculative_tokens == 3
     for bad, words in [({"method": "medusa"}, "method must be one of"),
-                       ({"method": "draft_model", "num_speculative_tokens": 2}, "not implemented"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+                       ({"method": "eagle3"}, "needs 'model'"),
+                       ({"method": "ngram", "model": "x"}, "takes no model"),
+                       ({"method": "draft_model", "model": "x", "draft_tensor_parallel_size": 2},
+                        "draft_tensor_parallel_size=2"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "must not exceed"),
                        ({"method": "ngram", "k": 2}, "unknown key"), ({"num_speculative_tokens": 2}, "needs a method"),
@@ -291,6 +296,9 @@ def test_server_metrics_export_spec_counters():
     assert samples[("podium:spec_decode_num_draft_tokens_total", (("model_name", "m"),))] == 5
     assert samples[("podium:spec_decode_num_accepted_tokens_total", (("model_name", "m"),))] == 2
     assert samples[("podium:spec_decode_num_accepted_tokens_per_pos_total", (("model_name", "m"), ("position", "1")))] == 1
+    assert samples[("podium:spec_decode_num_draft_tokens_per_pos_total", (("model_name", "m"), ("position", "2")))] == 1
+    assert samples[("podium:spec_decode_acceptance_rate_per_pos", (("model_name", "m"), ("position", "0")))] == 0.5
+    assert samples[("podium:spec_decode_acceptance_rate_per_pos", (("model_name", "m"), ("position", "1")))] == 0.5
     assert samples[("podium:spec_decode_acceptance_rate", (("model_name", "m"),))] == pytest.approx(0.4)
     assert samples[("podium:spec_decode_mean_accepted_length", (("model_name", "m"),))] == pytest.approx(2.0)
 
@@ -384,3 +392,27 @@ def test_server_serves_with_speculation_and_reports_it_at_metrics(smollm2_spec):
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+def test_a_predicted_output_is_drafted_from(tiny):
+    """``SamplingParams.prediction`` (token ids or text) joins the n-gram lookup: with the plain run's
+    own output as the prediction of a prompt that never repeats, most of the answer is drafted from it
+    and accepted; the output is the same either way."""
+    folder, _ = tiny
+    prompt = random.Random(9).sample(range(96), 20)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = outputs(tiny_llm(folder, None), [prompt], params)[0][0]
+    llm = tiny_llm(folder, NGRAM)
+    assert outputs(llm, [prompt], params)[0][0] == plain
+    before = llm.engine.stats().spec_decoding.copy()
+    predicted = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prediction=list(plain))
+    assert outputs(llm, [prompt], predicted)[0][0] == plain
+    after = llm.engine.stats().spec_decoding
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    rate = accepted / (after.num_draft_tokens - before.num_draft_tokens)
+    # k = 3: at most 3 of every 4 tokens come from drafts; without the prediction, lookup found half as many
+    assert accepted >= 0.6 * len(plain) and accepted >= before.num_accepted_tokens + 6 and rate > 0.85, \
+        (accepted, rate, before)
+    assert_idle(llm)
+    with pytest.raises(InvalidParameter, match="prediction"):  # text needs a tokenizer (this model has none)
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(prediction="some text"), use_tqdm=False)

@@ -26,11 +26,14 @@ computed one token too many in N+1; it is dropped. A sequence that N ends by len
 placeholder, and steps that need tokens on the host (penalties, logprobs, prompt logprobs) run
 synchronously. Reports therefore come one ``step()`` later; the tokens are the same.
 
-Speculative decoding (``speculative_config``; ``podium.spec``). Before planning, the proposer drafts
-up to k tokens for each running sequence in decode; the scheduler gives a sequence its drafts where
-the budget and blocks allow; one forward computes them; ``spec.verify`` samples the target row by
-row, booking each token, and the scheduler counts the accepted ones as computed and gives back the
-blocks of the rejected. Such steps run synchronously (speculation turns async scheduling off).
+Speculative decoding (``speculative_config``; ``podium.spec``, driven by its ``Speculator``). Before
+planning, each running sequence in decode gets up to k drafts (n-gram) or k reserved draft slots (a
+draft model or EAGLE head); the scheduler gives a sequence its drafts where the budget and blocks
+allow; a drafter fills the kept slots on the device; one forward computes them; ``spec.verify``
+samples the target row by row, booking each token, and the scheduler counts the accepted ones as
+computed and gives back the blocks of the rejected; then the drafter sees the booked step (an EAGLE
+head mirrors the target's hidden states). Such steps run synchronously (speculation turns async
+scheduling off).
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .shard import ModelShard
-from .spec import SpecDecodingStats, build_proposer
+from .spec import SpecDecodingStats
+from .spec.speculator import build_speculator, draft_companion
 from .spec.verify import verify
 from .startup import StartupTimer, format_startup
 from .structured import GrammarService
@@ -152,10 +156,12 @@ class LLMEngine:
                              "one device only; use tensor_parallel_size=1")
         self.max_model_len = self._max_model_len(config, source.max_model_len, input_cap)
         self.quantization = self._quantization(config, source, started)
+        # a draft model or EAGLE head (podium.spec), built by the shard next to the target; checked first
+        companion = draft_companion(config.speculative_config, config, started.plugins.quantization_methods())
         self.tp = start_workers(config, platform, source.hf_config) if config.tensor_parallel_size > 1 else None
         try:
             self.shard = shard = ModelShard(config, started, source, self.max_model_len, self.grad_off, timer, self.tp,
-                                            self.quantization, pooling=self.pooler is not None)
+                                            self.quantization, pooling=self.pooler is not None, companion=companion)
             self.dtype, self.kv_cache_dtype, self.device, self.ops = shard.dtype, shard.kv_cache_dtype, shard.device, \
                 shard.ops
             self.model, self.kv_caches, self.runner = shard.model, shard.kv_caches, shard.runner
@@ -178,8 +184,8 @@ class LLMEngine:
         logger.info("%s (model %s on %s)", format_startup(self.startup_seconds), self.model_name, self.platform_name)
         self.processor = OutputProcessor(self.tokenizer, source.eos_token_ids, self.max_model_len)
         spec = config.speculative_config
-        self.proposer = build_proposer(spec) if spec is not None else None
-        self.spec_stats = SpecDecodingStats() if spec is not None else None
+        self.speculator = build_speculator(spec, self.shard.companion, config.max_num_seqs)
+        self._kept_hidden = None  # what the target's runner kept of the running step's hidden states
         self.async_scheduling = (bool(config.async_scheduling) and not self.runner.shaping.sample_on_host
                                  and spec is None and self.pooler is None)  # verification books tokens on the host
         self._in_flight: LaunchedStep | None = None  # the deferred step whose tokens are unread
@@ -327,6 +333,8 @@ class LLMEngine:
                          tenant=tenant or DEFAULT_TENANT, grammar=grammar) for i in range(params.n)]
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],
                                                   RequestMetrics(arrival_time=arrival), output_kind=output_kind)
+        if self.speculator is not None:
+            self.speculator.add(seqs, params.prediction, self.tokenizer)
         for seq in seqs:
             if grammar is not None and not grammar.done():
                 self._compiling.append(seq)
@@ -403,6 +411,8 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         self.sampler.forget(seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -438,8 +448,8 @@ class LLMEngine:
         if self._compiling:
             self._admit_compiled(several)
         previous, self._in_flight = self._in_flight, None
-        if self.proposer is not None:
-            self._propose()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running(), self.max_model_len)
         plan = self.scheduler.schedule()
         self._step_work = (plan, previous)  # what a fault in this step fails (kept as is: no cost per step)
         if self.fault_injector is not None:
@@ -452,6 +462,9 @@ class LLMEngine:
         if plan.scheduled:
             now = time.time()
             defer = self.async_scheduling and self._can_defer(plan)
+            if self.speculator is not None:
+                with self.grad_off():
+                    self.speculator.draft(plan)
             launched = self._run(plan, previous, defer)
             for seq in plan.admitted:
                 req = self._requests.get(seq.request_id)
@@ -464,6 +477,7 @@ class LLMEngine:
         if isinstance(launched, VerifyStep):  # book the tokens first: advance counts the accepted drafts
             self._take_verified(launched, plan, outputs, several)
             self.scheduler.advance(plan)
+            self._observe(plan)
             self._count_step(plan, time.perf_counter() - started)
         elif launched is not None:
             self.scheduler.advance(plan)
@@ -473,6 +487,7 @@ class LLMEngine:
                 for seq_id, entries in launched.prompt_logprobs.items():
                     self._add_prompt_logprobs(seq_id, entries, plan)
                 self._take_tokens(launched, None, outputs, several)
+                self._observe(plan)
             self._count_step(plan, time.perf_counter() - started)
         return self._collect(several, outputs)
 
@@ -567,6 +582,7 @@ class LLMEngine:
                 with self.tp.guard():
                     self.tp.send_step(plan, feed)
                     step = self.runner.execute(plan, feed)
+            self._kept_hidden = step.hidden
             seqs = [output.scheduled[i].seq for i in plan.samples]
             pending = previous.tokens_by_seq if previous is not None else None
             if defer:
@@ -578,16 +594,12 @@ class LLMEngine:
             return sample_now(self.sampler, step.logits, seqs, prompt, step.num_tokens, step.used_graph, pending)
 
     # -- speculative decoding --------------------------------------------------------------------
-    def _propose(self) -> None:
-        """Draft tokens for each running sequence in decode, as many as could still be output."""
-        proposer, limit = self.proposer, self.max_model_len
-        for seq in self.scheduler.running():
-            k = proposer.k if seq.num_uncomputed_tokens == 1 else 0
-            max_tokens = seq.params.max_tokens
-            if k and max_tokens is not None:
-                k = min(k, max_tokens - seq.num_output_tokens - 1)  # the step's bonus token is one more
-            k = min(k, limit - seq.num_tokens)
-            seq.draft_token_ids = proposer.propose(seq.token_ids, k) if k > 0 else []
+    def _observe(self, plan: SchedulerOutput) -> None:
+        """The drafter sees the booked step (an EAGLE head mirrors the target's kept hidden states)."""
+        if self.speculator is not None:
+            hidden, self._kept_hidden = self._kept_hidden, None
+            with self.grad_off():
+                self.speculator.observe(plan, hidden)
 
     def _take_verified(self, step: VerifyStep, plan: SchedulerOutput, outputs: list[RequestOutput],
                        several: dict[str, RequestState]) -> None:
@@ -608,7 +620,7 @@ class LLMEngine:
         for item, drafts, count in zip(step.items, step.drafts, accepted):
             if drafts:
                 item.num_accepted = count
-                self.spec_stats.record(len(drafts), count)
+                self.speculator.record(len(drafts), count)
 
     def _can_defer(self, plan: SchedulerOutput) -> bool:
         seqs = []
@@ -618,7 +630,7 @@ class LLMEngine:
             if s.samples:
                 seqs.append(s.seq)
         # (a verify step samples its drafts on the host: constrained rows stay out of deferral with a proposer)
-        return self.sampler.can_defer(seqs, grammars=self.proposer is None)
+        return self.sampler.can_defer(seqs, grammars=self.speculator is None)
 
     def _add_placeholders(self, launched: LaunchedStep) -> None:
         """Give each sequence of an in-flight step a placeholder for its token, unless that token
@@ -700,7 +712,7 @@ class LLMEngine:
             prefill_seconds=self._prefill_seconds,
             decode_steps=self._decode_steps,
             decode_seconds=self._decode_seconds,
-            spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
+            spec_decoding=self.speculator.stats.copy() if self.speculator is not None else None,
         )
 
     # -- KV events -----------------------------------------------------------------------------

@@ -108,8 +108,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          choices=STRUCTURED_OUTPUTS_BACKENDS, aliases=("--guided-decoding-backend",)),
     Flag("tokenizer_cache", "keep a GGUF file's converted tokenizer on disk", type=bool,
          default="on, unless $PODIUM_TOKENIZER_CACHE=0"),
-    Flag("speculative_config", 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'', default="off"),
+    Flag("speculative_config", 'speculative decoding as JSON: method ngram, draft_model, eagle or eagle3, e.g. '
+         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", "model": "PATH", '
+         '"num_speculative_tokens": 4}\'', default="off"),
 )
 
 

@@ -145,8 +145,11 @@ def kv_sizing_note(config: EngineConfig, platform: Platform) -> str:
     return f"gpu_memory_utilization={config.gpu_memory_utilization} is ignored: {why}"
 
 
-def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, nbytes: int, max_model_len: int) -> int:
-    blocks = config.num_kv_blocks or nbytes // spec.bytes_per_block
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, nbytes: int, max_model_len: int,
+                  extra_bytes_per_block: int = 0) -> int:
+    """Blocks of ``spec`` in ``nbytes`` (or ``config.num_kv_blocks``); ``extra_bytes_per_block``: what
+    another cache laid out in the same blocks (a speculative draft's) costs per block."""
+    blocks = config.num_kv_blocks or nbytes // (spec.bytes_per_block + extra_bytes_per_block)
     needed = -(-max_model_len // spec.block_size)
     if blocks < needed:
         raise ValueError(

@@ -64,6 +64,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # the expected output (OpenAI's Predicted Outputs), text or token ids: with n-gram speculation
+    # its continuations are proposed where the output matches it; otherwise it changes nothing
+    prediction: str | list[int] | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -7,6 +7,8 @@ the model on the meta device -> quantized (``podium.quantization``, with a metho
 weights (each rank reads its slices; a method's kept tensors come as stored, then its ``finish``)
 -> collectives wrapped around partial outputs -> the platform's ``prepare_model`` -> KV cache
 sized (the smallest rank's count, with a group) and allocated -> the runner. Graph capture is the caller's (``capture_graphs``), after the timer lap.
+A speculative draft (``companion``, ``podium.spec.draft_device``) is built after the weights, before
+the cache is sized: its KV cache has the same blocks, so each block costs both caches' bytes.
 A pooling model (``pooling=True``, ``pooling_step``) computes whole inputs in one step, so its token
 budget holds the longest input; an encoder among them (``uses_kv_cache = False``: BERT) gets no KV
 cache, only bookkeeping blocks for the scheduler's admission; nothing is captured for it.
@@ -55,7 +57,7 @@ def resolve_dtype(name: str, platform) -> torch.dtype:
 
 class ModelShard:
     def __init__(self, config: EngineConfig, started: StartedPlatform, source, max_model_len: int, grad_off,
-                 timer=None, group=None, quantization=None, pooling: bool = False) -> None:
+                 timer=None, group=None, quantization=None, pooling: bool = False, companion=None) -> None:
         self.config, self.platform, self.source, self.group = config, started.platform, source, group
         self.quantization = quantization  # a QuantizationMethod the engine selected, or None
         self.max_model_len, self.grad_off, self.pooling = max_model_len, grad_off, pooling
@@ -82,6 +84,10 @@ class ModelShard:
         self.weight_bytes = weight_bytes_by_dtype(self.model)
         logger.info("%s", format_weight_bytes(self.weight_bytes))
         lap("weights", detail="random" if self.random_weights else "")
+        # a speculative draft model or head (podium.spec): its weights now, its cache with ours
+        self.companion = companion(self) if companion is not None else None
+        if self.companion is not None:
+            lap("weights", detail=self.companion.describe())
         self._build_cache_and_runner()
         lap("kv_cache", detail=f"{self.num_kv_blocks} blocks, {self.kv_capacity_tokens} tokens")
 
@@ -141,13 +147,17 @@ class ModelShard:
         if platform.capabilities().kv_cache_from_free_memory and config.num_kv_blocks is None:
             activation = profile_activation_bytes(platform, lambda: self._profile_forward(spec))
         nbytes = 0 if config.num_kv_blocks else kv_cache_bytes(config, platform, activation)
-        blocks = num_kv_blocks(config, spec, nbytes, self.max_model_len)
+        extra = self.companion.bytes_per_block if self.companion is not None else 0
+        blocks = num_kv_blocks(config, spec, nbytes, self.max_model_len, extra)
         if self.group is not None:
             blocks = self.group.smallest(blocks)  # every rank holds the same blocks
         self.num_kv_blocks, self.kv_capacity_tokens = blocks, blocks * config.block_size
         self.kv_caches = platform.allocate_kv_cache(spec, blocks)
         self.kv_bytes = blocks * spec.bytes_per_block
         self._build_runner()
+        if self.companion is not None:
+            self.companion.attach(self)
+            self.kv_bytes += blocks * extra
 
     def _build_runner(self) -> None:
         config = self.config
@@ -165,3 +175,10 @@ class ModelShard:
     def capture_graphs(self) -> None:
         if self.platform.capabilities().graph_capture and not self.config.enforce_eager and not self.pooling:
             self.runner.capture_graphs(self.config.max_num_seqs, self.grad_off)
+            spec = self.config.speculative_config
+            if spec is not None:  # verify steps: k + 1 tokens a row, within the step's token budget
+                q = spec.num_speculative_tokens + 1
+                self.runner.capture_verify_graphs(q - 1, max(1, min(self.config.max_num_seqs, self.token_budget // q)),
+                                                  self.grad_off)
+            if self.companion is not None:
+                self.companion.capture_graphs(self.config.max_num_seqs, self.grad_off)

@@ -98,14 +98,22 @@ class EngineStatsCollector(Collector):
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified",
                             spec.num_draft_tokens)
         yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)
-        family = CounterMetricFamily("podium:spec_decode_num_accepted_tokens_per_pos",
-                                     "Draft tokens accepted, by position in the draft", labels=["model_name", "position"])
-        for position, count in enumerate(spec.accepted_per_position):
-            family.add_metric([self._model, str(position)], count)
-        yield family
+        yield self._per_position(CounterMetricFamily, "spec_decode_num_draft_tokens_per_pos",
+                                 "Draft tokens proposed, by position in the draft", spec.proposed_per_position)
+        yield self._per_position(CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by position in the draft", spec.accepted_per_position)
+        yield self._per_position(GaugeMetricFamily, "spec_decode_acceptance_rate_per_pos",
+                                 "Accepted / proposed draft tokens, by position in the draft",
+                                 spec.acceptance_rate_per_position)
         yield self._gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens", spec.acceptance_rate)
         yield self._gauge("spec_decode_mean_accepted_length",
                           "Tokens gained per verifying sequence-step (1 + accepted drafts)", spec.mean_accepted_length)
+
+    def _per_position(self, kind, name: str, doc: str, values: list) -> Metric:
+        family = kind(f"{self._prefix}:{name}", doc, labels=["model_name", "position"])
+        for position, value in enumerate(values):
+            family.add_metric([self._model, str(position)], value)
+        return family
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"{self._prefix}:{name}", doc, labels=["model_name"])

@@ -94,7 +94,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 # fields accepted from OpenAI's API that change nothing here: a debug log line names them
 IGNORED_FIELDS = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "user",
-                  "verbosity", "prediction", "web_search_options", "prompt_cache_retention")
+                  "verbosity", "web_search_options", "prompt_cache_retention")
 
 
 class CompletionRequest(SamplingFields):
@@ -191,6 +191,24 @@ class ResponseFormat(StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class PredictionText(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat. With n-gram speculation
+    (``--speculative-config '{"method": "ngram", ...}'``) its tokens join the request's lookup, so
+    the parts of the answer that match it are drafted from it; otherwise it changes nothing."""
+
+    type: Literal["content"]
+    content: str | list[PredictionText]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -208,7 +226,7 @@ class ChatCompletionRequest(SamplingFields):
     # the chat template's thinking switch (enable_thinking) where the template has one
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
-    prediction: dict[str, Any] | None = None  # predicted output: for n-gram speculation once it exists
+    prediction: Prediction | None = None  # predicted output: drafts for n-gram speculation
     web_search_options: dict[str, Any] | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # vLLM's extras

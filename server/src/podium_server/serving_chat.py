@@ -76,6 +76,8 @@ class ChatHandler(ServingBase):
                                       constraint=constraint)
         if parsing.keeps_special_tokens:
             params.skip_special_tokens = False
+        if req.prediction is not None:  # the engine's n-gram proposer reads it (nothing else does)
+            params.prediction = req.prediction.text
         request_id = random_id("chatcmpl")
         (stream,) = await self.add_all(request_id, [prompt], [params], "messages", req.priority)
         if req.stream:

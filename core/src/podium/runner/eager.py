@@ -19,15 +19,18 @@ class EagerStep:
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.table, self.shaping = table, shaping
         self.block_size, self.device = block_size, device
+        self.keep = None  # ModelRunner.keep_hidden's function, or None
 
     def run(self, plan: StepPlan, batch: HostBatch,
-            feed_tokens: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+            feed_tokens: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor | None]:
         """(logits [N, V] of the sampling sequences in ``plan.samples`` order or None, prompt logits
-        [rows, V] per ``plan.prompt_spans`` entry); on the host where the shaping samples there."""
+        [rows, V] per ``plan.prompt_spans`` entry, the kept hidden states [T, ...] or None); the
+        logits on the host where the shaping samples there."""
         hidden, shaped = self.forward(plan, batch, feed_tokens)
+        kept = self.keep(hidden)[:plan.num_tokens] if self.keep is not None else None
         logits = self._sampling_logits(hidden, plan, batch, shaped)
         prompt = [self._to_sampler(self.model.compute_logits(hidden[lo:hi])) for _, lo, hi in plan.prompt_spans]
-        return logits, prompt
+        return logits, prompt, kept
 
     def forward(self, plan: StepPlan, batch: HostBatch,
                 feed_tokens: torch.Tensor | None) -> tuple[torch.Tensor, HostBatch]:

@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.captured: dict[int, tuple[Callable[[], torch.Tensor], dict]] = {}  # size -> (replay, buffers)
         self.staging = StagingRing(device, pinned_memory)  # replayed steps' input copies
         self.capture_seconds = 0.0
+        self.keep = None  # ModelRunner.keep_hidden's function: the graphs also output what it keeps
 
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size that holds ``batch`` sequences (None: run eagerly)."""
@@ -95,15 +96,19 @@ class DecodeGraphs:
         )
         ctx = ForwardContext(self.backend.prepare_metadata(meta), self.kv_caches, self.backend)
 
-        def step() -> torch.Tensor:
+        keep = self.keep
+
+        def step() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = self.model(buf["input_ids"], buf["positions"], ctx)  # [size, hidden]
-            return self.model.compute_logits(hidden)  # [size, V]
+            return self.model.compute_logits(hidden), keep(hidden) if keep is not None else None  # [size, V]
 
         return runner.capture(step), buf
 
-    def replay(self, size: int, plan: StepPlan, batch: HostBatch, feed_tokens: torch.Tensor | None) -> torch.Tensor:
+    def replay(self, size: int, plan: StepPlan, batch: HostBatch,
+               feed_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All ``size`` rows of logits [size, V] of the decode step (the first ``batch.num_seqs`` are
-        its sequences'); on the host where the shaping samples there."""
+        its sequences'; on the host where the shaping samples there) and of the kept hidden states
+        (None without ``keep``)."""
         replay, buf = self.captured[size]
         n, layout = batch.num_seqs, buf["layout"]
         # only the columns this step reads (unless the shaping wants whole copies): stale entries
@@ -122,5 +127,5 @@ class DecodeGraphs:
         if plan.fill is not None:  # placeholders: the previous step's tokens, still on the device
             k = len(plan.fill[0])
             fill_placeholders(buf["input_ids"], (buf["fill_dst"][:k], buf["fill_src"][:k]), feed_tokens)
-        logits = replay()
-        return logits.cpu() if self.shaping.sample_on_host else logits
+        logits, kept = replay()
+        return (logits.cpu() if self.shaping.sample_on_host else logits), kept

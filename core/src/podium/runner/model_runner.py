@@ -7,13 +7,15 @@ The pieces, one concept each:
     batch.py        a plan's flat batch on the host; its attention metadata on the device
     eager.py        a step run eagerly, shaped as the platform asks (``StepShaping``)
     graphs.py       captured decode steps and their replay (inputs staged by one copy: staging.py)
+    verify_graphs.py  captured speculative verify steps (rows padded to k + 1 tokens)
     deferred.py     async scheduling: tokens sampled on the device, read a step later
     sampling.py     sampling now: tokens and logprobs for the engine
 
 Per step the runner writes the plan's new block-table entries, builds the flat batch (for T new
 tokens of S sequences: input ids, positions and slots [T]; query_start_loc [S + 1], seq_lens [S],
 block tables [S, W]), replays a captured graph when the step is pure decode and a captured size
-holds it, else runs the model eagerly, and returns the logits of the rows that sample. Sampling is
+holds it (a verify step of decodes with drafts: a captured verify graph), else runs the model
+eagerly, and returns the logits of the rows that sample. Sampling is
 the caller's (the engine's): ``execute`` is the per-device half of a step.
 
 Tensor and pipeline parallelism plug in here without reshaping it. Tensor parallelism (issue 26)
@@ -41,6 +43,7 @@ from .block_table import BlockTable
 from .eager import EagerStep
 from .graphs import DecodeGraphs
 from .plan import StepPlan
+from .verify_graphs import VerifyGraphs
 
 
 @dataclass
@@ -51,20 +54,32 @@ class StepLogits:
     prompt_logits: list[torch.Tensor]  # [rows, V] per ``plan.prompt_spans`` entry
     num_tokens: int
     used_graph: bool
+    # what ``ModelRunner.keep_hidden`` kept of the step's hidden states [T, ...], in token order
+    # (None: nothing is kept; the default)
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, platform: Platform, kv_caches: list[torch.Tensor], block_size: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_model_len: int, device: torch.device, table: BlockTable | None = None) -> None:
+        """``table``: another runner's block table to read (a speculative draft's cache is indexed
+        by the target's tables, so both see the same blocks); None: this runner's own."""
         self.model, self.platform, self.kv_caches = model, platform, kv_caches
         self.backend = platform.attention_backend()
         self.shaping = platform.step_shaping()
         self.block_size, self.device = block_size, device
-        self.table = BlockTable(max_num_seqs, -(-max_model_len // block_size))
+        self.table = table if table is not None else BlockTable(max_num_seqs, -(-max_model_len // block_size))
         self.eager = EagerStep(model, self.backend, kv_caches, self.table, self.shaping, block_size, device)
         self.decode_graphs = DecodeGraphs(model, self.backend, kv_caches, self.table, self.shaping, block_size,
                                           device, platform.capabilities().pinned_memory)
+        self.verify_graphs = VerifyGraphs(self.decode_graphs)  # speculative verify steps (k + 1 tokens a row)
         self.last_used_graph = False
+
+    def keep_hidden(self, keep) -> None:
+        """Keep ``keep(hidden [T', H]) -> [T', ...]`` of every later step (eager or replayed) in
+        ``StepLogits.hidden``: what a speculative draft head reads of the target. Set before graphs
+        are captured (their outputs then include it); without it a step keeps nothing."""
+        self.eager.keep = self.decode_graphs.keep = keep
 
     @property
     def graphs(self) -> dict:
@@ -79,14 +94,19 @@ class ModelRunner:
             raise RuntimeError("the plan has placeholder tokens but no step's tokens were given to fill them")
         batch = host_batch(plan, self.table, self.block_size)
         size = self.decode_graphs.size_for(plan.num_seqs) if plan.is_pure_decode else None
-        self.last_used_graph = size is not None
+        verify = self.verify_graphs.size_for(plan) if plan.sample_drafts and not plan.prompt_spans else None
+        self.last_used_graph = size is not None or verify is not None
+        if verify is not None:
+            logits, hidden = self.verify_graphs.replay(verify, batch)
+            return StepLogits(logits, [], plan.num_tokens, True, hidden)
         if size is None:
-            logits, prompt = self.eager.run(plan, batch, feed_tokens)
-            return StepLogits(logits, prompt, plan.num_tokens, False)
-        logits = self.decode_graphs.replay(size, plan, batch, feed_tokens)[:plan.num_seqs]
-        if len(plan.samples) != plan.num_seqs:
-            logits = logits[torch.tensor(plan.samples).to(logits.device, non_blocking=True)]
-        return StepLogits(logits, [], plan.num_tokens, True)
+            logits, prompt, hidden = self.eager.run(plan, batch, feed_tokens)
+            return StepLogits(logits, prompt, plan.num_tokens, False, hidden)
+        logits, hidden = self.decode_graphs.replay(size, plan, batch, feed_tokens)
+        logits = logits[:plan.num_seqs] if plan.samples else None
+        if logits is not None and len(plan.samples) != plan.num_seqs:
+            logits = logits[torch.tensor(plan.samples, dtype=torch.long).to(logits.device, non_blocking=True)]
+        return StepLogits(logits, [], plan.num_tokens, True, None if hidden is None else hidden[:plan.num_tokens])
 
     def hidden_states(self, plan: StepPlan) -> torch.Tensor:
         """Run ``plan`` eagerly and return the hidden states of its tokens [T, hidden] (a pooling
@@ -102,5 +122,15 @@ class ModelRunner:
         if runner is None:
             return 0.0
         seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+        self.platform.synchronize()
+        return seconds
+
+    def capture_verify_graphs(self, k: int, max_batch: int, no_grad) -> float:
+        """Capture speculative verify steps (every row its last token and up to ``k`` drafts) for
+        up to ``max_batch`` sequences where the platform can (``verify_graphs``); returns seconds."""
+        runner = self.platform.graph_runner()
+        if runner is None:
+            return 0.0
+        seconds = self.verify_graphs.capture(runner, k, max_batch, no_grad)
         self.platform.synchronize()
         return seconds

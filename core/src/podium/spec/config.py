@@ -1,8 +1,15 @@
 """``speculative_config``: which proposer drafts tokens and how many, as vLLM names the settings.
 
 Given as a mapping (``LLM(speculative_config={...})``) or its JSON text (``--speculative-config``),
-validated once into a frozen ``SpeculativeConfig``. Only the n-gram proposer is built here; the
-other methods vLLM names are refused with the reason rather than silently ignored.
+validated once into a frozen ``SpeculativeConfig``. Methods:
+
+    ngram        prompt lookup in the sequence (and the request's predicted output); no model
+    draft_model  a smaller model sharing the target's tokenizer (``model``), with its own KV cache
+    eagle        an EAGLE-1 head (``model``: a folder with config.json + safetensors) over the
+                 target's last hidden states, the target's embedding and lm_head reused
+    eagle3       an EAGLE-3 head over three target layers' hidden states, its own reduced vocabulary
+
+vLLM's names that mean something else here are refused with the reason, never silently ignored.
 """
 
 from __future__ import annotations
@@ -12,25 +19,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
-NOT_YET = {
-    "draft_model": "a draft model proposer is not implemented yet; use method 'ngram'",
-    "eagle": "EAGLE draft heads are not implemented yet; use method 'ngram'",
-    "eagle3": "EAGLE-3 draft heads are not implemented yet; use method 'ngram'",
-}
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # a second model (or head) on the device
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: tokens proposed (and verified) per sequence per step
-    prompt_lookup_max: int = 4  # the longest suffix (n-gram) matched against earlier tokens
-    prompt_lookup_min: int = 1  # the shortest one tried before giving up
+    prompt_lookup_max: int = 4  # ngram: the longest suffix (n-gram) matched against earlier tokens
+    prompt_lookup_min: int = 1  # ngram: the shortest one tried before giving up
+    model: str | None = None  # draft_model / eagle / eagle3: a folder, a GGUF file, a name or a shape
+    # the draft's ranks; only 1 (the draft runs on rank 0's device) is supported
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method in NOT_YET:
-            raise ValueError(f"speculative_config method {self.method!r}: {NOT_YET[self.method]}")
-        if self.method not in METHODS:
+        method = self.method
+        if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
@@ -39,6 +44,20 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if method in MODEL_METHODS and not self.model:
+            what = "a draft model sharing the target's tokenizer" if method == "draft_model" else \
+                f"an {method.upper()} head checkpoint (a folder with config.json and safetensors)"
+            raise ValueError(f"speculative_config method {method!r} needs 'model': {what}")
+        if method == "ngram" and self.model:
+            raise ValueError(f"speculative_config method 'ngram' takes no model (got model={self.model!r}); "
+                             "use method 'draft_model' to draft with a model")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: "
+                             "the draft runs unsharded on one device; use 1 (or leave it unset)")
+
+    @property
+    def uses_model(self) -> bool:
+        return self.method in MODEL_METHODS
 
 
 _NAMES = tuple(f.name for f in fields(SpeculativeConfig))
