@@ -12,7 +12,8 @@ without grouped key/value heads.
 ``gguf_linear`` and ``gguf_embedding`` run every kept block format at 1, 2 and 7 rows on random blocks;
 ``gguf_linear`` is compared relative to its largest reference value at bf16's tolerance whatever the
 row dtype, since a kernel may quantize the activations to int8 per block as llama.cpp does;
-``fp8_linear`` each weight-scale granularity at 1, 2 and 7 rows.
+``fp8_linear`` each weight-scale granularity at 1, 2 and 7 rows; ``int4_linear`` AWQ, GPTQ and GPTQ with
+act-order at 1, 2 and 7 rows (two groups of 128).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..fp8 import FP8
 from ..gguf_blocks import BLOCKS, random_rows
+from ..int4 import AWQ, GPTQ, random_packed
 from ..moe import MoEExperts
 from ..ops import REFERENCE_OPS
 from .report import ConformanceError, check_close, dtype_name, guarded
@@ -74,7 +76,19 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
     if name == "fp8_linear":
         return [_fp8_case(rows, granularity, dtype, gen) for granularity in ("tensor", "channel", "block")
                 for rows in LINEAR_ROWS]
+    if name == "int4_linear":
+        return [_int4_case(rows, fmt, act_order, dtype, gen) for fmt, act_order in ((AWQ, False), (GPTQ, False),
+                                                                                   (GPTQ, True))
+                for rows in LINEAR_ROWS]
     return [op_inputs(name, dtype, gen)]
+
+
+def _int4_case(rows: int, fmt: str, act_order: bool, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
+    """x [rows, 256] and random packed INT4 tensors for [256 -> OUT_FEATURES] in groups of 128, a bias."""
+    packed = random_packed(fmt, GGUF_COLUMNS, OUT_FEATURES, 128, act_order, gen)
+    x = (torch.randn(rows, GGUF_COLUMNS, generator=gen) / 4).to(dtype)
+    return (x, packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"), 128, fmt,
+            torch.randn(OUT_FEATURES, generator=gen).to(dtype))
 
 
 def _fp8_case(rows: int, granularity: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
