@@ -64,6 +64,27 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     return out.to(x.dtype)
 
 
+def pack_columns(q: torch.Tensor, awq: bool) -> torch.Tensor:
+    """int [R, C] of 0..15 -> int32 [R, C/8]: ``unpack_columns``' inverse."""
+    shifts = (torch.tensor(AWQ_SHIFTS) if awq else _SHIFTS).to(q.device)
+    packed = (q.reshape(q.shape[0], -1, 8).long() << shifts).sum(-1)  # nibbles do not overlap: sum is or
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def quantize_awq(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """A float weight [N, K] (out, in) rounded to nearest into AWQ's layout, asymmetric per group of
+    ``group_size`` inputs: scale (max - min) / 15 (kept to fp16's values, as checkpoints store it), zero
+    round(-min / scale); {"qweight", "qzeros", "scales" float32}."""
+    w = weight.t().float()  # [K, N]
+    k, n = w.shape
+    grouped = w.reshape(k // group_size, group_size, n)
+    lo, hi = grouped.amin(1), grouped.amax(1)  # [G, N]
+    scales = ((hi - lo) / 15).clamp(min=1e-8).half().float()
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    q = torch.round(grouped / scales[:, None] + zeros[:, None]).clamp(0, 15).reshape(k, n)
+    return {"qweight": pack_columns(q, awq=True), "qzeros": pack_columns(zeros, awq=True), "scales": scales}
+
+
 def random_packed(fmt: str, in_features: int, out_features: int, group_size: int, act_order: bool = False,
                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """Random packed tensors of ``fmt`` (scales small and positive, weights of order 0.1), for tests of

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from podium_plugin_api.int4 import dequantize, int4_linear
+from podium_plugin_api.int4 import dequantize, int4_linear, quantize_awq
 from podium_plugin_api.quantization import QuantizationMethod
 
 from .replace import linear_sites, replace_linear
@@ -65,6 +65,9 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format} g{self.group_size}"
 
 
+ONLINE_GROUP = 128  # the group size of online quantization (what AWQ checkpoints use)
+
+
 class _Int4Method(QuantizationMethod):
     fmt = ""
 
@@ -93,14 +96,45 @@ class _Int4Method(QuantizationMethod):
 
 
 class AWQMethod(_Int4Method):
+    """AutoAWQ gemm checkpoints, and online ``quantization="awq"`` of a float model: each decoder linear
+    rounded to nearest into AWQ's layout in groups of 128 at ``finish`` (no activation-aware scaling:
+    for serving a float checkpoint at INT4 speed, and for benchmarks without an AWQ checkpoint)."""
+
     name = "awq"
     checkpoint_names = ("awq",)
     fmt = "awq"
+    supports_online = True
 
     def __init__(self, config: Mapping, online: bool = False) -> None:
+        if online:
+            config = {"bits": 4, "group_size": ONLINE_GROUP, **config}
         super().__init__(config, online)
         if str(self.config.get("version", "gemm")).lower() != "gemm" or not self.config.get("zero_point", True):
             raise ValueError("AWQ checkpoints other than version gemm with zero points are not supported")
+        self.ops: Mapping[str, Callable] = {}
+
+    def apply(self, model: nn.Module, ops: Mapping[str, Callable]) -> None:
+        self.ops = ops
+        if not self.online:
+            super().apply(model, ops)
+
+    def finish(self, model: nn.Module) -> None:
+        if not self.online:
+            return
+        for site in linear_sites(model):
+            linear = site.linear
+            if site.path == "lm_head" or linear.in_features % self.group_size or linear.out_features % 8:
+                continue
+            layer = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, self.group_size,
+                               "awq", linear.weight.dtype, self.ops).to(linear.weight.device)
+            for name, tensor in quantize_awq(linear.weight.data, self.group_size).items():
+                getattr(layer, name).data = tensor
+            if linear.bias is not None:
+                layer.bias = linear.bias
+            setattr(site.parent, site.leaf, layer)
+
+    def describe(self) -> str:
+        return f"awq int4 g{self.group_size}" + (" (online, round to nearest)" if self.online else "")
 
 
 class GPTQMethod(_Int4Method):

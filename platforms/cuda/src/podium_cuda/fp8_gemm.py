@@ -2,7 +2,8 @@
 
 x arrives in bf16/fp16/fp32; a program owning rows m of a [BLOCK_M, BLOCK_N] output tile first walks
 those rows' K to find ``s_x = max|x| / 448`` per row (the rows are re-read from L2 by every column
-program: no extra launch, which at batch 1 costs more than the reads), then walks K again in
+program: no extra launch, which at a few rows costs more than the reads; beyond
+``SCALES_INSIDE_MAX_ROWS`` one torch reduction computes them first), then walks K again in
 128-wide steps quantizing each x tile to e4m3 and multiplying it with the weight's e4m3 tile on the
 fp8 tensor cores into float32. Weight scales: per tensor or per channel applied once at the end
 with ``s_x``; per 128 x 128 block (DeepSeek / Qwen3-FP8) applied to each K step's partial product
@@ -21,6 +22,7 @@ import triton.language as tl
 from podium_plugin_api.fp8 import FP8_BLOCK
 
 BLOCK_K = FP8_BLOCK
+SCALES_INSIDE_MAX_ROWS = 16  # calls of more rows get their s_x from one torch reduction first
 
 
 @triton.jit
@@ -33,21 +35,26 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, out_stride, scale_cols,
-                     SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """SCALES: 0 per tensor, 1 per channel, 2 per 128 x 128 block (``scale_cols`` blocks a row)."""
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, sx_ptr, b_ptr, out_ptr, M, N, K, x_stride, out_stride, scale_cols,
+                     SCALES: tl.constexpr, ROW_SCALES_GIVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """SCALES: 0 per tensor, 1 per channel, 2 per 128 x 128 block (``scale_cols`` blocks a row).
+    ROW_SCALES_GIVEN: the rows' s_x are at sx_ptr (many rows: one reduction beats every column
+    program re-reading its rows); else computed here."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     m_ok = m < M
     x_rows = x_ptr + m[:, None].to(tl.int64) * x_stride
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_rows + k0 + kk[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    s_x = tl.where(amax > 0, amax / 448.0, 1.0)  # [BM], the contract's quantize_per_token (FP8_MAX 448)
+    if ROW_SCALES_GIVEN:
+        s_x = tl.load(sx_ptr + m, mask=m_ok, other=1.0)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_rows + k0 + kk[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        s_x = tl.where(amax > 0, amax / 448.0, 1.0)  # [BM], the contract's quantize_per_token (FP8_MAX 448)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_rows = w_ptr + n[:, None].to(tl.int64) * K
     for k0 in range(0, K, BLOCK_K):
@@ -111,10 +118,16 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
     block_n = block_n_for(rows)
     scale = weight_scale.float().contiguous()
+    row_scales = None
+    if rows > SCALES_INSIDE_MAX_ROWS:
+        amax = x.abs().amax(dim=-1).float()
+        row_scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))  # the contract's quantize_per_token
     grid = (triton.cdiv(rows, block_m), n // block_n)
-    _fp8_gemm_kernel[grid](x, weight, scale, bias if bias is not None else out, out, rows, n, k, x.stride(0),
-                           out.stride(0), scale.shape[-1], SCALES=_granularity(weight, weight_scale),
-                           HAS_BIAS=bias is not None, FP8_DOT=fp8_dot, BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=BLOCK_K, num_warps=4 if block_m * block_n <= 64 * 128 else 8, num_stages=3)
+    _fp8_gemm_kernel[grid](x, weight, scale, row_scales if row_scales is not None else scale,
+                           bias if bias is not None else out, out, rows, n, k, x.stride(0), out.stride(0),
+                           scale.shape[-1], SCALES=_granularity(weight, weight_scale),
+                           ROW_SCALES_GIVEN=row_scales is not None, HAS_BIAS=bias is not None, FP8_DOT=fp8_dot,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                           num_warps=4 if block_m * block_n <= 64 * 128 else 8, num_stages=3)
     return out
 
