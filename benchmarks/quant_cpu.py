@@ -29,18 +29,27 @@ from podium.loader import embedded_gguf_path
 
 PROMPT = "Once upon a time, in a small village,"
 
-# run by --llama-python: prints the decode rate of `tokens` tokens on `threads` threads
+# run by --llama-python: prints the rate of `tokens` greedy tokens on `threads` threads, generated
+# whatever they are (EOS does not stop them, as ignore_eos for Podium), the prompt's evaluation included
 LLAMA_CPP = """
 import json, sys, time
 from llama_cpp import Llama
 path, prompt, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 model = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
-model(prompt, max_tokens=4, temperature=0)
-started = time.perf_counter()
-out = model(prompt, max_tokens=tokens, temperature=0)
-print(json.dumps(out["usage"]["completion_tokens"] / (time.perf_counter() - started)))
-"""
+ids = model.tokenize(prompt.encode())
 
+def rate(n):
+    model.reset()
+    started, made = time.perf_counter(), 0
+    for _ in model.generate(ids, temp=0.0, top_k=1, reset=True):
+        made += 1
+        if made == n:
+            break
+    return made / (time.perf_counter() - started)
+
+rate(4)
+print(json.dumps(rate(tokens)))
+"""
 
 def podium_rate(llm: LLM, prompts: int, tokens: int) -> float:
     """Output tokens/s of ``prompts`` copies of PROMPT, ``tokens`` each (EOS ignored)."""

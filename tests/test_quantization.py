@@ -80,7 +80,7 @@ def test_a_gguf_file_keeps_its_blocks_when_asked():
     types = {"model.layers.0.mlp.down_proj.weight": 3}
     checkpoint = {"quant_method": "gguf", "tensor_types": types}
     assert isinstance(select_quantization("gguf", checkpoint), GGUFMethod)
-    assert select_quantization(None, checkpoint) is None  # dequantized at load until the CPU kernels catch up
+    assert select_quantization(None, checkpoint) is None  # dequantized at load unless asked (registry docstring)
     assert select_quantization("none", checkpoint) is None
     assert select_quantization(None, None) is None
     with pytest.raises(ValueError, match="quantized with 'gguf'"):
