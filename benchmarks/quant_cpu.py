@@ -1,20 +1,27 @@
 """SmolLM2-135M Q4_1 kept quantized on the CPU, against its references measured in the same run:
 
     python benchmarks/quant_cpu.py [--decode-tokens 128] [--batch 32] [--batch-tokens 128] [--trials 3]
+                                   [--dtypes float32 bfloat16] [--llama-python /tmp/llamacpp/bin/python]
 
-decode: batch-1 greedy decode, tokens/s, of the embedded GGUF kept in its blocks (``quantization``
-unset: the gguf method), of the same file dequantized at load to bf16 (``quantization="none"``), and of
-llama.cpp on the same file and cores (``llama-cpp-python``, where installed: it is a benchmark-only
-dependency, ``pip install llama-cpp-python``; it compiles for a few minutes).
-batch: ``--batch`` prompts x ``--batch-tokens`` output tokens, output tokens/s, kept quantized vs the
-bf16 path. Each line's ratio is against the bf16 path; trials interleave the variants so that a busy
-machine slows them alike (the best trial counts). Leave OMP_WAIT_POLICY unset, as for any benchmark.
+decode: batch-1 greedy decode, tokens/s (prompt included, as for llama.cpp), of the embedded GGUF kept
+in its blocks (``quantization="gguf"``), of the same file dequantized at load (``quantization="none"``,
+today's default) in each ``--dtypes``, and of llama.cpp on the same file and cores: ``llama-cpp-python``
+run by ``--llama-python`` (an interpreter of a virtual environment that has it: it is a benchmark-only
+dependency, ``python3 -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python``; it
+compiles for ~11 minutes), or imported here where installed.
+batch: ``--batch`` prompts x ``--batch-tokens`` output tokens, output tokens/s, the same variants.
+Ratios are against the fastest dequantized variant; trials interleave every variant (llama.cpp too)
+so that a busy machine slows them alike, and the best trial counts. Leave OMP_WAIT_POLICY unset, as
+for any benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
 
 from podium import LLM, SamplingParams
@@ -22,6 +29,27 @@ from podium.loader import embedded_gguf_path
 
 PROMPT = "Once upon a time, in a small village,"
 
+# run by --llama-python: prints the rate of `tokens` greedy tokens on `threads` threads, generated
+# whatever they are (EOS does not stop them, as ignore_eos for Podium), the prompt's evaluation included
+LLAMA_CPP = """
+import json, sys, time
+from llama_cpp import Llama
+path, prompt, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+ids = model.tokenize(prompt.encode())
+
+def rate(n):
+    model.reset()
+    started, made = time.perf_counter(), 0
+    for _ in model.generate(ids, temp=0.0, top_k=1, reset=True):
+        made += 1
+        if made == n:
+            break
+    return made / (time.perf_counter() - started)
+
+rate(4)
+print(json.dumps(rate(tokens)))
+"""
 
 def podium_rate(llm: LLM, prompts: int, tokens: int) -> float:
     """Output tokens/s of ``prompts`` copies of PROMPT, ``tokens`` each (EOS ignored)."""
@@ -32,25 +60,16 @@ def podium_rate(llm: LLM, prompts: int, tokens: int) -> float:
     return prompts * tokens / (time.perf_counter() - started)
 
 
-def llama_cpp_rate(tokens: int, threads: int) -> float | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    model = Llama(str(embedded_gguf_path()), n_threads=threads, n_ctx=512, verbose=False)
-    model(PROMPT, max_tokens=4, temperature=0)
-    started = time.perf_counter()
-    out = model(PROMPT, max_tokens=tokens, temperature=0, ignore_eos=True) if _takes_ignore_eos() else \
-        model(PROMPT, max_tokens=tokens, temperature=0)
-    return out["usage"]["completion_tokens"] / (time.perf_counter() - started)
-
-
-def _takes_ignore_eos() -> bool:
-    import inspect
-
-    from llama_cpp import Llama
-
-    return "ignore_eos" in inspect.signature(Llama.__call__).parameters
+def llama_cpp_rate(python: str | None, tokens: int, threads: int) -> float | None:
+    """llama.cpp's decode rate, in a child process of ``python`` (or this one); None where it is missing."""
+    python = python or sys.executable
+    args = [python, "-c", LLAMA_CPP, str(embedded_gguf_path()), PROMPT, str(tokens), str(threads)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        if "No module named 'llama_cpp'" in out.stderr:
+            return None
+        raise RuntimeError(f"llama.cpp run failed: {out.stderr.strip()[-2000:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:
@@ -59,27 +78,32 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batch-tokens", type=int, default=128)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--llama-python", default=None, help="a python with llama-cpp-python installed")
     args = parser.parse_args()
     threads = len(os.sched_getaffinity(0))
-    kept = LLM("smollm2-135m-instruct", device="cpu", dtype="bfloat16")
-    plain = LLM("smollm2-135m-instruct", device="cpu", dtype="bfloat16", quantization="none")
+    engines = {f"{quant} {dtype}": LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, quantization=quant)
+               for quant in ("gguf", "none") for dtype in args.dtypes}
     rates: dict[str, list[float]] = {}
     for _ in range(args.trials):
-        for name, llm in (("kept", kept), ("bf16", plain)):
+        for name, llm in engines.items():
             rates.setdefault(f"decode {name}", []).append(podium_rate(llm, 1, args.decode_tokens))
             rates.setdefault(f"batch {name}", []).append(podium_rate(llm, args.batch, args.batch_tokens))
-        cpp = llama_cpp_rate(args.decode_tokens, threads)
+        cpp = llama_cpp_rate(args.llama_python, args.decode_tokens, threads)
         if cpp is not None:
             rates.setdefault("decode llama.cpp", []).append(cpp)
     best = {name: max(values) for name, values in rates.items()}
-    print(f"SmolLM2-135M Q4_1, {threads} threads, best of {args.trials}")
-    for name, rate in best.items():
-        kind = name.split()[0]
-        print(f"{name:18s} {rate:9.1f} tok/s   x{rate / best[f'{kind} bf16']:.2f} of the bf16 path")
-    if "decode llama.cpp" not in best:
-        print("llama.cpp: not measured (pip install llama-cpp-python to compare)")
+    print(f"SmolLM2-135M Q4_1, {threads} threads, best of {args.trials}; ratios against the fastest dequantized path")
+    for kind in ("decode", "batch"):
+        base = max(rate for name, rate in best.items() if name.startswith(f"{kind} none"))
+        for name, rate in best.items():
+            if name.startswith(kind):
+                print(f"{name:24s} {rate:9.1f} tok/s   x{rate / base:.2f}")
+    kept = max(rate for name, rate in best.items() if name.startswith("decode gguf"))
+    if "decode llama.cpp" in best:
+        print(f"kept quantized / llama.cpp, batch-1 decode: x{kept / best['decode llama.cpp']:.2f}")
     else:
-        print(f"kept / llama.cpp decode: x{best['decode kept'] / best['decode llama.cpp']:.2f}")
+        print("llama.cpp: not measured (--llama-python PATH, or pip install llama-cpp-python here)")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,10 @@ def cpu_ops():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("table", ["reference", "cpu"])
 def test_gguf_linear_against_gguf_py(ggml_type, rows, dtype, table, cpu_ops):
-    """x . dequantize(w)^T in float64 vs the op; a 512-wide, 72-row weight (not a multiple of any tile)."""
+    """x . dequantize(w)^T in float64 vs the op; a 512-wide, 72-row weight (not a multiple of any tile).
+    The reference is float32 products; the CPU kernels quantize activations to int8 per 32 values (as
+    llama.cpp does), so they are held to the format's tolerance, bf16's (their exact product:
+    platforms/cpu/tests/test_cpu_gguf.py)."""
     gen = torch.Generator().manual_seed(100 * ggml_type + rows)
     weight = random_rows(ggml_type, 72, 512, gen)
     x = torch.randn(rows, 512, generator=gen).to(dtype)
@@ -57,7 +60,7 @@ def test_gguf_linear_against_gguf_py(ggml_type, rows, dtype, table, cpu_ops):
     got = op(x, weight, ggml_type, bias)
     assert got.dtype == dtype and got.shape == (rows, 72)
     scale = want.abs().max().item()
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 inputs/outputs: ~3 significant digits
+    tol = 2e-2 if dtype == torch.bfloat16 or table == "cpu" else 1e-5  # bf16 rows: ~3 significant digits
     assert (got.double() - want).abs().max().item() <= tol * scale
 
 

@@ -120,3 +120,54 @@ def test_unsupported_int4_configs_are_refused():
         select_quantization(None, {"quant_method": "gptq", "bits": 8, "group_size": 128})
     with pytest.raises(ValueError, match="version gemm"):
         select_quantization(None, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"})
+
+
+def test_online_awq_rounds_a_float_model_to_nearest_and_generates(tmp_path):
+    """quantization="awq" on a tiny float Llama: every decoder linear becomes an AWQ layer (the head stays
+    float) whose weights, unpacked by this test's own reference, lie within a group scale of the float
+    ones (half of one, but at the group's ends the zero point's rounding and the clamp to 0..15); the engine's greedy tokens equal transformers' on the model with those weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from podium.quantization.int4 import Int4Linear
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="awq", num_kv_blocks=16)
+    layers = llm.engine.model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, Int4Linear) and type(llm.engine.model.lm_head) is not Int4Linear
+    for i, layer in enumerate(model.model.layers):
+        for hf, ours, rows in (("self_attn.q_proj", "self_attn.qkv_proj", slice(0, 256)),
+                               ("self_attn.k_proj", "self_attn.qkv_proj", slice(256, 384)),
+                               ("self_attn.v_proj", "self_attn.qkv_proj", slice(384, 512)),
+                               ("self_attn.o_proj", "self_attn.o_proj", slice(None)),
+                               ("mlp.gate_proj", "mlp.gate_up_proj", slice(0, 384)),
+                               ("mlp.up_proj", "mlp.gate_up_proj", slice(384, 768)),
+                               ("mlp.down_proj", "mlp.down_proj", slice(None))):
+            packed = layers[i].get_submodule(ours)
+            q = unpack_awq(packed.qweight)[:, rows]  # [K, n]
+            z = unpack_awq(packed.qzeros)[:, rows]
+            s = packed.scales[:, rows].double()
+            groups = torch.arange(q.shape[0]) // GROUP
+            weight = ((q - z[groups]) * s[groups]).t()  # [n, K]
+            float_weight = layer.get_submodule(hf).weight
+            assert ((weight - float_weight.double()).abs() <= s[groups].t() + 1e-6).all()
+            float_weight.data.copy_(weight.float())
+    prompt = [3, 17, 42, 99, 7, 200]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              min_new_tokens=12)[0, len(prompt):].tolist()
+    assert out == want
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C/8] in AWQ's nibble order -> int64 [R, C] (independent of the code under test)."""
+    nibbles = [(packed.long() >> (4 * i)) & 15 for i in range(8)]  # nibble i holds column AWQ_ORDER[i]
+    out = torch.empty(packed.shape[0], packed.shape[1], 8, dtype=torch.long)
+    for i, column in enumerate(AWQ_ORDER):
+        out[:, :, column] = nibbles[i]
+    return out.reshape(packed.shape[0], -1)

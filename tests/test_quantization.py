@@ -33,21 +33,35 @@ def _prompts(tok) -> list[list[int]]:
     return ids
 
 
-def test_smollm2_q4_1_kept_quantized_matches_the_dequantized_path(engines):
-    """float32: the block kernels sum in another order than the dequantized F.linear; on the golden
-    prompts no near-tie flips (0 of 12 x 48 tokens differ, measured)."""
+NEAR_TIE = 0.3  # nats: the largest margin a flip was seen at (0.22); a wrong kernel's logits are far off
+
+
+def test_smollm2_q4_1_kept_quantized_follows_the_dequantized_path_up_to_near_ties(engines):
+    """float32. The CPU block kernels quantize activations to int8 per 32 values, as llama.cpp does, so
+    greedy tokens may flip where the dequantized path's top two are nearly tied: each prompt's tokens
+    equal the dequantized path's up to its first difference, and there the dequantized path ranks the
+    kept path's token within NEAR_TIE of its own (measured: 9 of 12 prompts flip, at margins of
+    0.01-0.22 nats; the bf16 dequantized path flips 8 of 12 against float32, at up to 0.14)."""
     kept, plain = engines
     assert isinstance(kept.engine.model.model.layers[0].self_attn.qkv_proj, GGUFLinear)
     assert isinstance(kept.engine.model.model.embed_tokens, GGUFEmbedding)
     assert kept.engine.model.lm_head.weight is kept.engine.model.model.embed_tokens.weight  # tied, one copy
-    prompts = _prompts(kept.get_tokenizer())
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in kept.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                            use_tqdm=False)]
-    differing = sum(a != b for g, w in zip(got, want) for a, b in zip(g, w))
-    assert differing == 0, f"{differing} of {len(prompts)} x {NUM_TOKENS} greedy tokens differ"
+    prompts = [{"prompt_token_ids": p} for p in _prompts(kept.get_tokenizer())]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    got = [o.outputs[0] for o in kept.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    flips = 0
+    for g, w in zip(got, want):
+        first = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
+        if first is None:
+            continue
+        flips += 1
+        top = w.logprobs[first]
+        ours = top.get(g.token_ids[first])
+        assert ours is not None and top[w.token_ids[first]].logprob - ours.logprob < NEAR_TIE, (
+            f"the kept path's token {g.token_ids[first]} at step {first} is not a near-tie of the dequantized "
+            f"path's {w.token_ids[first]}: {top}")
+    assert flips < len(prompts)  # most prompts' 48 tokens agree somewhere, and some wholly
 
 
 def test_weight_memory_is_the_files_packed_size(engines):
@@ -66,7 +80,7 @@ def test_a_gguf_file_keeps_its_blocks_when_asked():
     types = {"model.layers.0.mlp.down_proj.weight": 3}
     checkpoint = {"quant_method": "gguf", "tensor_types": types}
     assert isinstance(select_quantization("gguf", checkpoint), GGUFMethod)
-    assert select_quantization(None, checkpoint) is None  # dequantized at load until the CPU kernels catch up
+    assert select_quantization(None, checkpoint) is None  # dequantized at load unless asked (registry docstring)
     assert select_quantization("none", checkpoint) is None
     assert select_quantization(None, None) is None
     with pytest.raises(ValueError, match="quantized with 'gguf'"):

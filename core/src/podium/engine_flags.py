@@ -102,7 +102,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("pooler_config", "a pooling model's pooling over its folder's, as JSON: "
          '\'{"pooling_type": "MEAN" | "CLS" | "LAST", "normalize": true}\'', default="the model folder's"),
     Flag("quantization", "how the weights run quantized: gguf (a GGUF file's blocks kept), fp8 (a float checkpoint "
-         "quantized at load), or a plugin's method; none: a GGUF file dequantized at load",
+         "quantized at load), awq (a float checkpoint rounded to INT4 at load), or a plugin's method; none: a GGUF "
+         "file dequantized at load",
          default="what the checkpoint's quantization_config says; GGUF files dequantized", aliases=("-q",)),
     Flag("structured_outputs_backend", "grammar library of structured output where a request names none",
          choices=STRUCTURED_OUTPUTS_BACKENDS, aliases=("--guided-decoding-backend",)),

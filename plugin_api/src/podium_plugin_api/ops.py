@@ -19,7 +19,8 @@ a KV cache; its reference lives in ``podium_plugin_api.encoder_attention``.
 
 ``gguf_linear`` and ``gguf_embedding`` compute with GGUF weights kept in ggml's block formats (a
 quantization method's layers call them); their reference and the layouts live in
-``podium_plugin_api.gguf_blocks``. ``fp8_linear`` is the FP8 W8A8 product (``podium_plugin_api.fp8``).
+``podium_plugin_api.gguf_blocks``. ``fp8_linear`` is the FP8 W8A8 product (``podium_plugin_api.fp8``),
+``int4_linear`` the INT4 weight-only (AWQ / GPTQ) one (``podium_plugin_api.int4``).
 ``apply_token_bitmask`` is structured output's mask: the tokens a grammar forbids get -inf, in
 place (a platform's kernel writes only those entries; the reference unpacks the whole mask).
 """
@@ -34,6 +35,7 @@ import torch
 from .encoder_attention import encoder_attention
 from .fp8 import fp8_linear
 from .gguf_blocks import gguf_embedding, gguf_linear
+from .int4 import int4_linear
 from .moe import fused_moe
 
 
@@ -177,6 +179,7 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "gguf_embedding": gguf_embedding,
     "fp8_linear": fp8_linear,
     "apply_token_bitmask": apply_token_bitmask,
+    "int4_linear": int4_linear,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

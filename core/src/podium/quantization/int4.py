@@ -1,20 +1,15 @@
-"""INT4 weight-only checkpoints, AWQ and GPTQ (act-order too), group size 128: a pure-torch path.
+"""INT4 weight-only checkpoints, AWQ and GPTQ (act-order too), group size 128.
 
-Both store 4-bit weights eight to an int32, a zero point and a scale per group of ``group_size``
-input rows; ``w[k, n] = (q[k, n] - z[g, n]) * s[g, n]`` and the layer computes ``x @ w`` ([K, N]).
-
-    AWQ (AutoAWQ "gemm")  qweight [K, N/8]  nibble i of an int32 holds column 8j + AWQ_ORDER[i]
-                          qzeros  [K/G, N/8] packed alike; scales [K/G, N]; g = k // G
-    GPTQ                  qweight [K/8, N]  nibble i of row r holds input row 8r + i
-                          qzeros  [G', N/8] nibble i holds column 8j + i, stored as z - 1
-                          scales  [G', N];  g_idx [K]: the group of each input row (act-order /
-                          desc_act permutes it; without it g_idx[k] = k // G)
+Layouts (``podium_plugin_api.int4``): 4-bit weights eight to an int32, a zero point and a scale per
+group of ``group_size`` input rows; AWQ's gemm layout (qweight [K, N/8]) and GPTQ's v1 layout
+(qweight [K/8, N], ``g_idx`` for act-order / desc_act).
 
 Checkpoints keep q/k/v and gate/up separate (their packed output dimension is not the first), so a
 merged projection becomes one ``Int4Linear`` per checkpoint tensor, hung on the parent under the
 checkpoint's name (``self_attn.q_proj``), and ``ConcatLinear`` in the merged one's place
-(``replace.replace_linear``). The
-forward dequantizes to the activations' dtype and multiplies (no kernel yet: CPU and any platform).
+(``replace.replace_linear``). The matmul is the op table's ``int4_linear``: the contract's pure-torch
+reference (dequantize, then multiply in float32), or a platform's kernel (CUDA: a Triton
+dequant-GEMM) where it overrides it.
 """
 
 from __future__ import annotations
@@ -24,31 +19,17 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from podium_plugin_api.int4 import dequantize, int4_linear, quantize_awq
 from podium_plugin_api.quantization import QuantizationMethod
 
 from .replace import linear_sites, replace_linear
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ int32 holds (within 8)
-_AWQ_SHIFTS = torch.tensor([4 * AWQ_ORDER.index(c) for c in range(8)])  # nibble of column c, as a bit shift
-_SHIFTS = torch.arange(0, 32, 4)
-
-
-def unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
-    """int32 [R, C/8] -> int [R, C]: 8 columns per int32, in AWQ's order or in order."""
-    shifts = (_AWQ_SHIFTS if awq else _SHIFTS).to(packed.device)
-    return ((packed[:, :, None] >> shifts) & 15).reshape(packed.shape[0], -1)
-
-
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R/8, C] -> int [R, C]: 8 rows per int32 (GPTQ's qweight)."""
-    return ((packed[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 15).reshape(-1, packed.shape[1])
 
 
 class Int4Linear(nn.Module):
     """x [..., K] -> [..., N] from an AWQ or GPTQ packed weight (module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int, fmt: str,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, ops: Mapping[str, Callable] | None = None) -> None:
         super().__init__()
         if in_features % group_size or out_features % 8 or in_features % 8:
             raise ValueError(f"an INT4 {fmt} layer of {in_features} -> {out_features} does not split into groups of "
@@ -67,25 +48,24 @@ class Int4Linear(nn.Module):
         self.qzeros = packed(groups, out_features // 8)
         self.scales = nn.Parameter(torch.empty(groups, out_features), requires_grad=False)  # float32: fp16's values exactly
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.int4_linear = (ops or {"int4_linear": int4_linear})["int4_linear"]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [K, N] (x @ it is the layer)."""
-        if self.format == "awq":
-            q = unpack_columns(self.qweight, awq=True)  # [K, N]
-            zeros = unpack_columns(self.qzeros, awq=True)  # [K/G, N]
-            groups = torch.arange(self.in_features, device=q.device) // self.group_size
-        else:
-            q = unpack_rows(self.qweight)  # [K, N]
-            zeros = unpack_columns(self.qzeros, awq=False) + 1
-            groups = self.g_idx.long()
-        return ((q - zeros[groups]).to(self.scales.dtype) * self.scales[groups]).to(dtype)
+        return dequantize(self.qweight, self.qzeros, self.scales, getattr(self, "g_idx", None), self.group_size,
+                          self.format).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x @ self.dequantized(x.dtype)
-        return out if self.bias is None else out + self.bias
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        out = self.int4_linear(rows, self.qweight, self.qzeros, self.scales, getattr(self, "g_idx", None),
+                               self.group_size, self.format, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.format} g{self.group_size}"
+
+
+ONLINE_GROUP = 128  # the group size of online quantization (what AWQ checkpoints use)
 
 
 class _Int4Method(QuantizationMethod):
@@ -109,21 +89,52 @@ class _Int4Method(QuantizationMethod):
                 continue
             linear = site.linear
             replace_linear(site, lambda rows, linear=linear: Int4Linear(
-                linear.in_features, rows, linear.bias is not None, self.group_size, self.fmt, linear.weight.dtype))
+                linear.in_features, rows, linear.bias is not None, self.group_size, self.fmt, linear.weight.dtype, ops))
 
     def describe(self) -> str:
-        return f"{self.name} int4 g{self.group_size} (pure torch)"
+        return f"{self.name} int4 g{self.group_size}"
 
 
 class AWQMethod(_Int4Method):
+    """AutoAWQ gemm checkpoints, and online ``quantization="awq"`` of a float model: each decoder linear
+    rounded to nearest into AWQ's layout in groups of 128 at ``finish`` (no activation-aware scaling:
+    for serving a float checkpoint at INT4 speed, and for benchmarks without an AWQ checkpoint)."""
+
     name = "awq"
     checkpoint_names = ("awq",)
     fmt = "awq"
+    supports_online = True
 
     def __init__(self, config: Mapping, online: bool = False) -> None:
+        if online:
+            config = {"bits": 4, "group_size": ONLINE_GROUP, **config}
         super().__init__(config, online)
         if str(self.config.get("version", "gemm")).lower() != "gemm" or not self.config.get("zero_point", True):
             raise ValueError("AWQ checkpoints other than version gemm with zero points are not supported")
+        self.ops: Mapping[str, Callable] = {}
+
+    def apply(self, model: nn.Module, ops: Mapping[str, Callable]) -> None:
+        self.ops = ops
+        if not self.online:
+            super().apply(model, ops)
+
+    def finish(self, model: nn.Module) -> None:
+        if not self.online:
+            return
+        for site in linear_sites(model):
+            linear = site.linear
+            if site.path == "lm_head" or linear.in_features % self.group_size or linear.out_features % 8:
+                continue
+            layer = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, self.group_size,
+                               "awq", linear.weight.dtype, self.ops).to(linear.weight.device)
+            for name, tensor in quantize_awq(linear.weight.data, self.group_size).items():
+                getattr(layer, name).data = tensor
+            if linear.bias is not None:
+                layer.bias = linear.bias
+            setattr(site.parent, site.leaf, layer)
+
+    def describe(self) -> str:
+        return f"awq int4 g{self.group_size}" + (" (online, round to nearest)" if self.online else "")
 
 
 class GPTQMethod(_Int4Method):

@@ -8,9 +8,10 @@ what the checkpoint says (``ModelSource.quantization``):
     GGUF file, setting None or "none"                               -> none: blocks dequantized at load
     GGUF file, setting "gguf"                                       -> gguf: blocks kept
 
-A GGUF file keeps its blocks only when asked, for now: the CPU block kernels do not yet measure as
-fast as the bf16 path they would replace (docs/quantization.md), so the default stays the faster one;
-the file's block types are still what ``gguf`` reads.
+A GGUF file keeps its blocks only when asked: the CPU block kernels measure faster than the
+dequantized path (docs/quantization.md), but the rule cannot yet say per platform whether that
+holds (CUDA's block kernels are not measured against cuBLAS) and quantized layers refuse tensor
+parallelism, which a dequantized GGUF file supports; the file's block types are what ``gguf`` reads.
     float checkpoint, setting a method that quantizes online (fp8)  -> that method, online
     anything else                                                   -> ValueError naming both
 """

@@ -41,7 +41,7 @@ LIBRARIES = {
     "fma_linear": (NATIVE_DIR / "fma_linear.c", ("-ffp-contract=off",)),
     "dpbf16_linear": (NATIVE_DIR / "dpbf16_linear.c", ("-ffp-contract=off",)),
     "graph_replay": (NATIVE_DIR / "graph_replay.c", ()),
-    "gguf_linear": (NATIVE_DIR / "gguf_linear.c", ()),  # GGUF block formats, dequantized in the kernel
+    "gguf_linear": (NATIVE_DIR / "gguf_linear.c", ("-ffp-contract=off",)),  # GGUF blocks: int8 dots, exact embedding rows
 }
 # ggml type id -> the name in gguf_linear.c's entries (podium_gguf_q4_1_linear_bf16, ...)
 GGUF_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}

@@ -18,6 +18,8 @@ import triton.language as tl
 
 from podium_plugin_api.gguf_blocks import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 
+from .tuning import CUDA_TUNING, KernelTuning
+
 SUB = 32  # weights a step of K dequantizes: a legacy block or a K-quant sub-block
 _Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = (tl.constexpr(v) for v in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K))
 
@@ -130,8 +132,10 @@ def _gguf_embed_kernel(ids_ptr, w_ptr, out_ptr, K, row_bytes,
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * K + k0 + j, values.to(out_ptr.dtype.element_ty))
 
 
-def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] . dequantize(weight [N, row_bytes])^T (+ bias) -> [M, N] in x's dtype."""
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None,
+                tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
+    """x [M, K] . dequantize(weight [N, row_bytes])^T (+ bias) -> [M, N] in x's dtype. (``tuning``: the
+    platform passes its table to every op; these launches take none of it.)"""
     qk, nbytes = BLOCKS[ggml_type]
     rows, columns = x.shape
     n = weight.shape[0]
@@ -148,7 +152,8 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: tor
     return out
 
 
-def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> torch.Tensor:
+def gguf_embedding(ids: torch.Tensor, weight: torch.Tensor, ggml_type: int, dtype: torch.dtype,
+                   tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
     """ids int [T] -> rows of ``weight`` dequantized, [T, columns] in ``dtype``."""
     qk, nbytes = BLOCKS[ggml_type]
     flat = ids.reshape(-1).contiguous()

@@ -109,11 +109,18 @@ class KernelTuning:
     # fused_moe: the grouped Triton GEMMs (moe.py); the reference's per-expert loop reads
     # expert counts on the host, which a CUDA graph cannot capture
     # gguf_linear / gguf_embedding: GGUF blocks dequantized in the kernel (gguf.py); the reference
-    # dequantizes the whole weight every call; fp8_linear: torch._scaled_mm (fp8_linear.py);
+    # dequantizes the whole weight every call; fp8_linear: torch._scaled_mm or the Triton GEMM
+    # (fp8_linear.py, fp8_triton_max_rows); int4_linear: the Triton dequant-GEMM/GEMV (int4.py);
     # apply_token_bitmask: one launch writing the forbidden tokens only (token_bitmask.py)
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
                                   "rms_norm_linear", "silu_and_mul_linear", "fused_moe", "gguf_linear",
-                                  "gguf_embedding", "fp8_linear", "apply_token_bitmask")
+                                  "gguf_embedding", "fp8_linear", "int4_linear", "apply_token_bitmask")
+    # fp8_linear calls of at most this many rows (per-tensor / per-channel scales) take the Triton
+    # GEMM, which quantizes the activations inside it, instead of the per-token quantization's
+    # launches plus torch._scaled_mm; block scales always take it. Not measured on a GPU yet:
+    # benchmarks/quant_gpu.sh times both per 8B shape at 1 / 16 / 256 / 4096 rows and prints the
+    # threshold they imply (fp8 rule: ...), which is what belongs here
+    fp8_triton_max_rows: int = 16
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True

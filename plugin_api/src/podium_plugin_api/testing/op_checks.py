@@ -10,7 +10,10 @@ at 1 and 7 tokens, top-1 and top-2 of 4 experts, with an expert no token picks a
 ``encoder_attention`` runs on one sequence and on a ragged batch (lengths 3, 1, 5, 2), with and
 without grouped key/value heads.
 ``gguf_linear`` and ``gguf_embedding`` run every kept block format at 1, 2 and 7 rows on random blocks;
-``fp8_linear`` each weight-scale granularity at 1, 2 and 7 rows.
+``gguf_linear`` is compared relative to its largest reference value at bf16's tolerance whatever the
+row dtype, since a kernel may quantize the activations to int8 per block as llama.cpp does;
+``fp8_linear`` each weight-scale granularity at 1, 2 and 7 rows; ``int4_linear`` AWQ, GPTQ and GPTQ with
+act-order at 1, 2 and 7 rows (two groups of 128).
 ``apply_token_bitmask`` masks every row and a subset of rows in another order, over a vocabulary
 that ends mid-word, with all-allowed and all-forbidden words among random ones; it must give the
 reference's logits exactly (forbidden tokens -inf, the others untouched).
@@ -27,6 +30,7 @@ from torch import nn
 
 from ..fp8 import FP8
 from ..gguf_blocks import BLOCKS, random_rows
+from ..int4 import AWQ, GPTQ, random_packed
 from ..moe import MoEExperts
 from ..ops import REFERENCE_OPS
 from .report import ConformanceError, check_close, dtype_name, guarded
@@ -77,6 +81,10 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
     if name == "fp8_linear":
         return [_fp8_case(rows, granularity, dtype, gen) for granularity in ("tensor", "channel", "block")
                 for rows in LINEAR_ROWS]
+    if name == "int4_linear":
+        return [_int4_case(rows, fmt, act_order, dtype, gen) for fmt, act_order in ((AWQ, False), (GPTQ, False),
+                                                                                   (GPTQ, True))
+                for rows in LINEAR_ROWS]
     return [op_inputs(name, dtype, gen)]
 
 
@@ -88,6 +96,14 @@ def _bitmask_case(rows: list[int] | None, dtype: torch.dtype, gen: torch.Generat
     bitmask[0, 1], bitmask[-1, 2] = -1, 0  # every token of a word allowed; every one forbidden
     logits = torch.randn(batch, vocab, generator=gen).to(dtype)
     return logits, bitmask, None if rows is None else torch.tensor(rows)
+
+
+def _int4_case(rows: int, fmt: str, act_order: bool, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
+    """x [rows, 256] and random packed INT4 tensors for [256 -> OUT_FEATURES] in groups of 128, a bias."""
+    packed = random_packed(fmt, GGUF_COLUMNS, OUT_FEATURES, 128, act_order, gen)
+    x = (torch.randn(rows, GGUF_COLUMNS, generator=gen) / 4).to(dtype)
+    return (x, packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"), 128, fmt,
+            torch.randn(OUT_FEATURES, generator=gen).to(dtype))
 
 
 def _fp8_case(rows: int, granularity: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[Any, ...]:
@@ -225,6 +241,9 @@ def _check_case(name: str, fn: Callable[..., Any], args: tuple[Any, ...], dtype:
     results = got if isinstance(got, tuple) else (got,)
     if len(results) != len(outputs):
         raise ConformanceError(f"{what}: returned {len(results)} value(s), the reference returns {len(outputs)}")
+    if name == "gguf_linear":  # the format's tolerance, relative to the result's scale (module docstring)
+        scale = max(outputs[0].abs().max().item(), 1e-30)
+        results, outputs, dtype = (results[0].detach().cpu().double() / scale,), (outputs[0] / scale,), torch.bfloat16
     for i, (r, w) in enumerate(zip(results, outputs)):
         label = f"{what}: output {i}" if len(outputs) > 1 else what
         check_close(r, w, what=label, dtype=dtype)

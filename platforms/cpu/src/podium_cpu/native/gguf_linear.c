@@ -1,5 +1,5 @@
 /* Linear layers and the embedding over GGUF weights kept in ggml's block formats (layouts:
- * podium_plugin_api/gguf_blocks.py): out = x . dequantize(w)^T + bias, dequantized inside the kernel.
+ * podium_plugin_api/gguf_blocks.py): out = x . w^T + bias on the blocks as stored.
  *
  * Entries, one per (block type, row type), with the plain linear's C signature (linear.h) so that a
  * decode step of them is captured and replayed like any other native linear (graphs.py):
@@ -7,209 +7,343 @@
  *     podium_gguf_<type>_linear_<f32|bf16>(x, x_stride, M, w, N, K, bias, out, out_stride, threads)
  *     podium_gguf_<type>_embed_<f32|bf16>(w, num_rows, dim, ids, n, out, threads)
  *
- * Work: the output columns in groups of NB; a thread takes a group, dequantizes its NB weight rows
- * into its float32 scratch once (NB x K floats: 24 KB at K = 1536, in L1/L2), then multiplies every
- * x row by them, MB rows at a time with MB x NB vector sums (x loaded once per NB columns, each
- * weight vector once per MB rows). x rows are widened to float32 once per call. So a batch-1 GEMV
- * reads the packed weights once and a batch of M rows dequantizes each weight once per call.
- * Vectors are VL lanes (bf16.h): AVX-512 zmm where the CPU has it, AVX2 ymm otherwise; the
- * dequantization loops are plain C that GCC vectorises for the same target.
- */
+ * Numerics (llama.cpp's): each x row is quantized to int8 per 32 values, x ~ d_x q_x with
+ * d_x = max|x| / 127 and q_x = round(x / d_x) (to nearest even), and each weight chunk of 32 is
+ * scale * mult * q + bias in integers (gguf_unpack.h), so a chunk's product is
+ *
+ *     scale d_x sum(mult q q_x)  +  bias s_x          (s_x = d_x sum(q_x))
+ *
+ * the sum exact in int32 (AVX2: u8 x s8 pair products, then pairs of those), the rest float32. The
+ * activations' rounding (at most d_x / 2 a value, of the order of a bf16 row's) is all that differs
+ * from x . dequantize(w)^T: far below the weights' own 4-8 bits.
+ *
+ * Work: a thread takes output columns NB at a time and multiplies every x row by them, two x rows
+ * at a time, 8 chunks at a time: their 8 exact sums reduced into one vector whose lane i is chunk i's,
+ * converted once and scaled by the 8 chunks' scales x d_x in one multiply-add (plus their bias x s_x).
+ * A decode call (M <= 2) unpacks each weight chunk into a register where it is used; a batch unpacks
+ * the NB rows into the thread's scratch once and reuses them for every x row. Both add the same
+ * float32 terms in the same order, so a row's result does not depend on M.
+ * Embedding rows are dequantized to float exactly (gguf_dequant.h). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf_dequant.h"
+#include "gguf_unpack.h"
 #include "scratch.h"
 
-#define NB 4 /* output columns (weight rows) of a group */
-#define MB 4 /* x rows of a register block: MB x NB = 16 vector sums */
+#define NB 8           /* output columns (weight rows) a thread takes at a time: a vector's lanes */
+#define DIRECT_ROWS 2  /* calls of at most this many rows unpack weights into registers */
+#define BATCH_ROWS 4   /* x rows a batch's pass multiplies */
 #define PARALLEL_MIN_GROUPS 2
-
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-/* fp16 -> float32, exact (normals, subnormals, infinities, NaN): one F16C instruction where the
- * CPU has it (every AVX2 CPU does), else by bits; a block's scales are converted once per block */
-static inline float half_to_f32(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#endif
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else { /* zero or subnormal: mant * 2^-24 */
-        float f = (float)mant * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* One block of each format -> float32 weights (the arithmetic of gguf_blocks._dequantize_blocks) */
-static void block_q8_0(const uint8_t *b, float *y) {
-    const float d = half_to_f32(b);
-    const int8_t *q = (const int8_t *)(b + 2);
-    for (int j = 0; j < 32; j++) y[j] = d * (float)q[j];
-}
-
-static void block_q4_0(const uint8_t *b, float *y) {
-    const float d = half_to_f32(b);
-    for (int j = 0; j < 16; j++) y[j] = d * (float)((b[2 + j] & 0x0f) - 8);
-    for (int j = 0; j < 16; j++) y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
-}
-
-static void block_q4_1(const uint8_t *b, float *y) {
-    const float d = half_to_f32(b), m = half_to_f32(b + 2);
-    for (int j = 0; j < 16; j++) y[j] = d * (float)(b[4 + j] & 0x0f) + m;
-    for (int j = 0; j < 16; j++) y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
-}
-
-/* Q4_K/Q5_K's 6-bit scale and min of sub-block j from the 12 packed bytes */
-static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63, *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-static void block_q4_k(const uint8_t *b, float *y) {
-    const float d = half_to_f32(b), dmin = half_to_f32(b + 2);
-    const uint8_t *scales = b + 4, *qs = b + 16;
-    for (int i = 0; i < 4; i++) {  /* 64 weights: 32 low nibbles (sub-block 2i), 32 high (2i+1) */
-        int sc0, m0, sc1, m1;
-        k_scale_min(scales, 2 * i, &sc0, &m0);
-        k_scale_min(scales, 2 * i + 1, &sc1, &m1);
-        const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
-        for (int l = 0; l < 32; l++) y[64 * i + l] = d0 * (float)(qs[32 * i + l] & 0x0f) - min0;
-        for (int l = 0; l < 32; l++) y[64 * i + 32 + l] = d1 * (float)(qs[32 * i + l] >> 4) - min1;
-    }
-}
-
-static void block_q5_k(const uint8_t *b, float *y) {
-    const float d = half_to_f32(b), dmin = half_to_f32(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
-    for (int i = 0; i < 4; i++) {  /* sub-block j takes bit j of each high byte as its bit 4 */
-        int sc0, m0, sc1, m1;
-        k_scale_min(scales, 2 * i, &sc0, &m0);
-        k_scale_min(scales, 2 * i + 1, &sc1, &m1);
-        const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
-        for (int l = 0; l < 32; l++) {
-            const int lo = (qs[32 * i + l] & 0x0f) | (((qh[l] >> (2 * i)) & 1) << 4);
-            const int hi = (qs[32 * i + l] >> 4) | (((qh[l] >> (2 * i + 1)) & 1) << 4);
-            y[64 * i + l] = d0 * (float)lo - min0;
-            y[64 * i + 32 + l] = d1 * (float)hi - min1;
-        }
-    }
-}
-
-static void block_q6_k(const uint8_t *b, float *y) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = half_to_f32(b + 208);
-    for (int h = 0; h < 2; h++) {  /* halves of 128: quarter q of a half is ql's low/high nibbles, qh's bits 2q */
-        for (int l = 0; l < 32; l++) {
-            const int q1 = ((ql[64 * h + l] & 0x0f) | (((qh[32 * h + l] >> 0) & 3) << 4)) - 32;
-            const int q2 = ((ql[64 * h + l + 32] & 0x0f) | (((qh[32 * h + l] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((ql[64 * h + l] >> 4) | (((qh[32 * h + l] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((ql[64 * h + l + 32] >> 4) | (((qh[32 * h + l] >> 6) & 3) << 4)) - 32;
-            const int s = 8 * h + l / 16;
-            y[128 * h + l] = d * (float)sc[s] * (float)q1;
-            y[128 * h + l + 32] = d * (float)sc[s + 2] * (float)q2;
-            y[128 * h + l + 64] = d * (float)sc[s + 4] * (float)q3;
-            y[128 * h + l + 96] = d * (float)sc[s + 6] * (float)q4;
-        }
-    }
-}
-
-typedef void (*block_fn)(const uint8_t *, float *);
-
-/* The row loops are inlined into each format's entries (always_inline), so each block function is a
- * direct, inlined call whose loops GCC vectorises, not a call through a pointer per block. */
 #define INLINE static inline __attribute__((always_inline))
 
-/* one weight row of K columns (K / qk blocks of `bytes` each) -> float32 */
+/* x quantized: q int8 [M][K]; d and s = d * sum(q), float32 [M][Cp] (padded_chunks: the missing
+ * chunks' values 0) */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+} xquant;
+
+/* chunks of a row rounded up to whole groups of 8 (the scales' vectors) */
+static inline int64_t padded_chunks(int64_t K) { return (K / 32 + 7) / 8 * 8; }
+
+/* A second per-thread buffer for the quantized x rows: the calling thread is also one of the team
+ * whose thread_scratch holds a batch's unpacked weights. */
+static void *x_scratch(size_t bytes) {
+    static __thread void *buffer;
+    static __thread size_t capacity;
+    if (bytes > capacity) {
+        void *grown = malloc(bytes);
+        if (!grown) return NULL;
+        free(buffer);
+        buffer = grown, capacity = bytes;
+    }
+    return buffer;
+}
+
+/* 32 float32 values -> q, d, d * sum(q) */
+static inline void quantize_chunk(const float *x, int8_t *q, float *d_out, float *s_out) {
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    __m256i n[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  /* MXCSR: to nearest even */
+        sum = _mm256_add_epi32(sum, n[i]);
+    }
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    *d_out = d, *s_out = d * (float)_mm_cvtsi128_si32(s);
+#else
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) q[j] = (int8_t)nearbyintf(x[j] * id), sum += q[j];
+    *d_out = d, *s_out = d * (float)sum;
+#endif
+}
+
+/* x rows (float32 or bf16) -> the calling thread's xquant; 0, or -1 without memory */
+static int quantize_rows(const void *x, int64_t x_stride, int64_t M, int64_t K, int is_bf16, int num_threads,
+                         xquant *xq) {
+    const int64_t C = K / 32, Cp = padded_chunks(K);
+    char *mem = x_scratch((size_t)M * K + 2 * (size_t)M * Cp * sizeof(float));
+    if (!mem) return -1;
+    xq->d = (float *)mem, xq->s = xq->d + M * Cp, xq->q = (int8_t *)(xq->s + M * Cp);
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M >= 16)")
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t c = 0; c < C; c++) {
+            float chunk[32];
+            const float *src = (const float *)x + m * x_stride + 32 * c;
+            if (is_bf16) {
+                for (int j = 0; j < 32; j++) chunk[j] = bf16_to_f32(((const bf16_t *)x)[m * x_stride + 32 * c + j]);
+                src = chunk;
+            }
+            quantize_chunk(src, xq->q + m * K + 32 * c, xq->d + m * Cp + c, xq->s + m * Cp + c);
+        }
+        for (int64_t c = C; c < Cp; c++) xq->d[m * Cp + c] = xq->s[m * Cp + c] = 0.f;
+    }
+    return 0;
+}
+
+/* Q6_K's multipliers of chunk c: its two sub-block scales (one per 16 weights) as two int16 */
+static inline int32_t q6_k_mult(const uint8_t *row, int64_t c) {
+    const int8_t *sc = (const int8_t *)(SUPER(row, c, 210) + 192) + 2 * (c & 7);
+    return (int32_t)((uint32_t)(uint16_t)sc[0] | ((uint32_t)(uint16_t)sc[1] << 16));
+}
+
+#if defined(__AVX2__)
+/* sum(mult q q_x) of one chunk as 8 int32 lanes */
+INLINE __m256i chunk_isum(__m256i w, __m256i x, __m256i mult, const int is_signed, const int has_mult) {
+    if (is_signed) x = _mm256_sign_epi8(x, w), w = _mm256_sign_epi8(w, w);
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    if (!has_mult) {  /* the same exact sums in one instruction */
+#if defined(__AVXVNNI__)
+        return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+        return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#endif
+    }
+#endif
+    (void)has_mult;
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), mult);
+}
+
+static inline __m256i mult_vector(int32_t packed) {  /* words 0-7: the first multiplier, 8-15 the second */
+    return _mm256_set_m128i(_mm_set1_epi16((short)(packed >> 16)), _mm_set1_epi16((short)(packed & 0xffff)));
+}
+
+/* lane j of the result: the sum of v[j]'s lanes */
+static inline __m256i reduce8(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* v[j] (row j's 32 bytes as 8 groups of 4) -> v[t]: group t of each row j at bytes 4j .. 4j + 3 */
+static inline void transpose8(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2)
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20), v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+}
+
+/* acc (lane j: row j) += chunk sums x (scale d_x) + bias s_x: the one float order of both paths */
+INLINE __m256 chunk_step(__m256i isum, scales8 s, float dx, float sx, __m256 acc, const int has_bias) {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx)), s.d, acc);
+    return has_bias ? _mm256_fmadd_ps(s.b, _mm256_set1_ps(sx), acc) : acc;
+}
+
+/* A batch's unpacked chunk of 8 rows (the thread's scratch): q transposed (w[t]: group t of each row),
+ * for signed q their magnitudes too, the scales, and Q6_K's multipliers of the chunk's two halves */
+typedef struct {
+    __m256i w[8], magnitude[8], mult[2];
+    float d[8], b[8];
+} unpacked_chunk;
+
+#define DEFINE_ROWS(TYPE, SIGNED, HAS_BIAS, MULT, MAX_Q)                                                 \
+/* acc[r] (lane j) = rows[j] . x row m0 + r for r < R: each weight chunk unpacked into registers */     \
+INLINE void direct_##TYPE(const uint8_t *const rows[8], const xquant *xq, int64_t m0, const int R, int64_t K, \
+                          const uint8_t *next, int64_t next_lines, __m256 acc[DIRECT_ROWS]) {            \
+    const int64_t Cp = padded_chunks(K), C = K / 32;                                                     \
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
+    for (int64_t c = 0; c < C; c++) {                                                                    \
+        for (int64_t l = c * next_lines / C; l < (c + 1) * next_lines / C; l++)                          \
+            _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);                                      \
+        __m256i x[DIRECT_ROWS], v[DIRECT_ROWS][8];                                                       \
+        for (int r = 0; r < R; r++) x[r] = load32((const uint8_t *)xq->q + (m0 + r) * K + 32 * c);       \
+        for (int j = 0; j < 8; j++) {                                                                    \
+            const __m256i w = q_##TYPE##_v(rows[j], c);                                                  \
+            const __m256i mult = MULT ? mult_vector(q6_k_mult(rows[j], c)) : _mm256_set1_epi16(1);       \
+            for (int r = 0; r < R; r++) v[r][j] = chunk_isum(w, x[r], mult, SIGNED, MULT);               \
+        }                                                                                                \
+        const scales8 s = scales8_##TYPE(rows, c);                                                       \
+        for (int r = 0; r < R; r++)                                                                      \
+            acc[r] = chunk_step(reduce8(v[r]), s, xq->d[(m0 + r) * Cp + c], xq->s[(m0 + r) * Cp + c], acc[r], HAS_BIAS); \
+    }                                                                                                    \
+}                                                                                                        \
+static void unpack_##TYPE(const uint8_t *const rows[8], int64_t K, unpacked_chunk *u) {                  \
+    for (int64_t c = 0; c < K / 32; c++, u++) {                                                          \
+        for (int j = 0; j < 8; j++) u->w[j] = q_##TYPE##_v(rows[j], c);                                  \
+        transpose8(u->w);                                                                                \
+        for (int t = 0; SIGNED && t < 8; t++) u->magnitude[t] = _mm256_sign_epi8(u->w[t], u->w[t]);      \
+        const scales8 s = scales8_##TYPE(rows, c);                                                       \
+        _mm256_storeu_ps(u->d, s.d), _mm256_storeu_ps(u->b, s.b);                                        \
+        for (int half = 0; MULT && half < 2; half++) {                                                   \
+            int16_t m[16];                                                                               \
+            for (int j = 0; j < 8; j++) m[2 * j] = m[2 * j + 1] = (int16_t)(q6_k_mult(rows[j], c) >> (16 * half)); \
+            memcpy(&u->mult[half], m, sizeof m);                                                         \
+        }                                                                                                \
+    }                                                                                                    \
+}                                                                                                        \
+/* the same sums from the unpacked rows: row j's 4-weight groups against x's, broadcast; unsigned q \
+ * small enough (MAX_Q) sum 32767 / (254 MAX_Q) groups' pair products in int16 */                      \
+INLINE void batch_##TYPE(const unpacked_chunk *u, const xquant *xq, int64_t m0, const int R, int64_t K,  \
+                         __m256 acc[BATCH_ROWS]) {                                                       \
+    const int64_t Cp = padded_chunks(K);                                                                 \
+    const int run = SIGNED ? 1 : 32767 / (254 * (MAX_Q)) >= 8 ? 8 : 4;                                   \
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                            \
+    for (int64_t c = 0; c < K / 32; c++, u++) {                                                          \
+        const scales8 s = {_mm256_loadu_ps(u->d), _mm256_loadu_ps(u->b)};                                \
+        for (int r = 0; r < R; r++) {                                                                    \
+            const int32_t *x = (const int32_t *)(xq->q + (m0 + r) * K + 32 * c);                         \
+            __m256i isum = _mm256_setzero_si256();                                                       \
+            for (int t0 = 0; t0 < 8; t0 += run) {                                                        \
+                __m256i p = _mm256_setzero_si256();                                                      \
+                for (int t = t0; t < t0 + run; t++) {                                                    \
+                    __m256i xt = _mm256_set1_epi32(x[t]);                                                \
+                    if (SIGNED) xt = _mm256_sign_epi8(xt, u->w[t]);                                      \
+                    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(SIGNED ? u->magnitude[t] : u->w[t], xt)); \
+                }                                                                                        \
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, MULT ? u->mult[t0 / 4] : _mm256_set1_epi16(1))); \
+            }                                                                                            \
+            acc[r] = chunk_step(isum, s, xq->d[(m0 + r) * Cp + c], xq->s[(m0 + r) * Cp + c], acc[r], HAS_BIAS); \
+        }                                                                                                \
+    }                                                                                                    \
+}
+
+/* out rows m0 .. m0 + R - 1, columns n0 + j for j < cols, from acc lanes (+ the layer's bias) */
+static inline void store_rows(const __m256 *acc, int R, int64_t m0, int64_t n0, int64_t cols, const float *bias,
+                              void *out, int64_t out_stride, int out_bf16) {
+    for (int r = 0; r < R; r++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[r]);
+        for (int64_t j = 0; j < cols; j++) {
+            const float y = bias ? v[j] + bias[n0 + j] : v[j];
+            const int64_t at = (m0 + r) * out_stride + n0 + j;
+            if (out_bf16) ((bf16_t *)out)[at] = f32_to_bf16(y);
+            else ((float *)out)[at] = y;
+        }
+    }
+}
+
+#define DEFINE_GROUP(TYPE)                                                                               \
+/* one group of 8 rows (a short last group repeats its last row; its sums are dropped) for every x row */ \
+static int group_##TYPE(const uint8_t *const rows[8], int64_t cols, int64_t n0, const xquant *xq, int64_t M, \
+                        int64_t K, const float *bias, void *out, int64_t out_stride, int out_bf16,       \
+                        const uint8_t *next, int64_t next_bytes) {                                       \
+    if (M <= DIRECT_ROWS) {  /* a decode row streams the weights: the next group's are fetched meanwhile */ \
+        __m256 acc[DIRECT_ROWS];                                                                         \
+        if (M == 2) direct_##TYPE(rows, xq, 0, 2, K, next, (next_bytes + 63) / 64, acc);                 \
+        else direct_##TYPE(rows, xq, 0, 1, K, next, (next_bytes + 63) / 64, acc);                        \
+        store_rows(acc, (int)M, 0, n0, cols, bias, out, out_stride, out_bf16);                           \
+        return 0;                                                                                        \
+    }                                                                                                    \
+    unpacked_chunk *u = thread_scratch((size_t)(K / 32) * sizeof(unpacked_chunk) + 32);                  \
+    if (!u) return -1;                                                                                   \
+    u = (unpacked_chunk *)(((uintptr_t)u + 31) & ~(uintptr_t)31);                                        \
+    unpack_##TYPE(rows, K, u);                                                                           \
+    for (int64_t m0 = 0; m0 < M; m0 += BATCH_ROWS) {                                                     \
+        __m256 acc[BATCH_ROWS];                                                                          \
+        const int R = M - m0 < BATCH_ROWS ? (int)(M - m0) : BATCH_ROWS;                                  \
+        switch (R) {                                                                                     \
+        case 4: batch_##TYPE(u, xq, m0, 4, K, acc); break;                                               \
+        case 3: batch_##TYPE(u, xq, m0, 3, K, acc); break;                                               \
+        case 2: batch_##TYPE(u, xq, m0, 2, K, acc); break;                                               \
+        default: batch_##TYPE(u, xq, m0, 1, K, acc);                                                     \
+        }                                                                                                \
+        store_rows(acc, R, m0, n0, cols, bias, out, out_stride, out_bf16);                               \
+    }                                                                                                    \
+    return 0;                                                                                            \
+}
+#else
+/* The same sums in plain C (a CPU without AVX2) */
+#define DEFINE_ROWS(TYPE, SIGNED, HAS_BIAS, MULT, MAX_Q)
+#define DEFINE_GROUP(TYPE)                                                                               \
+static int group_##TYPE(const uint8_t *const rows[8], int64_t cols, int64_t n0, const xquant *xq, int64_t M, \
+                        int64_t K, const float *bias, void *out, int64_t out_stride, int out_bf16,       \
+                        const uint8_t *next, int64_t next_bytes) {                                       \
+    (void)next, (void)next_bytes;                                                                        \
+    const int64_t Cp = padded_chunks(K);                                                                 \
+    for (int64_t j = 0; j < cols; j++)                                                                   \
+        for (int64_t m = 0; m < M; m++) {                                                                \
+            float acc = 0.f;                                                                             \
+            for (int64_t c = 0; c < K / 32; c++) {                                                       \
+                const chunk_scales s = scales_##TYPE(rows[j], c);                                        \
+                int8_t w[32];                                                                            \
+                q_##TYPE##_s(rows[j], c, w);                                                             \
+                const int8_t *x = xq->q + m * K + 32 * c;                                                \
+                int32_t isum = 0;                                                                        \
+                for (int k = 0; k < 32; k++) isum += (int32_t)w[k] * x[k] * s.mult[k / 16];              \
+                acc += (float)isum * xq->d[m * Cp + c] * s.scale + s.bias * xq->s[m * Cp + c];           \
+            }                                                                                            \
+            const float y = bias ? acc + bias[n0 + j] : acc;                                             \
+            if (out_bf16) ((bf16_t *)out)[m * out_stride + n0 + j] = f32_to_bf16(y);                     \
+            else ((float *)out)[m * out_stride + n0 + j] = y;                                            \
+        }                                                                                                \
+    return 0;                                                                                            \
+}
+#endif
+
+/* out [M][out_stride] = x . w^T + bias (module comment) */
+#define DEFINE_LINEAR(TYPE, QK, BYTES, SIGNED, HAS_BIAS, MULT, MAX_Q)                                    \
+DEFINE_ROWS(TYPE, SIGNED, HAS_BIAS, MULT, MAX_Q)                                                         \
+DEFINE_GROUP(TYPE)                                                                                       \
+static int linear_##TYPE(const xquant *xq, int64_t M, const uint8_t *w, int64_t N, int64_t K, const float *bias, \
+                         void *out, int64_t out_stride, int out_bf16, int num_threads) {                 \
+    const int64_t groups = (N + NB - 1) / NB, row_bytes = K / (QK) * (BYTES);                            \
+    int failed = 0;                                                                                      \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (groups >= PARALLEL_MIN_GROUPS)") \
+    for (int64_t grp = 0; grp < groups; grp++) {                                                         \
+        const int64_t n0 = grp * NB, cols = N - n0 < NB ? N - n0 : NB;                                   \
+        const uint8_t *rows[NB];                                                                         \
+        for (int j = 0; j < NB; j++) rows[j] = w + (n0 + (j < cols ? j : cols - 1)) * row_bytes;         \
+        const int64_t next_rows = N - n0 - NB < NB ? (N - n0 - NB > 0 ? N - n0 - NB : 0) : NB;           \
+        if (group_##TYPE(rows, cols, n0, xq, M, K, bias, out, out_stride, out_bf16, w + (n0 + NB) * row_bytes, \
+                         next_rows * row_bytes)) failed = 1;                                             \
+    }                                                                                                    \
+    return failed ? -1 : 0;                                                                              \
+}
+
+/* (type, weights and bytes a block, q signed, a bias term, Q6_K's multipliers, the largest q) */
+DEFINE_LINEAR(q4_0, 32, 18, 0, 1, 0, 15)
+DEFINE_LINEAR(q4_1, 32, 20, 0, 1, 0, 15)
+DEFINE_LINEAR(q8_0, 32, 34, 1, 0, 0, 128)
+DEFINE_LINEAR(q4_k, 256, 144, 0, 1, 0, 15)
+DEFINE_LINEAR(q5_k, 256, 176, 0, 1, 0, 31)
+DEFINE_LINEAR(q6_k, 256, 210, 1, 0, 1, 32)
+
+/* The row loops are inlined into each format's entries, so each block function is a direct,
+ * inlined call whose loops GCC vectorises, not a call through a pointer per block. */
 INLINE void dequant_row(block_fn fn, int qk, int bytes, const uint8_t *row, int64_t K, float *y) {
     for (int64_t b = 0; b < K / qk; b++) fn(row + b * bytes, y + b * qk);
-}
-
-static inline float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
-
-/* sums[MB][NB] = rows x[0..MB) . w[0..NB) over K (K a multiple of VL: every format's block is) */
-static inline void block_dot(const float *const *x, const float *w, int64_t K, float sums[MB][NB]) {
-    vf acc[MB][NB];
-    for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NB; j++) acc[i][j] = (vf){0};
-    for (int64_t k = 0; k < K; k += VL) {
-        vf wv[NB];
-        for (int j = 0; j < NB; j++) wv[j] = loadv(w + j * K + k);
-        for (int i = 0; i < MB; i++) {
-            const vf xv = loadv(x[i] + k);
-            for (int j = 0; j < NB; j++) acc[i][j] += xv * wv[j];
-        }
-    }
-    for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NB; j++) sums[i][j] = hsum(acc[i][j]);
-}
-
-/* sums[NB] = one x row . w[0..NB) over K: the rows a full MB block does not cover (a decode row) */
-static inline void row_dot(const float *x, const float *w, int64_t K, float sums[NB]) {
-    vf acc[NB];
-    for (int j = 0; j < NB; j++) acc[j] = (vf){0};
-    for (int64_t k = 0; k < K; k += VL) {
-        const vf xv = loadv(x + k);
-        for (int j = 0; j < NB; j++) acc[j] += xv * loadv(w + j * K + k);
-    }
-    for (int j = 0; j < NB; j++) sums[j] = hsum(acc[j]);
-}
-
-/* x float32 rows [M][x_stride]; out [M][out_stride] through `store` (float or bf16) */
-INLINE int gguf_linear(block_fn fn, int qk, int bytes, const float *x, int64_t x_stride, int64_t M,
-                       const uint8_t *w, int64_t N, int64_t K, const float *bias, void *out, int64_t out_stride,
-                       int out_bf16, int num_threads) {
-    const int64_t groups = (N + NB - 1) / NB, row_bytes = K / qk * bytes;
-    int failed = 0;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (groups >= PARALLEL_MIN_GROUPS)")
-    for (int64_t g = 0; g < groups; g++) {
-        float *wf = thread_scratch((size_t)NB * K * sizeof(float));  /* the group's rows, dequantized */
-        if (!wf) {
-            failed = 1;
-            continue;
-        }
-        const int64_t n0 = g * NB, cols = N - n0 < NB ? N - n0 : NB;
-        for (int j = 0; j < NB; j++)  /* a short last group repeats its last row (its sums are dropped) */
-            dequant_row(fn, qk, bytes, w + (n0 + (j < cols ? j : cols - 1)) * row_bytes, K, wf + j * K);
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int64_t rows = M - m0 < MB ? M - m0 : MB;
-            float sums[MB][NB];
-            if (rows == MB) {
-                const float *xr[MB];
-                for (int i = 0; i < MB; i++) xr[i] = x + (m0 + i) * x_stride;
-                block_dot(xr, wf, K, sums);
-            } else {
-                for (int64_t i = 0; i < rows; i++) row_dot(x + (m0 + i) * x_stride, wf, K, sums[i]);
-            }
-            for (int64_t i = 0; i < rows; i++)
-                for (int64_t j = 0; j < cols; j++) {
-                    const float v = bias ? sums[i][j] + bias[n0 + j] : sums[i][j];
-                    const int64_t at = (m0 + i) * out_stride + n0 + j;
-                    if (out_bf16) ((bf16_t *)out)[at] = f32_to_bf16(v);
-                    else ((float *)out)[at] = v;
-                }
-        }
-    }
-    return failed ? -1 : 0;
 }
 
 /* ids -> rows of w dequantized; -1 (nothing written) for an id outside [0, num_rows) */
@@ -233,41 +367,20 @@ INLINE int gguf_embed(block_fn fn, int qk, int bytes, const uint8_t *w, int64_t 
     return failed ? -1 : 0;
 }
 
-/* A second per-thread buffer for the widened x rows: the calling thread is also one of the team
- * whose thread_scratch holds dequantized weight rows. */
-static float *x_scratch(size_t bytes) {
-    static __thread float *buffer;
-    static __thread size_t capacity;
-    if (bytes > capacity) {
-        float *grown = malloc(bytes);
-        if (!grown) return NULL;
-        free(buffer);
-        buffer = grown, capacity = bytes;
-    }
-    return buffer;
-}
-
-/* bf16 x rows widened to this thread's float32 x scratch [M][K] */
-static const float *widen_rows(const bf16_t *x, int64_t x_stride, int64_t M, int64_t K) {
-    float *xf = x_scratch((size_t)M * K * sizeof(float));
-    if (!xf) return NULL;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < K; k++) xf[m * K + k] = bf16_to_f32(x[m * x_stride + k]);
-    return xf;
-}
-
 #define DEFINE_GGUF(TYPE, FN, QK, BYTES)                                                                 \
 int podium_gguf_##TYPE##_linear_f32(const float *x, int64_t x_stride, int64_t M, const uint8_t *w,       \
                                     int64_t N, int64_t K, const float *bias, float *out, int64_t out_stride, \
                                     int num_threads) {                                                   \
-    return gguf_linear(FN, QK, BYTES, x, x_stride, M, w, N, K, bias, out, out_stride, 0, num_threads);   \
+    xquant xq;                                                                                           \
+    if (quantize_rows(x, x_stride, M, K, 0, num_threads, &xq)) return -1;                                \
+    return linear_##TYPE(&xq, M, w, N, K, bias, out, out_stride, 0, num_threads);                        \
 }                                                                                                        \
 int podium_gguf_##TYPE##_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const uint8_t *w,     \
                                      int64_t N, int64_t K, const float *bias, bf16_t *out,               \
                                      int64_t out_stride, int num_threads) {                              \
-    const float *xf = widen_rows(x, x_stride, M, K);                                                     \
-    if (!xf) return -1;                                                                                  \
-    return gguf_linear(FN, QK, BYTES, xf, K, M, w, N, K, bias, out, out_stride, 1, num_threads);         \
+    xquant xq;                                                                                           \
+    if (quantize_rows(x, x_stride, M, K, 1, num_threads, &xq)) return -1;                                \
+    return linear_##TYPE(&xq, M, w, N, K, bias, out, out_stride, 1, num_threads);                        \
 }                                                                                                        \
 int podium_gguf_##TYPE##_embed_f32(const uint8_t *w, int64_t num_rows, int64_t dim, const int64_t *ids, \
                                    int64_t n, float *out, int num_threads) {                             \

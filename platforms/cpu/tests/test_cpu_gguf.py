@@ -1,0 +1,87 @@
+"""The CPU GGUF kernels (native/gguf_linear.c) against a reference written here: activations quantized
+to int8 per 32 values as llama.cpp does (d = max|x| / 127, q = round(x / d), to nearest even), times
+the weights as the contract dequantizes them (``dequantize_rows``, itself bit-exact with gguf-py's
+``dequantize``, tests/test_gguf_blocks.py), summed in float64. Needs no gguf-py, so it also runs on
+the GPU machine's CPU (benchmarks/quant_gpu.sh), whose VNNI instructions this one lacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from podium_cpu import gguf_ops
+from podium_cpu.native_kernels import load_kernels
+from podium_plugin_api.gguf_blocks import BLOCKS, NAMES, dequantize_rows, random_rows
+
+TYPES = sorted(BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    kernels, why = load_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    return kernels
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> its int8-per-32 approximation d * q, float64 (computed in float32 as the kernel does)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse)  # half to even, like the kernel's cvtps2dq
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+def columns_for(ggml_type: int) -> int:
+    """A K of whole blocks that is not a multiple of 8 chunks of 32 (a partial group of scales)."""
+    return 768 if BLOCKS[ggml_type][0] == 256 else 544
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[NAMES[t] for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 2, 3, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_linear_is_the_int8_activation_product(kernels, ggml_type, rows, dtype):
+    """The decode path (1-2 rows, weights unpacked into registers) and the batch path (the rest) both;
+    61 output columns: a short last group of 8."""
+    gen = torch.Generator().manual_seed(10 * ggml_type + rows)
+    k = columns_for(ggml_type)
+    weight = random_rows(ggml_type, 61, k, gen)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(61, generator=gen).to(dtype)
+    got = gguf_ops.gguf_linear(kernels, x, weight, ggml_type, bias)
+    want = quantized_activations(x) @ dequantize_rows(weight, ggml_type, torch.float64).t() + bias.double()
+    exact = x.double() @ dequantize_rows(weight, ggml_type, torch.float64).t() + bias.double()
+    scale = want.abs().max().item()
+    assert got.dtype == dtype and got.shape == (rows, 61)
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-5  # bf16 out: one rounding of the result
+    assert (got.double() - want).abs().max().item() <= tol * scale
+    # what the activations' rounding costs against the float product: well inside bf16's tolerance
+    assert (got.double() - exact).abs().max().item() <= 2e-2 * scale
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[NAMES[t] for t in TYPES])
+def test_a_rows_result_does_not_depend_on_the_batch(kernels, ggml_type):
+    """Row i of a 37-row call (batch path) equals the same row alone and in a pair (decode path), bit for
+    bit: the invariant greedy decoding rests on."""
+    gen = torch.Generator().manual_seed(ggml_type)
+    k = columns_for(ggml_type)
+    weight = random_rows(ggml_type, 29, k, gen)
+    x = torch.randn(37, k, generator=gen)
+    batch = gguf_ops.gguf_linear(kernels, x, weight, ggml_type)
+    for i in (0, 17, 36):
+        assert torch.equal(gguf_ops.gguf_linear(kernels, x[i:i + 1], weight, ggml_type), batch[i:i + 1])
+        assert torch.equal(gguf_ops.gguf_linear(kernels, x[i:i + 2], weight, ggml_type)[:1], batch[i:i + 1])
+
+
+def test_zero_and_large_activations(kernels):
+    """An all-zero block (d = 0) and a block with one large value next to small ones."""
+    gen = torch.Generator().manual_seed(3)
+    weight = random_rows(3, 16, 64, gen)
+    x = torch.randn(3, 64, generator=gen)
+    x[0, :32] = 0
+    x[1, 5] = 1e4
+    got = gguf_ops.gguf_linear(kernels, x, weight, 3)
+    want = quantized_activations(x) @ dequantize_rows(weight, 3, torch.float64).t()
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()

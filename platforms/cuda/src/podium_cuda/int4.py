@@ -1,0 +1,170 @@
+"""``int4_linear`` (AWQ / GPTQ weight-only INT4, ``podium_plugin_api.int4``) as Triton dequant-GEMMs.
+
+The kernels read the checkpoint's packed tensors as stored (no repacking: the weight memory stays
+the packed size) and dequantize a [BLOCK_K, BLOCK_N] tile in registers, ``(q - z) * s`` in float32:
+an int32 of qweight gives 8 columns (AWQ, in AWQ's nibble order) or 8 input rows (GPTQ), expanded
+with shifts; zeros and scales come once per tile where the tile lies in one group (no act-order,
+BLOCK_K dividing the group), else per input row through ``g_idx`` (act-order / desc_act).
+
+- one row (a batch-1 decode step): a GEMV, ``tl.sum`` of x times the tile (no ``tl.dot``, nothing
+  padded to 16 rows); K is split over ``split_k`` programs per column block so that a small
+  projection still fills the GPU, their float32 partial sums added by one torch ``sum`` (a fixed
+  order: the result is deterministic);
+- more rows: a tiled GEMM, the tile rounded to the activations' dtype (bf16/fp16: tensor cores;
+  float32: exact products) into float32 sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from podium_plugin_api.int4 import AWQ, GPTQ
+from podium_plugin_api.int4 import int4_linear as reference
+
+from .fp8_gemm import interpreting
+from .tuning import CUDA_TUNING, KernelTuning
+
+GEMV_BLOCK_N, GEMV_BLOCK_K = 64, 128
+GEMM_BLOCK_N, GEMM_BLOCK_K = 128, 64
+TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs)
+
+
+@triton.jit
+def _awq_shift(c):
+    """The bit shift of column c (0..7) in an AWQ int32: AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)."""
+    return 4 * ((c % 2) * 4 + c // 2)
+
+
+@triton.jit
+def _columns(packed, BLOCK_N: tl.constexpr, AWQ_ORDER: tl.constexpr):
+    """int32 [R, BLOCK_N / 8] -> int32 [R, BLOCK_N]: 8 columns per int32 (AWQ's order or in order)."""
+    c = tl.arange(0, 8)
+    shift = _awq_shift(c) if AWQ_ORDER else 4 * c
+    nibbles = (packed[:, :, None] >> shift[None, None, :]) & 15
+    return tl.reshape(nibbles, (packed.shape[0], BLOCK_N))
+
+
+@triton.jit
+def _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, n0, N, group_size,
+                 IS_AWQ: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dequantized weight w[k0 : k0 + BLOCK_K, n0 : n0 + BLOCK_N], float32 (K and N whole tiles)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    n = n0 + tl.arange(0, BLOCK_N)
+    words = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # the int32 columns of qweight (AWQ) and qzeros
+    if IS_AWQ:
+        q = _columns(tl.load(qw_ptr + k[:, None].to(tl.int64) * (N // 8) + words[None, :]), BLOCK_N, True)
+    else:  # GPTQ: int32 row r holds input rows 8r .. 8r + 7
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + n[None, :])  # [BK / 8, BN]
+        q = tl.reshape((packed[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 15, (BLOCK_K, BLOCK_N))
+    if ONE_GROUP:  # the tile's rows share one group: its zeros and scales are one row
+        g = k0 // group_size
+        z = _columns(tl.load(qz_ptr + g * (N // 8) + words)[None, :], BLOCK_N, IS_AWQ)  # [1, BN]
+        s = tl.load(s_ptr + g * N + n)[None, :]
+    else:
+        g = tl.load(g_ptr + k) if not IS_AWQ else k // group_size  # [BK]
+        z = _columns(tl.load(qz_ptr + g[:, None].to(tl.int64) * (N // 8) + words[None, :]), BLOCK_N, IS_AWQ)
+        s = tl.load(s_ptr + g[:, None].to(tl.int64) * N + n[None, :])
+    if not IS_AWQ:
+        z = z + 1  # GPTQ stores z - 1
+    return (q - z).to(tl.float32) * s.to(tl.float32)
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, partial_ptr, N, K, group_size, k_per_split,
+                      IS_AWQ: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """partial[split, n] = sum over this split's K of x[k] w[k, n] (one x row)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    split = tl.program_id(1)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
+        x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+        w = _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, n0, N, group_size, IS_AWQ, ONE_GROUP, BLOCK_K, BLOCK_N)
+        acc += tl.sum(x[:, None] * w, axis=0)
+    tl.store(partial_ptr + split.to(tl.int64) * N + n0 + tl.arange(0, BLOCK_N), acc)
+
+
+@triton.jit
+def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, out_ptr, M, N, K, x_stride, out_stride, group_size,
+                      IS_AWQ: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + k0 + tl.arange(0, BLOCK_K)[None, :],
+                    mask=m_ok[:, None], other=0.0)
+        w = _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, pid_n * BLOCK_N, N, group_size, IS_AWQ, ONE_GROUP,
+                         BLOCK_K, BLOCK_N)
+        if FP32:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None].to(tl.int64) * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None])
+
+
+def _takes(x: torch.Tensor, n: int, k: int, fmt: str, block_k: int, block_n: int) -> bool:
+    return (x.device.type != "cpu" or interpreting()) and fmt in (AWQ, GPTQ) and k % block_k == 0 \
+        and n % block_n == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def split_k(n: int, k: int, block_n: int = GEMV_BLOCK_N, block_k: int = GEMV_BLOCK_K) -> int:
+    """How many programs share a column block's K in the GEMV: enough to reach TARGET_PROGRAMS."""
+    wanted = triton.cdiv(TARGET_PROGRAMS, n // block_n)
+    return max(1, min(wanted, k // block_k))
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor | None, group_size: int, fmt: str,
+                bias: torch.Tensor | None = None, tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
+    """x [M, K] @ the packed weight [K, N] (+ bias) -> [M, N] in x's dtype (module docstring); shapes the
+    kernels do not tile (K or N not whole tiles) go to the contract's reference. (``tuning``: the
+    platform passes its table to every op; these launches take none of it.)"""
+    rows, k = x.shape
+    n = scales.shape[1]
+    gemv = rows == 1
+    block_k, block_n = (GEMV_BLOCK_K, GEMV_BLOCK_N) if gemv else (GEMM_BLOCK_K, GEMM_BLOCK_N)
+    if not _takes(x, n, k, fmt, block_k, block_n):
+        return reference(x, qweight, qzeros, scales, g_idx, group_size, fmt, bias)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    is_awq = fmt == AWQ
+    one_group = group_size % block_k == 0 and (is_awq or g_idx is None or _in_order(g_idx, group_size))
+    g_ptr = g_idx if g_idx is not None else scales  # unread where one_group
+    if gemv:
+        splits = split_k(n, k)
+        per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+        partial = torch.empty((triton.cdiv(k, per_split), n), dtype=torch.float32, device=x.device)
+        _int4_gemv_kernel[(n // block_n, partial.shape[0])](
+            x, qweight, qzeros, scales, g_ptr, partial, n, k, group_size, per_split, IS_AWQ=is_awq,
+            ONE_GROUP=one_group, BLOCK_K=block_k, BLOCK_N=block_n)
+        out = partial.sum(0, keepdim=True)
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    _int4_gemm_kernel[(triton.cdiv(rows, block_m), n // block_n)](
+        x, qweight, qzeros, scales, g_ptr, bias if bias is not None else out, out, rows, n, k, x.stride(0),
+        out.stride(0), group_size, IS_AWQ=is_awq, ONE_GROUP=one_group, HAS_BIAS=bias is not None,
+        FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        num_stages=3)
+    return out
+
+
+def _in_order(g_idx: torch.Tensor, group_size: int) -> bool:
+    """Whether a GPTQ g_idx is the plain k // group_size (no act-order): once per weight, cached on it."""
+    cached = getattr(g_idx, "_podium_in_order", None)
+    if cached is None:
+        expected = torch.arange(g_idx.shape[0], device=g_idx.device) // group_size
+        cached = bool(torch.equal(g_idx.long(), expected))
+        g_idx._podium_in_order = cached
+    return cached
+
+
+INT4_OPS = {"int4_linear": int4_linear}
