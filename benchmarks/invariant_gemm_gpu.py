@@ -204,6 +204,8 @@ def workload_speeds(results: dict, cublas: dict) -> dict[str, dict[str, float]]:
 
 def choose(speeds: dict[str, dict[str, float]], shapes: list[Shape]) -> GemmPlan:
     """Each shape's fastest tiling; the default: the fastest over every shape (geometric mean)."""
+    if not speeds:
+        return CUDA_TUNING.invariant_gemm
     best = {s.name: max(speeds, key=lambda text: speeds[text].get(s.name, 0.0)) for s in shapes}
     everywhere = [text for text, v in speeds.items() if len(v) == len(shapes)]
     default = max(everywhere, key=lambda text: sum(math.log(r) for r in speeds[text].values()), default=None)
