@@ -85,7 +85,7 @@ class Shape:
         w = torch.randn(n, k, device=DEVICE, dtype=DTYPE, generator=gen) / k**0.5
         copies = max(1, min(8, math.ceil(2 * l2_bytes / (w.numel() * w.element_size()))))
         self.weights = [w] + [w.clone() for _ in range(copies - 1)]
-        self.x = torch.randn(max(self.rows), k, device=DEVICE, dtype=DTYPE, generator=gen)
+        self.x = torch.randn(max(*self.rows, CHECK_ROWS), k, device=DEVICE, dtype=DTYPE, generator=gen)
         self.ref = self.x[:CHECK_ROWS].double() @ w.double().T
 
 

@@ -93,7 +93,7 @@ def test_every_candidate_tiling_is_batch_invariant_and_accurate(kernel_device, t
     bias = tiling in (CANDIDATES[0], CANDIDATES[3])
     for dtype in _candidate_dtypes(kernel_device):
         if tiling.kernel != "tiles" and not gemm.tma_fits(n, k, dtype, torch.device(kernel_device)):
-            pytest.skip("the TMA kernel needs an sm90+ GPU (or the interpreter)")
+            pytest.skip("the TMA kernel needs a Hopper GPU (or the interpreter)")
         gen = torch.Generator().manual_seed(7)
         weight = (torch.randn(n, k, generator=gen) / k**0.5).to(kernel_device, dtype)
         b = torch.randn(n, generator=gen).to(kernel_device, dtype) if bias else None
@@ -114,7 +114,7 @@ def test_plan_picks_listed_shapes_and_falls_back_by_shape_alone(kernel_device):
     plan = GemmPlan(GemmTiling(128, 128, 64, 8, 3, kernel="tma"), ((136, 200, listed),))
     half = torch.float16
     if not gemm.tma_fits(136, 200, half, device):
-        pytest.skip("the TMA kernel needs an sm90+ GPU (or the interpreter)")
+        pytest.skip("the TMA kernel needs a Hopper GPU (or the interpreter)")
     assert gemm.choose_tiling(136, 200, half, device, plan) == listed
     # not listed: the default, narrowed to 64-wide tiles for a weight of few column tiles
     assert gemm.choose_tiling(136, 208, half, device, plan) == GemmTiling(128, 64, 64, 8, 3, kernel="tma")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # tiles: one program per output tile, pointer loads (any GPU Triton runs on, and the fallback)
-# tma: persistent programs over the output tiles with TMA (tensor-descriptor) loads (sm90+)
+# tma: persistent programs over the output tiles with TMA (tensor-descriptor) loads (Hopper, sm90)
 # tma_ws: tma with Triton's warp specialization of the tile loop (a producer warp issues the loads)
 KERNELS = ("tiles", "tma", "tma_ws")
 TILING_FORM = "[kernel/]block_m/block_n/block_k/num_warps/num_stages"

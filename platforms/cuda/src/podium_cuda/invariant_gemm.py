@@ -7,8 +7,8 @@ tiling are a function of (N, K, dtype) only (``choose_tiling``, from ``KernelTun
 a ``GemmPlan``): BLOCK_N x BLOCK_K tiles, BLOCK_M rows, each output tile's K walked from 0 to K in
 BLOCK_K steps into one float32 accumulator, no split-K. Two kernels: ``tiles`` (here: one program
 per output tile, masked pointer loads; any GPU, and every shape) and ``tma`` / ``tma_ws``
-(invariant_gemm_tma.py: persistent programs, TMA loads; sm90+, 16-bit weights whose rows are whole
-16-byte units). Rows past M are zeros (masked loads, or the descriptor's fill), so a row's sums see
+(invariant_gemm_tma.py: persistent programs, TMA loads; Hopper, 16-bit weights whose rows are
+whole 16-byte units). Rows past M are zeros (masked loads, or the descriptor's fill), so a row's sums see
 the same instructions in every M (M is not specialized on, so one compiled variant serves every M).
 The output is rounded once, after the bias is added in float32. float32 multiplies in IEEE float32,
 not TF32, as F.linear does by default.

@@ -63,14 +63,16 @@ def _tma_gemm_kernel(x_desc, w_desc, out_desc, b_ptr, M, N, K, HAS_BIAS: tl.cons
 
 @functools.cache
 def _device_programs(index: int) -> tuple[bool, int]:
-    """(whether the device has TMA, its multiprocessor count)."""
+    """(whether the device is a Hopper GPU, its multiprocessor count). Hopper only: the plans are
+    measured there, and a tiling of 200+ KB of shared memory would not launch on a GPU with less
+    (sm120 has ~100 KB); other GPUs run the pointer kernel."""
     props = torch.cuda.get_device_properties(index)
-    return props.major >= 9 and not getattr(torch.version, "hip", None), props.multi_processor_count
+    return props.major == 9 and not getattr(torch.version, "hip", None), props.multi_processor_count
 
 
 def tma_fits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the TMA kernel takes a [n, k] weight of ``dtype`` on ``device``: a 16-bit dtype, rows of
-    x, w and out that are whole 16-byte units (a descriptor's strides must be), an sm90+ NVIDIA GPU or
+    x, w and out that are whole 16-byte units (a descriptor's strides must be), a Hopper GPU (sm90) or
     Triton's CPU interpreter (which emulates descriptors). A function of (n, k, dtype, device) only,
     so the kernel a row meets never follows the batch."""
     if dtype not in TMA_DTYPES or (n * dtype.itemsize) % 16 or (k * dtype.itemsize) % 16:
