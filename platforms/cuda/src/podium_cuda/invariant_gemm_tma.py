@@ -21,9 +21,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm_plan import GemmTiling
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host tensor descriptors (before 3.3): the pointer kernel runs
+    TensorDescriptor = None
 
 GROUP_M = 8  # row tiles per group of the tile order (L2 reuse of a weight tile)
 TMA_DTYPES = (torch.bfloat16, torch.float16)
@@ -75,7 +79,7 @@ def tma_fits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
     x, w and out that are whole 16-byte units (a descriptor's strides must be), a Hopper GPU (sm90) or
     Triton's CPU interpreter (which emulates descriptors). A function of (n, k, dtype, device) only,
     so the kernel a row meets never follows the batch."""
-    if dtype not in TMA_DTYPES or (n * dtype.itemsize) % 16 or (k * dtype.itemsize) % 16:
+    if TensorDescriptor is None or dtype not in TMA_DTYPES or (n * dtype.itemsize) % 16 or (k * dtype.itemsize) % 16:
         return False
     return device.type == "cpu" or (device.type == "cuda" and _device_programs(device.index or 0)[0])
 
