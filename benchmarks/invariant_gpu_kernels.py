@@ -29,7 +29,8 @@ from torch.nn import functional as F
 from podium_cuda.attention import TritonAttentionBackend
 from podium_cuda.invariant_attention import InvariantAttentionBackend
 from podium_cuda.invariant_gemm import invariant_linear
-from podium_cuda.tuning import CUDA_TUNING, GemmTiling
+from podium_cuda.gemm_plan import GemmPlan, GemmTiling
+from podium_cuda.tuning import CUDA_TUNING
 from podium_plugin_api import AttentionLayerSpec, AttentionMetadata
 
 SHAPES = {  # name: (K, N)
@@ -78,7 +79,7 @@ def _weights(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gemm_sweep(report: Report) -> None:
     for tiling in OTHER_TILINGS:
-        tuning = replace(CUDA_TUNING, invariant_gemm=tiling)
+        tuning = replace(CUDA_TUNING, invariant_gemm=GemmPlan(tiling))
         for name in TIMED:
             w, x = _weights(*SHAPES[name])
             tag = "/".join(str(v) for v in (tiling.block_m, tiling.block_n, tiling.block_k, tiling.num_warps,

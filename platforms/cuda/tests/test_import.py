@@ -112,3 +112,24 @@ def test_tuning_option_sets_int_bool_and_tiling_fields_or_fails_clearly():
                 "prefill=64/32/4/3/16/1", "no_such=1", "decode_rotary_in_attention=maybe", "reduce_num_warps", "reduce_num_warps=4.5"):
         with pytest.raises(ValueError, match="takes|settable|must be"):
             parse_tuning(bad)
+
+
+def test_gemm_plan_option_round_trips_and_fails_clearly():
+    import pytest
+
+    from podium_cuda.gemm_plan import CANDIDATES, DEFAULT_TILING, GemmPlan, GemmTiling
+    from podium_cuda.tuning import CUDA_TUNING, INVARIANT_GEMM_PLAN, parse_tuning
+
+    text = "tma/128/256/64/8/3; 6144:4096=tma/64/128/64/4/4 ;4096:14336=128/64/64/8/3"
+    plan = parse_tuning(f"invariant_gemm={text.upper()}, reduce_num_warps=8")["invariant_gemm"]
+    assert plan.default == GemmTiling(128, 256, 64, 8, 3, kernel="tma")
+    assert plan.entry(6144, 4096) == GemmTiling(64, 128, 64, 4, 4, kernel="tma")
+    assert plan.entry(4096, 14336).kernel == "tiles" and plan.entry(4096, 4096) is None
+    assert GemmPlan.parse(plan.text()) == plan
+    assert GemmPlan.parse("6144:4096=tma/64/128/64/4/4").default == DEFAULT_TILING  # the default when omitted
+    assert CUDA_TUNING.invariant_gemm == GemmPlan.parse(INVARIANT_GEMM_PLAN)
+    assert all(GemmTiling.parse(t.text()) == t for t in CANDIDATES)
+    for bad in ("invariant_gemm=tma/128/128/64/8", "invariant_gemm=wgmma/128/128/64/8/3", "invariant_gemm=128/96/64/8/3",
+                "invariant_gemm=6144=tma/64/128/64/4/4", "invariant_gemm=1:2=tma/64/128/64/4/4;1:2=64/64/64/4/4"):
+        with pytest.raises(ValueError, match="invariant_gemm: .*(tiling is|must be|shape entry|twice)"):
+            parse_tuning(bad)

@@ -2,23 +2,31 @@
 output element is summed in one order whatever M is.
 
 cuBLAS picks its kernel, tile and split-K from the problem's M, so the same row of x can be reduced
-in another order inside a batch of 256 than alone, and in bf16 the last bit differs. Here the
-tiling is a function of (N, K, dtype) only (``_config``, from ``KernelTuning.invariant_gemm``):
-BLOCK_N x BLOCK_K tiles, BLOCK_M rows a program, one program per output tile walking K from 0 to K
-in BLOCK_K steps with one float32 accumulator, no split-K. Rows past M are masked loads of zeros,
-so a row's sums see the same instructions in every M (M is not specialized on, so one compiled
-variant serves every M). The output is rounded once, after the bias is added in float32. float32
-multiplies in IEEE float32, not TF32, as F.linear does by default.
+in another order inside a batch of 256 than alone, and in bf16 the last bit differs. Here kernel and
+tiling are a function of (N, K, dtype) only (``choose_tiling``, from ``KernelTuning.invariant_gemm``,
+a ``GemmPlan``): BLOCK_N x BLOCK_K tiles, BLOCK_M rows, each output tile's K walked from 0 to K in
+BLOCK_K steps into one float32 accumulator, no split-K. Two kernels: ``tiles`` (here: one program
+per output tile, masked pointer loads; any GPU, and every shape) and ``tma`` / ``tma_ws``
+(invariant_gemm_tma.py: persistent programs, TMA loads; Hopper, 16-bit weights whose rows are
+whole 16-byte units). Rows past M are zeros (masked loads, or the descriptor's fill), so a row's sums see
+the same instructions in every M (M is not specialized on, so one compiled variant serves every M).
+The output is rounded once, after the bias is added in float32. float32 multiplies in IEEE float32,
+not TF32, as F.linear does by default.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
-from .tuning import CUDA_TUNING, GemmTiling, KernelTuning
+from .gemm_plan import GemmPlan, GemmTiling
+from .invariant_gemm_tma import tma_fits, tma_linear
+from .tuning import CUDA_TUNING, KernelTuning
 
 INVARIANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -48,26 +56,41 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-NARROW_BELOW = 64  # column tiles under which a weight's tiles are halved in width (see _config)
+NARROW_BELOW = 64  # column tiles under which a weight's tiles are halved in width (see _adapted)
 
 
-def _config(n: int, dtype: torch.dtype, tiling: GemmTiling) -> GemmTiling:
-    """The tiles for a weight of ``n`` output features: from its shape and dtype, never from M.
+def _adapted(n: int, dtype: torch.dtype, tiling: GemmTiling) -> GemmTiling:
+    """The plan's default tiling fitted to a weight of ``n`` output features and ``dtype``: from its
+    shape and dtype, never from M.
 
     block_n halves (down to 64) while the weight has fewer than NARROW_BELOW column tiles: a
     4096-wide projection in 128-wide tiles gives a 256-row decode step 64 programs for ~132
-    multiprocessors. float32 tiles take half the block_k (twice the bytes an element)."""
+    multiprocessors. float32 tiles take half the block_k (twice the bytes an element) and the
+    pointer kernel (IEEE float32 products; the TMA kernel is measured on 16-bit weights only)."""
     block_n = min(tiling.block_n, max(16, triton.next_power_of_2(n)))
     while block_n > 64 and triton.cdiv(n, block_n) < NARROW_BELOW:
         block_n //= 2
-    block_k = tiling.block_k // 2 if dtype == torch.float32 else tiling.block_k
-    return GemmTiling(tiling.block_m, block_n, max(block_k, 16), tiling.num_warps, tiling.num_stages)
+    fp32 = dtype == torch.float32
+    block_k = tiling.block_k // 2 if fp32 else tiling.block_k
+    return replace(tiling, block_n=block_n, block_k=max(block_k, 16), kernel="tiles" if fp32 else tiling.kernel)
+
+
+@functools.lru_cache(maxsize=1024)  # every linear of every step asks: a few microseconds saved a call
+def choose_tiling(n: int, k: int, dtype: torch.dtype, device: torch.device, plan: GemmPlan) -> GemmTiling:
+    """The tiling (and kernel) for a [n, k] weight: the plan's entry for 16-bit weights of that shape,
+    else its default adapted; a TMA kernel where ``tma_fits``, else the pointer kernel with the
+    default's tiles. A function of (n, k, dtype, device, plan) alone."""
+    entry = plan.entry(n, k) if dtype != torch.float32 else None
+    tiling = entry or _adapted(n, dtype, plan.default)
+    if tiling.kernel != "tiles" and not tma_fits(n, k, dtype, device):
+        tiling = replace(_adapted(n, dtype, plan.default), kernel="tiles")
+    return tiling
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed by the batch-invariant GEMM (x [..., K], weight [N, K]);
-    tiles from ``tuning.invariant_gemm``."""
+    kernel and tiles from ``tuning.invariant_gemm`` (``choose_tiling``)."""
     if x.dtype != weight.dtype or x.dtype not in INVARIANT_DTYPES:
         raise ValueError(f"the batch-invariant GEMM takes x and weight of one dtype among "
                          f"{[str(d) for d in INVARIANT_DTYPES]}, got {x.dtype} and {weight.dtype}")
@@ -75,18 +98,27 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features; this weight takes {k}")
     rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)  # [M, N]
     if rows.shape[0]:
-        t = _config(n, x.dtype, tuning.invariant_gemm)
-        grid = (triton.cdiv(rows.shape[0], t.block_m), triton.cdiv(n, t.block_n))  # row tiles of a column next
-        _gemm_kernel[grid](rows, w, bias if bias is not None else w, out, rows.shape[0], n, k, rows.stride(0),
-                           w.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=t.block_m,
-                           BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x.dtype == torch.float32,
-                           num_warps=t.num_warps, num_stages=t.num_stages)
+        linear_with(choose_tiling(n, k, x.dtype, x.device, tuning.invariant_gemm), rows, weight, bias, out)
     return out.reshape(*x.shape[:-1], n)
+
+
+def linear_with(t: GemmTiling, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor):
+    """``out [M, N] = rows [M, K] @ weight^T (+ bias)`` by the kernel and tiles ``t`` (M > 0; for a
+    TMA kernel ``tma_fits`` must hold); returns the compiled kernel Triton launched. Benchmarks and
+    tests call it to run one tiling exactly."""
+    if t.kernel != "tiles":
+        return tma_linear(rows, weight, bias, out, t)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    (m, k), n = rows.shape, w.shape[0]
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))  # row tiles of a column next
+    return _gemm_kernel[grid](rows, w, bias if bias is not None else w, out, m, n, k, rows.stride(0),
+                              w.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=t.block_m,
+                              BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=rows.dtype == torch.float32,
+                              num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 class InvariantLinear(nn.Module):

@@ -45,7 +45,8 @@ COMPILE_LOG_ENV = "PODIUM_TRITON_COMPILE_LOG"  # the alias of the compile_log op
 
 TRITON_OPTIONS = (
     PlatformOption("tuning", str, "", "changes to the kernels' launch table, 'field=value,...': int and bool "
-                   "fields of KernelTuning, tilings as block_m/block_n/num_warps/num_stages[/table_blocks] "
+                   "fields of KernelTuning, tilings as block_m/block_n/num_warps/num_stages[/table_blocks], the "
+                   "batch-invariant GEMM's plan as invariant_gemm=[kernel/]m/n/k/w/s;N:K=[kernel/]m/n/k/w/s;... "
                    "(e.g. decode_rotary_in_attention=0,decode=16/64/4/2)", env=TUNING_ENV, parse=parse_tuning),
     PlatformOption("fused_ops", str, "auto", "the fused Triton ops installed: comma-separated op names, auto "
                    "(the tuning's list) or none (the torch references); the batch-invariant mode installs its own "

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 
 from podium_plugin_api.ops import REFERENCE_OPS
 
+from .gemm_plan import GemmPlan
+
 
 @dataclass(frozen=True)
 class AttentionTiling:
@@ -44,26 +46,11 @@ class AttentionTiling:
             raise ValueError(f"AttentionTiling.num_stages must be >= 1, got {self.num_stages}")
 
 
-@dataclass(frozen=True)
-class GemmTiling:
-    """The batch-invariant GEMM's tiles (invariant_gemm.py): a program computes block_m x block_n
-    outputs walking K block_k at a time. Taken from the weight's shape and dtype, never from the
-    number of rows, so every row is summed in one order whatever the batch."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            too_small = value < (1 if name == "num_warps" else 16)
-            if too_small or value & (value - 1):
-                raise ValueError(f"GemmTiling.{name} must be a power of two (>= 16 for blocks), got {value}")
-        if self.num_stages < 1:
-            raise ValueError(f"GemmTiling.num_stages must be >= 1, got {self.num_stages}")
+# The batch-invariant GEMM's plan (gemm_plan.py's text form): benchmarks/invariant_gemm_gpu.py
+# measures every candidate kernel and tiling at each Llama-3.1-8B / 3.2-1B projection shape and
+# prints the winners as this string as its last line; paste it here. Shapes not listed take the
+# default (its first item), which the pointer kernel of 128 x 128 x 64 tiles is until measured.
+INVARIANT_GEMM_PLAN = "tiles/128/128/64/8/3"
 
 
 @dataclass(frozen=True)
@@ -172,14 +159,14 @@ class KernelTuning:
     # the batch-invariant mode (use_batch_invariant_kernels). Attention: one tiling for prefill and
     # decode launches alike (invariant_attention.py), the decode tiling's, since decodes dominate a
     # run and a prompt token then costs what a decode does; fp8 caches take the fp8 decode tiling
-    # (None: ``invariant_attention``). Linears: the batch-invariant GEMM's 16-bit tiles (fp32 halves
-    # block_k), the configuration batch_invariant_ops (Thinking Machines) uses on Hopper; weights
-    # with fewer than 64 column tiles of block_n take block_n / 2 so a 256-row decode step still
-    # spreads over the multiprocessors (invariant_gemm._config)
+    # (None: ``invariant_attention``). Linears: the batch-invariant GEMM's plan, a kernel and tiling
+    # per (N, K) of 16-bit weights (INVARIANT_GEMM_PLAN); other shapes take its default, whose
+    # block_n halves for weights of fewer than 64 column tiles so a 256-row decode step still
+    # spreads over the multiprocessors, and float32 its block_k halved (invariant_gemm._adapted)
     invariant_attention: AttentionTiling = AttentionTiling(block_m=16, block_n=64, num_warps=4, num_stages=2)
     invariant_fp8_attention: AttentionTiling | None = AttentionTiling(block_m=16, block_n=16, num_warps=1,
                                                                       num_stages=5, table_blocks=64)
-    invariant_gemm: GemmTiling = GemmTiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    invariant_gemm: GemmPlan = GemmPlan.parse(INVARIANT_GEMM_PLAN)
 
 
 CUDA_TUNING = KernelTuning()  # the CUDA platform's table; the ``tuning`` option changes a copy of it
@@ -188,11 +175,10 @@ TUNING_ENV = "PODIUM_CUDA_TUNING"  # the alias of the tuning option
 FUSED_OPS_ENV = "PODIUM_CUDA_FUSED_OPS"  # the alias of the fused_ops option
 
 
-TILING_FORMS = {"AttentionTiling": (AttentionTiling, "block_m/block_n/num_warps/num_stages[/table_blocks]", (4, 5)),
-                "GemmTiling": (GemmTiling, "block_m/block_n/block_k/num_warps/num_stages", (5,))}
+TILING_FORMS = {"AttentionTiling": (AttentionTiling, "block_m/block_n/num_warps/num_stages[/table_blocks]", (4, 5))}
 
 
-def _tiling_value(name: str, kind: str, text: str, optional: bool) -> AttentionTiling | GemmTiling | None:
+def _tiling_value(name: str, kind: str, text: str, optional: bool) -> AttentionTiling | None:
     """A tiling field's value, its numbers joined by / (e.g. 16/32/2/2), or none for an optional tiling."""
     if optional and text == "none":
         return None
@@ -209,20 +195,27 @@ def _tiling_value(name: str, kind: str, text: str, optional: bool) -> AttentionT
 def parse_tuning(text: str) -> dict:
     """The ``tuning`` option, ``"field=value,..."``, as KernelTuning field changes (A/B runs on the
     device): int and bool fields, attention tilings as m/n/w/s[/t], GEMM tilings as m/n/k/w/s (or
-    none where optional). ValueError names what is settable and how."""
+    none where optional), the GEMM plan as gemm_plan.py's text (``invariant_gemm=tma/128/128/64/8/3;
+    6144:4096=tma/64/128/64/4/4``). ValueError names what is settable and how."""
     base = KernelTuning()
     changes = {}
     kinds = {f.name: type(getattr(base, f.name)) for f in fields(base)}
     tilings = {f.name: (kind, "None" in str(f.type)) for f in fields(base)  # -> (kind, optional)
                for kind in TILING_FORMS if kind in str(f.type)}
-    settable = sorted(n for n, k in kinds.items() if k in (int, bool) or n in tilings)
+    plans = {f.name for f in fields(base) if "GemmPlan" in str(f.type)}
+    settable = sorted(n for n, k in kinds.items() if k in (int, bool) or n in tilings or n in plans)
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
         name, value = name.strip(), value.strip().lower()
         kind = kinds.get(name)
-        if (kind not in (int, bool) and name not in tilings) or not value:
+        if (kind not in (int, bool) and name not in tilings and name not in plans) or not value:
             raise ValueError(f"cannot set {item!r}; settable: {settable} as name=value")
-        if name in tilings:
+        if name in plans:
+            try:
+                changes[name] = GemmPlan.parse(value)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+        elif name in tilings:
             kind, optional = tilings[name]
             changes[name] = _tiling_value(name, kind, value, optional)
         elif kind is bool:
