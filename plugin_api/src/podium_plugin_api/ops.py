@@ -20,6 +20,10 @@ a KV cache; its reference lives in ``podium_plugin_api.encoder_attention``.
 ``gguf_linear`` and ``gguf_embedding`` compute with GGUF weights kept in ggml's block formats (a
 quantization method's layers call them); their reference and the layouts live in
 ``podium_plugin_api.gguf_blocks``. ``fp8_linear`` is the FP8 W8A8 product (``podium_plugin_api.fp8``).
+
+``lora_shrink`` and ``lora_expand`` are batched LoRA over a step's rows, each row with its own
+adapter slot or none; their reference, the slot-weight layout and the per-step ``LoRAMapping``
+live in ``podium_plugin_api.lora``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 from .encoder_attention import encoder_attention
 from .fp8 import fp8_linear
 from .gguf_blocks import gguf_embedding, gguf_linear
+from .lora import lora_expand, lora_shrink
 from .moe import fused_moe
 
 
@@ -149,6 +154,8 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "gguf_linear": gguf_linear,
     "gguf_embedding": gguf_embedding,
     "fp8_linear": fp8_linear,
+    "lora_shrink": lora_shrink,
+    "lora_expand": lora_expand,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

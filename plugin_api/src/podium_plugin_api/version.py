@@ -24,11 +24,14 @@ Minor versions:
   the references.
 - 2.3: batch-invariant mode: ``Capabilities.batch_invariant`` and
   ``Platform.use_batch_invariant_kernels`` (the default refuses). A 2.0 plugin inherits the defaults.
+- 2.4: multi-LoRA serving: the batched ``lora_shrink`` / ``lora_expand`` ops over a step's rows
+  (``podium_plugin_api.lora``: the slot-weight layout, ``LoRAMapping``, the references the kit
+  checks an override against). A 2.0 to 2.3 plugin inherits the references.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.3.0"
+API_VERSION = "2.4.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

@@ -23,6 +23,10 @@ KV cache. Rank 0 owns the scheduler: each step it builds the ``StepPlan`` (plain
 and broadcasts it; every rank calls ``execute(plan, feed_tokens)``, so every block table stays the
 same with no release messages; only rank 0 samples (``sampling`` / ``deferred``) and, with async
 scheduling, broadcasts the sampled tokens that the next step's placeholders read (``feed_tokens``).
+LoRA (``lora``: a ``podium.lora.step.LoRAStep`` where adapters are served) plugs in the same way:
+before the forward the runner writes the plan's new slot loads and stages each row's adapter slot,
+which the model's adapted projections read; captured graphs include the adapters where the
+platform can capture their ops, else they serve only steps without adapters.
 Pipeline parallelism would split ``execute`` at a layer boundary: the same plan goes to every stage,
 a stage's hidden states go to the next, and the last stage returns the logits; data-parallel
 replicas are separate engines.
@@ -55,7 +59,7 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, platform: Platform, kv_caches: list[torch.Tensor], block_size: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_model_len: int, device: torch.device, lora=None) -> None:
         self.model, self.platform, self.kv_caches = model, platform, kv_caches
         self.backend = platform.attention_backend()
         self.shaping = platform.step_shaping()
@@ -64,6 +68,7 @@ class ModelRunner:
         self.eager = EagerStep(model, self.backend, kv_caches, self.table, self.shaping, block_size, device)
         self.decode_graphs = DecodeGraphs(model, self.backend, kv_caches, self.table, self.shaping, block_size,
                                           device, platform.capabilities().pinned_memory)
+        self.lora = lora  # a podium.lora.step.LoRAStep, or None
         self.last_used_graph = False
 
     @property
@@ -79,6 +84,8 @@ class ModelRunner:
             raise RuntimeError("the plan has placeholder tokens but no step's tokens were given to fill them")
         batch = host_batch(plan, self.table, self.block_size)
         size = self.decode_graphs.size_for(plan.num_seqs) if plan.is_pure_decode else None
+        if self.lora is not None:
+            size = self._stage_lora(plan, size)
         self.last_used_graph = size is not None
         if size is None:
             logits, prompt = self.eager.run(plan, batch, feed_tokens)
@@ -93,6 +100,8 @@ class ModelRunner:
         model's step: no logits, nothing sampled). Call under the platform's no-grad mode."""
         self.table.apply(plan.new_blocks)
         batch = host_batch(plan, self.table, self.block_size)
+        if self.lora is not None:
+            self._stage_lora(plan, None)
         hidden, _ = self.eager.forward(plan, batch, None)
         return hidden[:plan.num_tokens]
 
@@ -101,6 +110,34 @@ class ModelRunner:
         runner = self.platform.graph_runner()
         if runner is None:
             return 0.0
-        seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+        if self.lora is None:
+            seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+        else:
+            seconds = self._capture_with_lora(runner, max_batch, no_grad)
         self.platform.synchronize()
+        return seconds
+
+    def _stage_lora(self, plan: StepPlan, size: int | None) -> int | None:
+        """Write the plan's slot loads, stage its rows' slots; the graph size it may replay (None: eager)."""
+        lora = self.lora
+        if plan.lora_loads:
+            lora.load(plan.lora_loads)
+        if size is not None and not lora.graph_serves(plan.lora_slots):
+            size = None
+        lora.stage(plan.lora_slots, plan.query_lens, size)
+        return size
+
+    def _capture_with_lora(self, runner, max_batch: int, no_grad) -> float:
+        """Capture with the adapters' ops in the graphs; where the platform cannot capture them, the
+        graphs without them (they then replay only steps in which no row has an adapter)."""
+        state = self.lora.state
+        state.reserve_graphs(max_batch)
+        state.capturing = True
+        try:
+            seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+            if not self.decode_graphs.captured:
+                state.capture_adapters = self.lora.graphs_have_adapters = False
+                seconds += self.decode_graphs.capture(runner, max_batch, no_grad)
+        finally:
+            state.capturing = False
         return seconds

@@ -11,6 +11,8 @@ at 1 and 7 tokens, top-1 and top-2 of 4 experts, with an expert no token picks a
 without grouped key/value heads.
 ``gguf_linear`` and ``gguf_embedding`` run every kept block format at 1, 2 and 7 rows on random blocks;
 ``fp8_linear`` each weight-scale granularity at 1, 2 and 7 rows.
+``lora_shrink`` and ``lora_expand``: the cases of ``lora_cases`` (rows with and without an adapter
+slot in one batch); a shrink is compared on the rows that have a slot only.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from torch import nn
 
 from ..fp8 import FP8
 from ..gguf_blocks import BLOCKS, random_rows
+from ..lora import LoRAMapping
 from ..moe import MoEExperts
 from ..ops import REFERENCE_OPS
+from .lora_cases import lora_cases
 from .report import ConformanceError, check_close, dtype_name, guarded
 
 T, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, MAX_POS = 7, 96, 4, 2, 32, 64
@@ -69,6 +73,8 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
         return [(torch.randint(0, OUT_FEATURES, (rows,), generator=gen),
                  random_rows(ggml_type, OUT_FEATURES, GGUF_COLUMNS, gen), ggml_type, dtype)
                 for ggml_type in BLOCKS for rows in LINEAR_ROWS]
+    if name in ("lora_shrink", "lora_expand"):
+        return lora_cases(name, dtype, gen)
     if name == "fp8_linear":
         return [_fp8_case(rows, granularity, dtype, gen) for granularity in ("tensor", "channel", "block")
                 for rows in LINEAR_ROWS]
@@ -143,8 +149,10 @@ def _to(args: tuple[Any, ...], device: torch.device | str, float64: bool = False
     for a in args:
         if isinstance(a, nn.Module):
             a = copy.deepcopy(a).to(device=device, dtype=torch.float64 if float64 else None)
-        elif isinstance(a, torch.Tensor):
+        elif isinstance(a, LoRAMapping):
             a = a.to(device)
+        elif isinstance(a, torch.Tensor):
+            a = a.to(device, copy=True)  # each side its own: an op may write into its inputs (lora_expand)
             if float64 and a.is_floating_point():
                 a = a.double()
         out.append(a)
@@ -200,6 +208,9 @@ def _check_case(name: str, fn: Callable[..., Any], args: tuple[Any, ...], dtype:
         if not isinstance(got, torch.Tensor) or got.dtype != torch.int64 or not torch.equal(got, want):
             raise ConformanceError(f"{what}: returned {got}, the reference (first index of the maximum) {want}")
         return
+    if name == "lora_shrink" and isinstance(got, torch.Tensor):  # rows without a slot are left undefined
+        used = args[2].token_slots >= 0
+        got, want = got.detach().cpu()[used], want[used]
     outputs = want if isinstance(want, tuple) else (want,)
     results = got if isinstance(got, tuple) else (got,)
     if len(results) != len(outputs):
