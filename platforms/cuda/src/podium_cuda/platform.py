@@ -224,6 +224,7 @@ def op_kernels() -> dict:
     from .fused_ops import FUSED_OPS  # triton is imported here, not before
     from .gemv import GEMV_OPS
     from .gguf import GGUF_OPS
+    from .lora import LORA_OPS
     from .moe import fused_moe
 
-    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, "fused_moe": fused_moe, "fp8_linear": fp8_linear}
+    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, **LORA_OPS, "fused_moe": fused_moe, "fp8_linear": fp8_linear}

@@ -88,9 +88,11 @@ class KernelTuning:
     # expert counts on the host, which a CUDA graph cannot capture
     # gguf_linear / gguf_embedding: GGUF blocks dequantized in the kernel (gguf.py); the reference
     # dequantizes the whole weight every call; fp8_linear: torch._scaled_mm (fp8_linear.py)
+    # lora_shrink / lora_expand: the segmented Triton GEMMs (lora.py); the reference loops over slots
+    # with their row counts read on the host, which a CUDA graph cannot capture
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
                                   "rms_norm_linear", "silu_and_mul_linear", "fused_moe", "gguf_linear",
-                                  "gguf_embedding", "fp8_linear")
+                                  "gguf_embedding", "fp8_linear", "lora_shrink", "lora_expand")
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
