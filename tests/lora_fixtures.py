@@ -11,14 +11,16 @@ import torch
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_adapter(base_folder: Path, folder: Path, seed: int, rank: int = 8, alpha: int = 16,
+def make_adapter(base_folder, folder: Path, seed: int, rank: int = 8, alpha: int = 16,
                  targets: tuple[str, ...] = ALL_TARGETS, use_rslora: bool = False, rank_pattern: dict | None = None,
                  alpha_pattern: dict | None = None, scale: float = 0.3):
-    """A PEFT adapter on the model saved in ``base_folder``, written to ``folder``; returns the PEFT model."""
+    """A PEFT adapter on the model saved in ``base_folder`` (or that transformers model itself),
+    written to ``folder``; returns the PEFT model."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32).eval()
+    base = base_folder if isinstance(base_folder, torch.nn.Module) else \
+        AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32).eval()
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
                         rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {}, lora_dropout=0.0)
     model = get_peft_model(base, config)

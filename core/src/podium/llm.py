@@ -144,7 +144,7 @@ class LLM:
 
     @staticmethod
     def _loras_for(count: int, lora_request) -> list:
-        if lora_request is None or isinstance(lora_request, LoRARequest):
+        if lora_request is None or isinstance(lora_request, (LoRARequest, str)):  # (a str: a loaded adapter's name)
             return [lora_request] * count
         if len(lora_request) != count:
             raise ValueError(f"got {len(lora_request)} lora_request entries for {count} prompts; give one or one "
