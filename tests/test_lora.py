@@ -71,14 +71,19 @@ def peft_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
     return [float(steps[i, t]) for i, t in enumerate(tokens)]
 
 
-@pytest.mark.parametrize("arch", ["llama3-rope-untied", "qwen2-bias", "qwen3-qk-norm", "mixtral-moe"])
+TARGETS = {"mixtral-moe": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "phi3-longrope-partial": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("arch", ["llama3-rope-untied", "qwen2-bias", "qwen3-qk-norm", "mixtral-moe",
+                                  "phi3-longrope-partial"])
 def test_outputs_equal_peft(arch, tmp_path):
     """Every projection kind adapted, on models with q/k/v biases, q/k norms and experts (attention
-    adapted, the experts not: PEFT's all-linear would target them, so the test names the projections)."""
+    adapted, the experts not: PEFT's all-linear would target them, so the test names the projections),
+    and Phi-3, whose checkpoints (and adapters) hold the merged qkv_proj and gate_up_proj."""
     model_type, overrides = ARCHITECTURES[arch]
     save_tiny_model(model_type, overrides, tmp_path / "base")
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if arch == "mixtral-moe" else \
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets = TARGETS.get(arch, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     peft_model = make_adapter(tmp_path / "base", tmp_path / "adapter", seed=7, targets=targets, use_rslora=True)
     llm = LLM(str(tmp_path / "base"), **ENGINE)
     request = LoRARequest("a", 1, str(tmp_path / "adapter"))
