@@ -31,6 +31,9 @@ EXPECTED = {
     "max_seq_len_to_capture": [(8192, "ignored", "per batch size")],
     "disable_log_stats": [(False, "quiet"), (True, "ignored", "no periodic stats")],
     "disable_custom_all_reduce": [(True, "ignored", "no custom all-reduce")],
+    "fully_sharded_loras": [(False, "quiet"), (True, "ignored", "sharded like their projections")],
+    "lora_dtype": [("auto", "quiet"), ("float16", "refused", "the model's dtype")],
+    "long_lora_scaling_factors": [(None, "quiet"), ((4.0,), "refused", "LongLoRA")],
     "kv_cache_memory_bytes": [("2GiB", "accepted", "kv_cache_memory")],
     "num_gpu_blocks_override": [(128, "accepted", "num_kv_blocks")],
     "task": [("generate", "accepted", "runner")],  # task="embed" is runner="pooling" (tests/test_embeddings.py)

@@ -33,8 +33,8 @@ def test_the_contract_is_2_4_and_2_0_to_2_3_plugins_still_load():
     """1.x plugins (the contract before its renovation) are refused with the major-version reason; 2.1
     added tensor parallelism's pieces (rank_device, communicator), 2.2 quantization methods and the
     GGUF/fp8 ops (references as defaults), 2.3 the batch-invariant mode (Capabilities.batch_invariant,
-    use_batch_invariant_kernels), 2.4 the apply_token_bitmask op, so plugins built for 2.0 to 2.3 keep
-    running."""
+    use_batch_invariant_kernels), 2.4 the apply_token_bitmask, int4_linear and batched LoRA ops
+    (references as defaults), so plugins built for 2.0 to 2.3 keep running."""
     assert API_VERSION == "2.4.0"
     assert "major versions differ" in compatibility_problem("1.6", API_VERSION)
     assert compatibility_problem("2.0", API_VERSION) is None

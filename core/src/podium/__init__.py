@@ -24,6 +24,7 @@ _LAZY = {
     "EngineConfig": "podium.config",
     "LLMEngine": "podium.engine",
     "Tenant": "podium.tenant",
+    "LoRARequest": "podium.lora.request",
     "decode_token": "podium.detokenizer",
     "token_bytes": "podium.detokenizer",
 }

@@ -283,5 +283,7 @@ class BlockManager:
 
     @staticmethod
     def _extra_keys(seq: Sequence) -> tuple | None:
-        """What besides token ids decides a block's K/V (LoRA, images); nothing yet."""
-        return None
+        """What besides token ids decides a block's K/V: the LoRA adapter (its registration's key,
+        so blocks never pass between adapters, nor to the base model, nor to a later adapter that
+        reuses a name or id)."""
+        return None if seq.lora is None else ("lora", seq.lora.key)

@@ -97,6 +97,12 @@ class EngineConfig:
     batch_invariant: bool = False
     # the grammar library of structured output where a request names none (podium.structured)
     structured_outputs_backend: str = "xgrammar"
+    # multi-LoRA serving (podium.lora): adapters the device holds at once (its slots), their largest
+    # rank (slots are padded to it), and adapters kept on the host (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "platform_options", _option_pairs(self.platform_options))
@@ -142,6 +148,24 @@ class EngineConfig:
                              f"got {self.tokenizer_cache!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras "
+                             f"({self.max_loras}): every adapter on the device is also held on the host")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters held on the host (max_cpu_loras, else max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def platform_option_values(self) -> dict[str, Any]:

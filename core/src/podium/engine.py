@@ -34,6 +34,10 @@ samples the target row by row, booking each token, and the scheduler counts the 
 computed and gives back the blocks of the rejected; then the drafter sees the booked step (an EAGLE
 head mirrors the target's hidden states). Such steps run synchronously (speculation turns async
 scheduling off).
+
+LoRA (``enable_lora``; ``podium.lora``). A request may name an adapter (``lora_request``): its
+sequences carry the adapter's handle, the scheduler admits them only with a device slot for it, the
+plan says which slot each sequence's rows use, and the prefix cache keys their blocks by adapter.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ from .errors import EngineDead, InvalidParameter, PromptTooLong, StepFault, chec
 from .explicit_fields import with_fallbacks
 from .kv_cache import dtype_name, kv_sizing_note
 from .loader import resolve_model, sampling_defaults
+from .lora.registry import AdapterRegistry
+from .lora.request import AdapterRef, LoRARequest
+from .lora.slots import SlotTable
 from .models.registry import model_class
 from .output_processor import OUTPUT_KINDS, OutputKind, OutputProcessor, RequestState
 from .outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
@@ -174,6 +181,8 @@ class LLMEngine:
             else:  # an encoder
                 logger.info("no KV cache: the model attends within each step (%d bookkeeping blocks)",
                             shard.num_kv_blocks)
+            self.loras = AdapterRegistry(shard.lora.register, shard.lora.forget) if shard.lora is not None \
+                else None
             self._build_scheduler_and_sampler(source)
             shard.capture_graphs()
         except BaseException:
@@ -253,7 +262,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching and not pooling)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.shard.token_budget,
-                                   self.max_model_len, config.scheduling_policy, chunked_prefill=not pooling)
+                                   self.max_model_len, config.scheduling_policy, chunked_prefill=not pooling,
+                                   lora_slots=SlotTable(config.max_loras) if self.loras is not None else None)
         on_host = self.runner.shaping.sample_on_host  # where the platform's steps sample
         self.sampler = Sampler(source.hf_config.vocab_size, torch.device("cpu") if on_host else self.device,
                                ops=None if on_host else self.ops, eos_token_ids=source.eos_token_ids, seed=config.seed,
@@ -290,7 +300,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | ChatPrompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, output_kind: OutputKind = "cumulative",
-                    final_only: bool = False, tenant: Tenant | None = None) -> int:
+                    final_only: bool = False, tenant: Tenant | None = None,
+                    lora_request: LoRARequest | str | None = None) -> int:
         """Queue a request; returns its number of prompt tokens.
 
         ``output_kind`` says what ``step()`` reports for it (see ``output_processor``): "cumulative"
@@ -299,7 +310,8 @@ class LLMEngine:
         admission under ``scheduling_policy="priority"`` (lower first); under "fcfs" only 0 is taken,
         as in vLLM. Sampling fields ``params`` leaves unset take the model's generation defaults.
         ``tenant`` (a name and a weight) shares the engine fairly between tenants when it is
-        saturated (``fair_share``); requests without one share the default tenant.
+        saturated (``fair_share``); requests without one share the default tenant. ``lora_request``
+        (a ``LoRARequest``, or a loaded adapter's name) runs it with that LoRA adapter.
         Whatever is wrong with the request raises here, typed (``podium.errors``): a ``ChatPrompt`` the
         template rejects, a prompt (plus an explicit ``max_tokens``) longer than the context.
         """
@@ -307,7 +319,11 @@ class LLMEngine:
             raise InvalidParameter(f"priority={priority} needs scheduling_policy='priority' (--scheduling-policy priority); "
                              f"this engine runs {self.config.scheduling_policy}", param="priority")
         if self.pooler is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise InvalidParameter("LoRA adapters are served for text generation, not embeddings",
+                                       param="lora_request")
             return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, tenant)
+        lora = self._adapter(lora_request)
         params = params or SamplingParams()
         requested_max_tokens = params.max_tokens  # the caller's: a generation_config default is no request
         grammar = None
@@ -330,7 +346,7 @@ class LLMEngine:
         if tenant is not None and not isinstance(tenant, Tenant):
             raise ValueError(f"tenant must be a podium.Tenant, got {type(tenant).__name__}")
         seqs = [Sequence(next(self._seq_ids), request_id, i, ids, params, arrival, priority,
-                         tenant=tenant or DEFAULT_TENANT, grammar=grammar) for i in range(params.n)]
+                         tenant=tenant or DEFAULT_TENANT, grammar=grammar, lora=lora) for i in range(params.n)]
         self._requests[request_id] = RequestState(request_id, text, ids, [self.processor.new_state(s) for s in seqs],
                                                   RequestMetrics(arrival_time=arrival), output_kind=output_kind)
         if self.speculator is not None:
@@ -693,6 +709,45 @@ class LLMEngine:
                 req = self._requests[s.seq.request_id]
                 req.prompt_logprobs = (req.prompt_logprobs or []) + entries
                 return
+
+    # -- LoRA adapters (podium.lora) ------------------------------------------------------------
+    def _adapter(self, lora_request: LoRARequest | str | None) -> AdapterRef | None:
+        if lora_request is None:
+            return None
+        return self._lora_registry("lora_request").resolve(lora_request)
+
+    def _lora_registry(self, param: str = "lora_request") -> AdapterRegistry:
+        if self.loras is None:
+            raise InvalidParameter("this engine serves no LoRA adapters; start it with enable_lora=True "
+                                   "(--enable-lora)", param=param)
+        return self.loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (read and checked now); True. vLLM's name for it."""
+        self._lora_registry().add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget the adapter of id ``lora_id``; False if none has it. Accepted requests finish with it."""
+        ref = next((r for r in self.lora_adapters() if r.lora_int_id == lora_id), None)
+        if ref is not None:
+            self.loras.remove(ref.name)
+        return ref is not None
+
+    def list_loras(self) -> set[int]:
+        return {ref.lora_int_id for ref in self.lora_adapters()}
+
+    def load_lora(self, name: str, path: str) -> AdapterRef:
+        """Register adapter ``name`` from folder ``path`` with an id of its own (the server's load endpoint)."""
+        return self._lora_registry("lora_name").load(name, path)
+
+    def unload_lora(self, name: str) -> AdapterRef:
+        """Forget adapter ``name`` (AdapterNotFound if it is not loaded)."""
+        return self._lora_registry("lora_name").remove(name)
+
+    def lora_adapters(self) -> list[AdapterRef]:
+        """The adapters registered, in registration order (none where LoRA is off)."""
+        return self.loras.adapters() if self.loras is not None else []
 
     # -- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

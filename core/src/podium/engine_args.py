@@ -92,6 +92,11 @@ VLLM_ARGS: tuple[Row, ...] = (
     Row("disable_log_stats", type=bool, quiet=OFF, default=False,
         ignored="Podium's engine logs no periodic stats (the server's are at /metrics)"),
     Row("disable_custom_all_reduce", type=bool, quiet=OFF, default=False, ignored="Podium has no custom all-reduce"),
+    Row("fully_sharded_loras", type=bool, quiet=OFF, default=False,
+        ignored="LoRA slots are sharded like their projections' weights (B by output rows, A by input columns)"),
+    Row("lora_dtype", supported=("auto", None), quiet=("auto", None), default="auto",
+        refused="LoRA slot weights take the model's dtype"),
+    Row("long_lora_scaling_factors", supported=(None,), refused="long-context LoRA (LongLoRA) is not served"),
     Row("kv_cache_memory_bytes", field="kv_cache_memory"),
     Row("task", field="runner"),  # vLLM's older name: task="embed" is runner="pooling"
     Row("num_gpu_blocks_override", field="num_kv_blocks"),

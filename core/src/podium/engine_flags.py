@@ -109,6 +109,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          choices=STRUCTURED_OUTPUTS_BACKENDS, aliases=("--guided-decoding-backend",)),
     Flag("tokenizer_cache", "keep a GGUF file's converted tokenizer on disk", type=bool,
          default="on, unless $PODIUM_TOKENIZER_CACHE=0"),
+    Flag("enable_lora", "serve LoRA adapters (requests name one as their model; docs/lora.md)", type=None,
+         default=False),
+    Flag("max_loras", "LoRA adapters on the device at once (slots); requests for more wait", type=int),
+    Flag("max_lora_rank", "the largest LoRA rank served (every slot is padded to it)", type=int),
+    Flag("max_cpu_loras", "LoRA adapters kept in host memory (least recently used dropped)", type=int,
+         default="max_loras"),
     Flag("speculative_config", 'speculative decoding as JSON: method ngram, draft_model, eagle or eagle3, e.g. '
          '\'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", "model": "PATH", '
          '"num_speculative_tokens": 4}\'', default="off"),

@@ -39,6 +39,14 @@ class ChatTemplateError(InvalidParameter):
     """The chat template could not render the messages (or the model has no template)."""
 
 
+class AdapterNotFound(InvalidParameter):
+    """A request names a LoRA adapter the engine does not serve (HTTP 404). ``name`` is that name."""
+
+    def __init__(self, message: str, name: str, param: str | None = "model") -> None:
+        super().__init__(message, param)
+        self.name = name
+
+
 class RequestFailed(PodiumError):
     """One request was aborted inside the engine (a fault pinned to it); the others go on."""
 

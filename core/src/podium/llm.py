@@ -5,6 +5,9 @@
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
 
+    llm = LLM(model, enable_lora=True)  # LoRA adapters: one per prompt, or one for all (podium.lora)
+    outputs = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
+
     embedder = LLM("/models/all-MiniLM-L6-v2")  # a pooling model (runner="pooling" for a decoder)
     vectors = [o.outputs.embedding for o in embedder.embed(["Hello", "World"])]
 
@@ -25,6 +28,7 @@ from .config import DEFAULT_MODEL
 from .engine import LLMEngine
 from .engine_args import engine_config
 from .inputs import PromptType, parse_prompts
+from .lora.request import LoRARequest
 from .outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
@@ -47,15 +51,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order. ``priority`` (one per prompt, lower
-        first) orders admission when the engine runs ``scheduling_policy="priority"``."""
-        if lora_request is not None:
-            raise ValueError("lora_request: Podium does not serve LoRA adapters yet")
+        """Generate for every prompt; outputs in input order. ``lora_request``: the LoRA adapter of
+        every prompt, or a list with one per prompt (None: the base model). ``priority`` (one per
+        prompt, lower first) orders admission when the engine runs ``scheduling_policy="priority"``."""
         inputs = parse_prompts(prompts)
         params = self._params_for(len(inputs), sampling_params)
+        loras = self._loras_for(len(inputs), lora_request)
         if priority is not None and len(priority) != len(inputs):
             raise ValueError(f"got {len(priority)} priorities for {len(inputs)} prompts; give one per prompt")
         ids = []
@@ -63,7 +67,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(inputs, params)):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p, output_kind="final",
-                                        priority=0 if priority is None else int(priority[i]))
+                                        priority=0 if priority is None else int(priority[i]), lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -75,7 +79,7 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -106,7 +110,7 @@ class LLM:
         if pooling_task not in (None, "embed", "encode"):
             raise ValueError(f"pooling_task={pooling_task!r} is not supported; Podium's pooling models embed")
         if lora_request is not None:
-            raise ValueError("lora_request: Podium does not serve LoRA adapters yet")
+            raise ValueError("lora_request: LoRA adapters are served for text generation, not pooling models")
         inputs = parse_prompts(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = [pooling_params or PoolingParams()] * len(inputs)
@@ -137,6 +141,20 @@ class LLM:
         """One embedding per prompt (``outputs.embedding``: a list of floats), in input order."""
         outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    @staticmethod
+    def _loras_for(count: int, lora_request) -> list:
+        if lora_request is None or isinstance(lora_request, (LoRARequest, str)):  # (a str: a loaded adapter's name)
+            return [lora_request] * count
+        if len(lora_request) != count:
+            raise ValueError(f"got {len(lora_request)} lora_request entries for {count} prompts; give one or one "
+                             "per prompt")
+        return list(lora_request)
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name): ``llm.llm_engine.add_lora(...)``, ``remove_lora``, ``list_loras``."""
+        return self.engine
 
     @staticmethod
     def _params_for(count: int, params) -> list[SamplingParams]:

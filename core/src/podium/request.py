@@ -17,6 +17,7 @@ import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from .lora.request import AdapterRef
 from .sampling_params import SamplingParams
 from .tenant import DEFAULT_TENANT, Tenant
 
@@ -53,6 +54,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     grammar: Future | None = None  # structured output: the compiled grammar (podium.structured), else None
+    lora: AdapterRef | None = None  # the LoRA adapter it runs with (podium.lora), else the base model
+    lora_slot: int = -1  # the device slot of its adapter while it runs (lora.slots), -1: none
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -36,6 +36,11 @@ carries ``draft_token_ids`` computes that token and its drafts in one step (``dr
 the budget, ``max_model_len`` and the blocks the sequences behind it may need (``_fit_drafts``). The
 engine verifies them and sets ``num_accepted``; ``advance`` then counts only the real token and the
 accepted drafts as computed and gives back the blocks that held nothing but rejected drafts.
+
+LoRA (``lora_slots``, a ``lora.slots.SlotTable``). A sequence with an adapter runs only while its
+adapter holds one of the device's slots: admission takes one (or stops, FCFS, when every slot is
+held by an adapter some running sequence uses) and preemption or finishing gives it back. The
+slots assigned in a step go out with its plan (``SchedulerOutput.lora_loads``).
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     finished: list[Sequence] = field(default_factory=list)  # finished by the scheduler ("length")
     admitted: list[Sequence] = field(default_factory=list)  # moved from waiting to running this step
+    lora_loads: list = field(default_factory=list)  # (slot, AdapterRef) assigned this step (lora.slots)
+    lora_active: bool = False  # some running sequence has an adapter: the plan carries slots
 
     @property
     def is_empty(self) -> bool:
@@ -105,7 +112,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int,
-                 policy: str = "fcfs", chunked_prefill: bool = True) -> None:
+                 policy: str = "fcfs", chunked_prefill: bool = True, lora_slots=None) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("token_budget", token_budget),
                             ("max_model_len", max_model_len)):
             if not isinstance(value, int) or value < 1:
@@ -123,6 +130,7 @@ class Scheduler:
         if not chunked_prefill and token_budget < max_model_len:
             raise ValueError(f"without chunked prefill the token budget ({token_budget}) must hold a whole "
                              f"sequence of max_model_len={max_model_len} tokens")
+        self.lora_slots = lora_slots  # a lora.slots.SlotTable where adapters are served, else None
         self.num_preemptions = 0
         self._max_seq_tokens = min(max_model_len, block_manager.capacity_tokens)
         self._running: list[Sequence] = []  # sorted by _order_key: the oldest first, the victim last
@@ -230,8 +238,10 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_preemptions += 1
             seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
-            seq.table_row, seq.num_planned_blocks = -1, 0
+            seq.table_row, seq.num_planned_blocks, seq.lora_slot = -1, 0, -1
             self.add(seq)
+        if self.lora_slots is not None:
+            self.lora_slots.reset()
         return seqs
 
     # ---- the step --------------------------------------------------------------------------------
@@ -244,6 +254,9 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
         out.num_batched_tokens = self.token_budget - budget
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
+            out.lora_active = self.lora_slots.num_users > 0
         return out
 
     def advance(self, plan: SchedulerOutput) -> None:
@@ -324,7 +337,11 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             if num_new < seq.num_tokens - num_cached and not self.chunked_prefill:
                 break  # it fits a later step's budget whole
+            if self.lora_slots is not None and not self.lora_slots.acquire(seq):
+                break  # every adapter slot is in use by another adapter: it waits for one (lora.slots)
             if not block_manager.admit(seq, hits, num_cached + num_new):
+                if self.lora_slots is not None:
+                    self.lora_slots.release(seq)
                 break
             waiting.pop_head()
             if waiting.multi_tenant:
@@ -350,10 +367,12 @@ class Scheduler:
         return seq
 
     def _release_row(self, seq: Sequence) -> None:
-        """``seq`` stops running: its row goes back, and its next admission plans its table anew."""
+        """``seq`` stops running: its row (and adapter slot) go back, and its next admission plans its table anew."""
         self._free_rows.append(seq.table_row)
         seq.table_row = -1
         seq.num_planned_blocks = 0
+        if self.lora_slots is not None:
+            self.lora_slots.release(seq)
 
     def _finish_unfit(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.finish(seq, "length")

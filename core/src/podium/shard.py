@@ -6,7 +6,9 @@ the model on the meta device -> quantized (``podium.quantization``, with a metho
 (``parallel.sharding``, with a group; never both, the engine refuses the pair) -> on the device ->
 weights (each rank reads its slices; a method's kept tensors come as stored, then its ``finish``)
 -> collectives wrapped around partial outputs -> the platform's ``prepare_model`` -> KV cache
-sized (the smallest rank's count, with a group) and allocated -> the runner. Graph capture is the caller's (``capture_graphs``), after the timer lap.
+sized (the smallest rank's count, with a group) and allocated -> the runner. With ``enable_lora`` the
+loaded model's projections are adapted (``podium.lora.transform``) before the cache is sized, so
+the slot weights count as the model's memory. Graph capture is the caller's (``capture_graphs``), after the timer lap.
 A speculative draft (``companion``, ``podium.spec.draft_device``) is built after the weights, before
 the cache is sized: its KV cache has the same blocks, so each block costs both caches' bytes.
 A pooling model (``pooling=True``, ``pooling_step``) computes whole inputs in one step, so its token
@@ -84,6 +86,7 @@ class ModelShard:
         self.weight_bytes = weight_bytes_by_dtype(self.model)
         logger.info("%s", format_weight_bytes(self.weight_bytes))
         lap("weights", detail="random" if self.random_weights else "")
+        self.lora = self._adapt() if config.enable_lora else None
         # a speculative draft model or head (podium.spec): its weights now, its cache with ours
         self.companion = companion(self) if companion is not None else None
         if self.companion is not None:
@@ -111,6 +114,21 @@ class ModelShard:
             self.model = self.group.connect(self.model, self.source.hf_config.vocab_size)
         self.model = self.platform.prepare_model(self.model.eval())  # device-specific transformations
         return weights is None
+
+    def _adapt(self):
+        """The model's projections adapted for ``max_loras`` slots (``podium.lora``); its ``LoRAStep``."""
+        from .lora.step import LoRAStep
+        from .lora.transform import apply_lora
+
+        config = self.config
+        if self.pooling:
+            raise ValueError("enable_lora: LoRA adapters are served for text generation; this is a pooling model")
+        lora = apply_lora(self.model, self.source.hf_config.hidden_size, config.max_loras, config.max_lora_rank,
+                          self.dtype, self.device, self.ops)
+        slot_bytes = sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in lora.layers)
+        logger.info("LoRA: %d projections adapted, %d slots of rank %d (%.1f MiB on the device)", len(lora.layers),
+                    config.max_loras, config.max_lora_rank, slot_bytes / 2**20)
+        return LoRAStep(lora, config.lora_cpu_capacity)
 
     def _random_weights(self, seed: int):
         """The whole model's random weights exactly as ``init_random_weights`` makes them for one
@@ -162,7 +180,7 @@ class ModelShard:
     def _build_runner(self) -> None:
         config = self.config
         self.runner = ModelRunner(self.model, self.platform, self.kv_caches, config.block_size, config.max_num_seqs,
-                                  self.max_model_len, self.device)
+                                  self.max_model_len, self.device, lora=self.lora)
 
     def _profile_forward(self, spec) -> None:
         """A forward pass at the largest batch the scheduler can form, into a throwaway cache."""

@@ -33,6 +33,8 @@ _EXPORTS = {
     "KVCacheSpec": ".metadata",
     "RotaryInputs": ".metadata",
     "fp8_dtypes": ".metadata",
+    "LoRAMapping": ".lora",
+    "lora_mapping": ".lora",
     "MoEExperts": ".moe",
     "QuantizationMethod": ".quantization",
     "Availability": ".platform",

@@ -23,6 +23,10 @@ quantization method's layers call them); their reference and the layouts live in
 ``int4_linear`` the INT4 weight-only (AWQ / GPTQ) one (``podium_plugin_api.int4``).
 ``apply_token_bitmask`` is structured output's mask: the tokens a grammar forbids get -inf, in
 place (a platform's kernel writes only those entries; the reference unpacks the whole mask).
+
+``lora_shrink`` and ``lora_expand`` are batched LoRA over a step's rows, each row with its own
+adapter slot or none; their reference, the slot-weight layout and the per-step ``LoRAMapping``
+live in ``podium_plugin_api.lora``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .encoder_attention import encoder_attention
 from .fp8 import fp8_linear
 from .gguf_blocks import gguf_embedding, gguf_linear
 from .int4 import int4_linear
+from .lora import lora_expand, lora_shrink
 from .moe import fused_moe
 
 
@@ -180,6 +185,8 @@ REFERENCE_OPS: dict[str, Callable[..., Any]] = {
     "fp8_linear": fp8_linear,
     "apply_token_bitmask": apply_token_bitmask,
     "int4_linear": int4_linear,
+    "lora_shrink": lora_shrink,
+    "lora_expand": lora_expand,
 }
 
 OP_SIGNATURES: dict[str, str] = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in REFERENCE_OPS.items()}

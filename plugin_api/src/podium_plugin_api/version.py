@@ -25,7 +25,10 @@ Minor versions:
 - 2.3: batch-invariant mode: ``Capabilities.batch_invariant`` and
   ``Platform.use_batch_invariant_kernels`` (the default refuses). A 2.0 plugin inherits the defaults.
 - 2.4: structured output's ``apply_token_bitmask`` op (the tokens a grammar forbids set to -inf in
-  place), with a reference the kit checks. Earlier plugins inherit the reference.
+  place), the INT4 weight-only ``int4_linear`` op (``podium_plugin_api.int4``: AWQ / GPTQ layouts),
+  and multi-LoRA serving: the batched ``lora_shrink`` / ``lora_expand`` ops over a step's rows
+  (``podium_plugin_api.lora``: the slot-weight layout, ``LoRAMapping``), each with a reference the
+  kit checks an override against. A 2.0 to 2.3 plugin inherits the references.
 """
 
 from __future__ import annotations

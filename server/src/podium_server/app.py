@@ -38,9 +38,11 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from .replica import KVEventLog, add_replica_routes
 from .service_middleware import ServiceMiddleware, TenantMetrics
@@ -48,6 +50,7 @@ from .serving_base import ServerContext
 from .serving_chat import ChatHandler
 from .serving_completions import CompletionsHandler
 from .serving_embeddings import EmbeddingsHandler
+from .serving_lora import LoRAAdaptersHandler
 from .serving_messages import CountTokensHandler, MessagesHandler
 from .serving_responses import ResponsesHandler, ResponsesRequest
 from .serving_tokens import DetokenizeHandler, TokenizeHandler
@@ -57,12 +60,20 @@ from .thread_engine import ThreadEngine
 
 
 def build_engine(settings: ServerSettings, own_process: bool = False) -> Any:
-    """The engine; in its own process (spawned: no logging set up) its log lines go to stderr too."""
+    """The engine, with the LoRA adapters of ``--lora-modules`` loaded; in its own process (spawned:
+    no logging set up) its log lines go to stderr too."""
     from podium.engine import LLMEngine
 
     if own_process:
         configure_logging(settings.log_level)
-    return LLMEngine(settings.engine)
+    engine = LLMEngine(settings.engine)
+    try:
+        for name, path in settings.lora_modules:
+            engine.load_lora(name, path)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
 
 
 def launch_engine(settings: ServerSettings) -> AsyncEngine:
@@ -104,7 +115,7 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None) -> Fa
                               "tokenize": TokenizeHandler(ctx), "detokenize": DetokenizeHandler(ctx),
                               "embeddings": EmbeddingsHandler(ctx),
                               "messages": MessagesHandler(ctx), "count_tokens": CountTokensHandler(ctx),
-                              "responses": ResponsesHandler(ctx)}
+                              "responses": ResponsesHandler(ctx), "lora": LoRAAdaptersHandler(ctx)}
         ctx.engine.start(metrics)
         try:
             yield
@@ -178,13 +189,23 @@ def _add_routes(app: FastAPI) -> None:
 
     async def models(request: Request) -> ModelList:
         ctx = ctx_of(request)
-        return ModelList(data=[ModelCard(id=ctx.model_name, root=ctx.engine.info.model, max_model_len=ctx.max_model_len)])
+        base = ModelCard(id=ctx.model_name, root=ctx.engine.info.model, max_model_len=ctx.max_model_len)
+        return ModelList(data=[base, *request.app.state.handlers["lora"].cards()])
 
     async def model(request: Request, model_id: str) -> ModelCard:
         ctx = ctx_of(request)
+        adapter = next((c for c in request.app.state.handlers["lora"].cards() if c.id == model_id), None)
+        if adapter is not None:
+            return adapter
         if model_id != ctx.model_name and model_id not in ctx.model_aliases:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return ModelCard(id=model_id, root=ctx.engine.info.model, max_model_len=ctx.max_model_len)
+
+    async def load_lora(request: Request) -> Response:
+        return await request.app.state.handlers["lora"].load(request)
+
+    async def unload_lora(request: Request) -> Response:
+        return await request.app.state.handlers["lora"].unload(request)
 
     async def health(request: Request) -> Response:
         engine = ctx_of(request).engine
@@ -209,6 +230,8 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/messages/count_tokens", handled_by("count_tokens"), methods=["POST"])
     app.add_api_route("/v1/responses", handled_by("responses"), methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/load_lora_adapter", load_lora, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", unload_lora, methods=["POST"])
     app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
@@ -220,4 +243,6 @@ def _add_routes(app: FastAPI) -> None:
                                  "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
                                  "/detokenize": DetokenizeRequest,
                                  "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
-                                 "/v1/responses": ResponsesRequest})
+                                 "/v1/responses": ResponsesRequest,
+                                 "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+                                 "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest})

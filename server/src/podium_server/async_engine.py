@@ -34,7 +34,7 @@ from podium.pooling_params import PoolingParams
 from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
 
-from .engine_loop import Abort, Add, Report
+from .engine_loop import Abort, Add, LoRAUpdate, Report
 
 
 class EngineDeadError(EngineDead, RuntimeError):
@@ -65,17 +65,21 @@ class EngineInfo:
     max_num_seqs: int = 0
     block_hash_scheme: str | None = None
     pooling: bool = False  # the model computes embeddings (/v1/embeddings), not text
+    lora_enabled: bool = False  # the engine serves LoRA adapters (enable_lora)
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, folder) of the adapters loaded at startup
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
         config, platform = engine.config, getattr(engine, "platform", None)
+        adapters = tuple((ref.name, ref.path) for ref in getattr(engine, "lora_adapters", list)())
         return cls(engine.model_name, getattr(config, "model", engine.model_name), engine.max_model_len,
                    engine.platform_name, engine.kv_capacity_tokens, engine.tokenizer,
                    device=str(getattr(engine, "device", "")),
                    device_description=platform.availability().reason if platform is not None else "",
                    block_size=getattr(config, "block_size", 16), max_num_seqs=getattr(config, "max_num_seqs", 0),
                    block_hash_scheme=getattr(engine, "block_hash_scheme", None),
-                   pooling=bool(getattr(engine, "is_pooling", False)))
+                   pooling=bool(getattr(engine, "is_pooling", False)),
+                   lora_enabled=getattr(engine, "loras", None) is not None, lora_adapters=adapters)
 
 
 class RequestStream:
@@ -170,6 +174,8 @@ class AsyncEngine:
     def __init__(self, info: EngineInfo, stats: Any) -> None:
         self.info = info
         self.stats = stats  # the newest snapshot of the engine's stats(), replaced by every report
+        self.lora_adapters: dict[str, str] = dict(info.lora_adapters)  # loaded LoRA adapters: name -> folder
+        self._calls = 0  # LoRA load/unload calls sent (their answer ids)
         self.on_kv_events: Callable[[list[tuple[str, int]]], None] | None = None  # set before start()
         self._listener: OutputListener | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -223,12 +229,12 @@ class AsyncEngine:
     # -- requests (event loop) ----------------------------------------------------------------
     async def add(self, request_id: str, prompt: list[int] | str | ChatPrompt,
                   params: SamplingParams | PoolingParams, priority: int = 0,
-                  tenant: Tenant | None = None) -> RequestStream:
+                  tenant: Tenant | None = None, lora: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; the engine's typed error (``podium.errors``)
         comes back here. A ``ChatPrompt`` is rendered by the engine; ``PoolingParams`` make it an
         embedding request (a pooling model's). ``priority`` orders admission when the engine runs
         ``scheduling_policy="priority"`` (lower first); ``tenant`` shares a saturated engine fairly
-        between tenants."""
+        between tenants; ``lora`` names the loaded LoRA adapter it runs with."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
         if request_id in self._streams or request_id in self._pending:
@@ -237,7 +243,7 @@ class AsyncEngine:
         accepted = self._loop.create_future()
         self._pending[request_id] = accepted
         self._streams[request_id] = stream
-        self._send(Add(request_id, prompt, params, priority, tenant))
+        self._send(Add(request_id, prompt, params, priority, tenant, lora))
         try:
             await accepted
         except BaseException:
@@ -247,6 +253,23 @@ class AsyncEngine:
                 self._send(Abort(request_id))  # harmless if the engine never took it
             raise
         return stream
+
+    async def update_lora(self, name: str, path: str | None) -> tuple[str, str]:
+        """Load adapter ``name`` from folder ``path`` (None: unload it) in the engine; returns (name,
+        path). The engine's typed error (``AdapterNotFound``, ``InvalidParameter``) comes back here."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
+        self._calls += 1
+        call_id = f"lora-update-{self._calls}"
+        answered = self._loop.create_future()
+        self._pending[call_id] = answered
+        self._send(LoRAUpdate(call_id, name, path))
+        result = await answered
+        if path is None:
+            self.lora_adapters.pop(name, None)
+        else:
+            self.lora_adapters[name] = path
+        return result
 
     def release(self, stream: RequestStream) -> None:
         """Call when done reading a stream: aborts the request if it has not finished."""
@@ -263,7 +286,7 @@ class AsyncEngine:
     def _launch(self) -> None:
         raise NotImplementedError
 
-    def _send(self, command: Add | Abort) -> None:
+    def _send(self, command: Add | Abort | LoRAUpdate) -> None:
         raise NotImplementedError
 
     async def _shutdown(self) -> None:

@@ -70,6 +70,11 @@ def register(subparsers) -> None:
                              "--tool-call-parser) (default: off)")
     server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split the model's <think> section into reasoning_content (default: none)")
+    server.add_argument("--lora-modules", nargs="+", type=lora_module, action="extend", default=[],
+                        metavar="NAME=PATH",
+                        help="LoRA adapters to load at startup, each NAME=PATH or vLLM's JSON form "
+                             "'{\"name\": NAME, \"path\": PATH}'; a request's model names one (needs --enable-lora) "
+                             "(default: none)")
     server.add_argument("--allowed-origins", type=_name_list, default=(),
                         help="CORS: origins allowed to call the API from a browser, comma-separated or a JSON "
                              "list; '*' for any (default: none, no CORS headers)")
@@ -119,7 +124,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                           max_json_array_items=args.max_json_array_items, metrics_compat=args.metrics_compat,
                           tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                           reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
-                          allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers)
+                          allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+                          lora_modules=tuple(args.lora_modules))
 
 
 def audit_settings(args: argparse.Namespace) -> AuditSettings | None:
@@ -139,6 +145,22 @@ def uvicorn_config(app, settings: ServerSettings):
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           timeout_graceful_shutdown=settings.shutdown_timeout or None,
                           access_log=settings.log_level in ("debug", "trace"), **tls)
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """``NAME=PATH``, or vLLM's JSON ``{"name": NAME, "path": PATH, "base_model_name": ...}`` -> (name, path)."""
+    if value.lstrip().startswith("{"):
+        try:
+            spec = json.loads(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {exc}") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise argparse.ArgumentTypeError(f"a JSON LoRA module needs string 'name' and 'path', got {value}")
+        return spec["name"], spec["path"]
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {value!r}")
+    return name, path
 
 
 def _name_list(value: str) -> tuple[str, ...]:

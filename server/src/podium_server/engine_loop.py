@@ -1,6 +1,6 @@
 """The loop that drives an ``LLMEngine`` for the server: the same code on a thread or in a child process.
 
-    inbox (queue.SimpleQueue of Add / Abort / Stop) ──► EngineLoop.run()
+    inbox (queue.SimpleQueue of Add / Abort / LoRAUpdate / Stop) ──► EngineLoop.run()
         apply every queued command; while there is work: one engine.step()
     report(Report) ◄── one Report per step: the answers to adds, the step's outputs, stats after it
 
@@ -41,11 +41,21 @@ class Add:
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     priority: int = 0  # admission order under scheduling_policy="priority" (lower first)
     tenant: Tenant | None = None  # fair share between tenants (None: the default tenant)
+    lora: str | None = None  # the name of a loaded LoRA adapter to run it with (None: the base model)
 
 
 @dataclass
 class Abort:
     request_id: str
+
+
+@dataclass
+class LoRAUpdate:
+    """Load (``path`` given) or unload a LoRA adapter; answered like an add, with (name, path) or the error."""
+
+    call_id: str
+    name: str
+    path: str | None = None
 
 
 class Stop:
@@ -137,8 +147,10 @@ class EngineLoop:
 
     def _apply(self, command: Any) -> bool:
         if isinstance(command, Add):
-            # an engine that knows nothing of tenants still serves requests that have none
+            # an engine that knows nothing of tenants (or LoRA) still serves requests that have none
             extra = {"tenant": command.tenant} if command.tenant is not None else {}
+            if command.lora is not None:
+                extra["lora_request"] = command.lora
             try:
                 num_prompt_tokens = self.engine.add_request(command.request_id, command.prompt, command.params,
                                                             priority=command.priority, output_kind="delta", **extra)
@@ -152,9 +164,21 @@ class EngineLoop:
                 self._active.discard(command.request_id)
                 self.engine.abort_request(command.request_id)
                 self._aborted.append(command.request_id)
+        elif isinstance(command, LoRAUpdate):
+            self._answers.append((command.call_id, self._update_lora(command)))
         elif isinstance(command, Stop):
             return False
         return True
+
+    def _update_lora(self, command: LoRAUpdate) -> tuple[str, str] | BaseException:
+        try:
+            if command.path is None:
+                ref = self.engine.unload_lora(command.name)
+            else:
+                ref = self.engine.load_lora(command.name, command.path)
+        except Exception as exc:  # a bad folder or name is that call's problem, never the loop's
+            return exc
+        return ref.name, ref.path
 
     def _flush(self, outputs: list[RequestOutput | PoolingRequestOutput], idle: bool = False) -> None:
         """Report what happened since the last report (when idle, the stats even if nothing did)."""

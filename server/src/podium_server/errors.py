@@ -16,7 +16,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from podium.errors import ChatTemplateError, EngineDead, InvalidParameter, PodiumError, PromptTooLong, RequestFailed
+from podium.errors import (
+    AdapterNotFound,
+    ChatTemplateError,
+    EngineDead,
+    InvalidParameter,
+    PodiumError,
+    PromptTooLong,
+    RequestFailed,
+)
 
 logger = logging.getLogger("podium_server")
 
@@ -68,6 +76,8 @@ def from_engine_error(exc: BaseException, prompt_param: str | None = None) -> AP
         return APIError(503, str(exc), code="engine_dead")
     if isinstance(exc, PromptTooLong):
         return bad_request(str(exc), param=prompt_param or exc.param, code="context_length_exceeded")
+    if isinstance(exc, AdapterNotFound):
+        return APIError(404, str(exc), param=exc.param, code="model_not_found")
     if isinstance(exc, ChatTemplateError):
         return bad_request(str(exc), param=exc.param if exc.param != "messages" else prompt_param or exc.param)
     if isinstance(exc, InvalidParameter):

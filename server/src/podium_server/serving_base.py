@@ -75,10 +75,21 @@ class ServingBase:
         except ValidationError as exc:
             raise from_validation_error(exc) from None
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.ctx.model_name and name not in self.ctx.model_aliases:
-            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.ctx.model_name}`.",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter the request's ``model`` names, None for the base model; 404 naming an unknown one."""
+        if name is None or name == self.ctx.model_name or name in self.ctx.model_aliases:
+            return None
+        adapters = self.ctx.engine.lora_adapters
+        if name in adapters:
+            return name
+        served = f"`{self.ctx.model_name}`" + (f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}"
+                                                if adapters else "")
+        raise APIError(404, f"The model `{name}` does not exist. This server serves {served}.",
+                       param="model", code="model_not_found")
+
+    def response_model(self, lora: str | None) -> str:
+        """The ``model`` a response names: the adapter the request ran with, else the base model."""
+        return lora or self.ctx.model_name
 
     def check_sampling(self, req: SamplingFields) -> None:
         if self.ctx.engine.info.pooling:
@@ -116,15 +127,16 @@ class ServingBase:
     # -- engine requests ------------------------------------------------------------------------
     async def add_all(self, request_id: str, prompts: list[list[int] | ChatPrompt],
                       params: list[SamplingParams] | list[PoolingParams], param: str,
-                      priority: int = 0) -> list[RequestStream]:
+                      priority: int = 0, lora: str | None = None) -> list[RequestStream]:
         """Add one engine request per prompt (ids ``request_id-i`` when several), all at once; all or none.
         The engine checks each (context length, chat template, parameters); its typed error becomes
         the API error, ``param`` naming the field that holds the prompt. The HTTP request's tenant
-        (service_middleware) goes with them and limits their max_tokens."""
+        (service_middleware) goes with them and limits their max_tokens; ``lora`` names their adapter."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         call = current_call.get()
         tenant = engine_tenant(call, params)
-        results = await asyncio.gather(*(self.ctx.engine.add(rid, prompt, p, priority, tenant=tenant)
+        extra = {"lora": lora} if lora is not None else {}
+        results = await asyncio.gather(*(self.ctx.engine.add(rid, prompt, p, priority, tenant=tenant, **extra)
                                          for rid, prompt, p in
                                          zip(ids, prompts, params)), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]

@@ -54,7 +54,7 @@ _MESSAGE_FIELDS_KEPT = ("name", "tool_calls", "tool_call_id")  # passed to the t
 class ChatHandler(ServingBase):
     async def handle(self, request: Request) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_sampling(req)
         self.check_chat_features(req)
         log_ignored(req)
@@ -79,11 +79,12 @@ class ChatHandler(ServingBase):
         if req.prediction is not None:  # the engine's n-gram proposer reads it (nothing else does)
             params.prediction = req.prediction.text
         request_id = random_id("chatcmpl")
-        (stream,) = await self.add_all(request_id, [prompt], [params], "messages", req.priority)
+        (stream,) = await self.add_all(request_id, [prompt], [params], "messages", req.priority, lora)
+        model = self.response_model(lora)
         if req.stream:
-            return self.event_stream(self._chunks(req, request_id, stream, mode, parsing))
+            return self.event_stream(self._chunks(req, request_id, stream, mode, parsing, model))
         return await self.unless_disconnected(request, self._response(req, request_id, stream, mode,
-                                                                      parsing))
+                                                                      parsing, model))
 
     @property
     def auto_tool_choice(self) -> bool:
@@ -140,7 +141,7 @@ class ChatHandler(ServingBase):
 
     # -- not streaming --------------------------------------------------------------------------
     async def _response(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                        mode: ToolMode | None, parsing: OutputParsing) -> Response:
+                        mode: ToolMode | None, parsing: OutputParsing, model: str) -> Response:
         (out,) = await self.finals([stream])
         choices = []
         for c in out.outputs:
@@ -157,17 +158,17 @@ class ChatHandler(ServingBase):
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        body = ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=_usage(stream.num_prompt_tokens, completion_tokens))
         return Response(body.model_dump_json(), media_type="application/json")
 
     # -- streaming ------------------------------------------------------------------------------
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                      mode: ToolMode | None, parsing: OutputParsing) -> AsyncIterator[ChatCompletionChunk]:
+                      mode: ToolMode | None, parsing: OutputParsing, model: str) -> AsyncIterator[ChatCompletionChunk]:
         """The engine's deltas as chunks: each new text goes out as it is (the engine held back what
         a stop string might still cut), one chunk per choice that changed; a tool-call choice's text
         as its ``tool_calls`` pieces."""
-        created, model = int(time.time()), self.ctx.model_name
+        created = int(time.time())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
 

@@ -31,7 +31,7 @@ class PromptInput:
 class CompletionsHandler(ServingBase):
     async def handle(self, request: Request) -> Response:
         req = await self.parse(request, CompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_sampling(req)
         reject_unsupported(req.suffix, "suffix is", "suffix")
         reject_unsupported(req.best_of not in (None, req.n), "best_of other than n is", "best_of")
@@ -42,10 +42,12 @@ class CompletionsHandler(ServingBase):
         params = [self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                                        prompt_logprobs=prompt_logprobs, constraint=constraint) for _ in prompts]
         request_id = random_id("cmpl")
-        streams = await self.add_all(request_id, [p.token_ids for p in prompts], params, "prompt", req.priority)
+        streams = await self.add_all(request_id, [p.token_ids for p in prompts], params, "prompt", req.priority,
+                                     lora)
+        model = self.response_model(lora)
         if req.stream:
-            return self.event_stream(self._chunks(req, request_id, prompts, streams))
-        return await self.unless_disconnected(request, self._response(req, request_id, prompts, streams))
+            return self.event_stream(self._chunks(req, request_id, prompts, streams, model))
+        return await self.unless_disconnected(request, self._response(req, request_id, prompts, streams, model))
 
     def prompts(self, prompt: str | list) -> list[PromptInput]:
         items = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
@@ -72,7 +74,7 @@ class CompletionsHandler(ServingBase):
 
     # -- not streaming --------------------------------------------------------------------------
     async def _response(self, req: CompletionRequest, request_id: str, prompts: list[PromptInput],
-                        streams: list[RequestStream]) -> Response:
+                        streams: list[RequestStream], model: str) -> Response:
         finals = await self.finals(streams)
         choices = []
         for i, (prompt, out) in enumerate(zip(prompts, finals)):
@@ -86,13 +88,13 @@ class CompletionsHandler(ServingBase):
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
-        body = CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+        body = CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=_usage(streams, completion_tokens))
         return Response(body.model_dump_json(), media_type="application/json")
 
     # -- streaming ------------------------------------------------------------------------------
     async def _chunks(self, req: CompletionRequest, request_id: str, prompts: list[PromptInput],
-                      streams: list[RequestStream]) -> AsyncIterator[CompletionResponse]:
+                      streams: list[RequestStream], model: str) -> AsyncIterator[CompletionResponse]:
         created = int(time.time())
         sent: dict[int, int] = {}  # per choice index: characters streamed so far (text_offset), once started
         templates: dict[int, ChunkTemplate] = {}  # per choice index: its plain text chunks
@@ -112,15 +114,15 @@ class CompletionsHandler(ServingBase):
                         continue
                     if not continuous and choice.logprobs is None and choice.finish_reason is None:
                         template = templates.get(index) or templates.setdefault(index, ChunkTemplate(
-                            CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
+                            CompletionResponse(id=request_id, created=created, model=model,
                                                choices=[CompletionChoice(index=index, text=ChunkTemplate.PLACEHOLDER)])))
                         yield template.render(choice.text)
                     else:
                         usage = _usage(streams, completion_tokens) if continuous else None
-                        yield CompletionResponse(id=request_id, created=created, model=self.ctx.model_name,
+                        yield CompletionResponse(id=request_id, created=created, model=model,
                                                  choices=[choice], usage=usage)
             if include_usage:
-                yield CompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=[],
+                yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                          usage=_usage(streams, completion_tokens))
         finally:
             self.release(streams)

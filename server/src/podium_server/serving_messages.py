@@ -50,12 +50,13 @@ class CountTokensHandler(ServingBase):
 class MessagesHandler(ServingBase):
     async def handle(self, request: Request) -> Response:
         req = await self.parse(request, MessagesRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         parsing, structured = tool_handling(self.ctx, req)
         structured = _output_format(req.output_config, structured)
         params = _sampling_params(req, req.max_tokens, structured, parsing.keeps_special_tokens)
         message_id = _id("msg")
-        (stream,) = await self.add_all(message_id, [chat_prompt(req)], [params], "messages")  # the engine renders it
+        (stream,) = await self.add_all(message_id, [chat_prompt(req)], [params], "messages",
+                                       lora=lora)  # the engine renders it
         if req.stream:
             return anthropic_event_stream(self._events(req, message_id, stream, parsing))
         return await self.unless_disconnected(request, self._response(message_id, stream, parsing))

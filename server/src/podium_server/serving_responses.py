@@ -68,7 +68,7 @@ def _id(prefix: str) -> str:
 class ResponsesHandler(ServingBase):
     async def handle(self, request: Request) -> Response:
         req = await self.parse(request, ResponsesRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.previous_response_id is not None:
             raise not_supported("previous_response_id (this server stores no responses; send the whole "
                                 "conversation as input) is", "previous_response_id")
@@ -86,8 +86,8 @@ class ResponsesHandler(ServingBase):
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from None
         response_id = _id("resp")
-        (stream,) = await self.add_all(response_id, [prompt], [params], "input")  # the engine renders it
-        response = _Response(response_id, self.ctx.model_name, req, stream.num_prompt_tokens)
+        (stream,) = await self.add_all(response_id, [prompt], [params], "input", lora=lora)  # the engine renders it
+        response = _Response(response_id, self.response_model(lora), req, stream.num_prompt_tokens)
         if req.stream:
             return StreamingResponse(_sse(self._events(response, stream, parsing)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

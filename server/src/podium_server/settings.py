@@ -41,6 +41,8 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
+    # LoRA adapters loaded at startup: (name, folder) pairs (--lora-modules; needs engine.enable_lora)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -68,6 +70,12 @@ class ServerSettings:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
                              f"got {self.reasoning_parser!r}")
+
+        names = [name for name, _ in self.lora_modules]
+        if names and not self.engine.enable_lora:
+            raise ValueError(f"--lora-modules ({', '.join(names)}) needs --enable-lora")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {', '.join(names)}")
 
     @property
     def url(self) -> str:

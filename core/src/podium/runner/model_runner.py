@@ -25,6 +25,10 @@ KV cache. Rank 0 owns the scheduler: each step it builds the ``StepPlan`` (plain
 and broadcasts it; every rank calls ``execute(plan, feed_tokens)``, so every block table stays the
 same with no release messages; only rank 0 samples (``sampling`` / ``deferred``) and, with async
 scheduling, broadcasts the sampled tokens that the next step's placeholders read (``feed_tokens``).
+LoRA (``lora``: a ``podium.lora.step.LoRAStep`` where adapters are served) plugs in the same way:
+before the forward the runner writes the plan's new slot loads and stages each row's adapter slot,
+which the model's adapted projections read; captured graphs include the adapters where the
+platform can capture their ops, else they serve only steps without adapters.
 Pipeline parallelism would split ``execute`` at a layer boundary: the same plan goes to every stage,
 a stage's hidden states go to the next, and the last stage returns the logits; data-parallel
 replicas are separate engines.
@@ -61,9 +65,11 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, platform: Platform, kv_caches: list[torch.Tensor], block_size: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device, table: BlockTable | None = None) -> None:
+                 max_num_seqs: int, max_model_len: int, device: torch.device, table: BlockTable | None = None,
+                 lora=None) -> None:
         """``table``: another runner's block table to read (a speculative draft's cache is indexed
-        by the target's tables, so both see the same blocks); None: this runner's own."""
+        by the target's tables, so both see the same blocks); None: this runner's own. ``lora``: a
+        ``podium.lora.step.LoRAStep`` where adapters are served, or None."""
         self.model, self.platform, self.kv_caches = model, platform, kv_caches
         self.backend = platform.attention_backend()
         self.shaping = platform.step_shaping()
@@ -73,6 +79,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(model, self.backend, kv_caches, self.table, self.shaping, block_size,
                                           device, platform.capabilities().pinned_memory)
         self.verify_graphs = VerifyGraphs(self.decode_graphs)  # speculative verify steps (k + 1 tokens a row)
+        self.lora = lora
         self.last_used_graph = False
 
     def keep_hidden(self, keep) -> None:
@@ -95,6 +102,9 @@ class ModelRunner:
         batch = host_batch(plan, self.table, self.block_size)
         size = self.decode_graphs.size_for(plan.num_seqs) if plan.is_pure_decode else None
         verify = self.verify_graphs.size_for(plan) if plan.sample_drafts and not plan.prompt_spans else None
+        if self.lora is not None:
+            size = self._stage_lora(plan, size)
+            verify = None  # verify graphs are captured without the adapters' ops
         self.last_used_graph = size is not None or verify is not None
         if verify is not None:
             logits, hidden = self.verify_graphs.replay(verify, batch)
@@ -113,6 +123,8 @@ class ModelRunner:
         model's step: no logits, nothing sampled). Call under the platform's no-grad mode."""
         self.table.apply(plan.new_blocks)
         batch = host_batch(plan, self.table, self.block_size)
+        if self.lora is not None:
+            self._stage_lora(plan, None)
         hidden, _ = self.eager.forward(plan, batch, None)
         return hidden[:plan.num_tokens]
 
@@ -121,7 +133,10 @@ class ModelRunner:
         runner = self.platform.graph_runner()
         if runner is None:
             return 0.0
-        seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+        if self.lora is None:
+            seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+        else:
+            seconds = self._capture_with_lora(runner, max_batch, no_grad)
         self.platform.synchronize()
         return seconds
 
@@ -129,8 +144,33 @@ class ModelRunner:
         """Capture speculative verify steps (every row its last token and up to ``k`` drafts) for
         up to ``max_batch`` sequences where the platform can (``verify_graphs``); returns seconds."""
         runner = self.platform.graph_runner()
-        if runner is None:
+        if runner is None or self.lora is not None:  # (with adapters, verify steps run eagerly)
             return 0.0
         seconds = self.verify_graphs.capture(runner, k, max_batch, no_grad)
         self.platform.synchronize()
+        return seconds
+
+    def _stage_lora(self, plan: StepPlan, size: int | None) -> int | None:
+        """Write the plan's slot loads, stage its rows' slots; the graph size it may replay (None: eager)."""
+        lora = self.lora
+        if plan.lora_loads:
+            lora.load(plan.lora_loads)
+        if size is not None and not lora.graph_serves(plan.lora_slots):
+            size = None
+        lora.stage(plan.lora_slots, plan.query_lens, size)
+        return size
+
+    def _capture_with_lora(self, runner, max_batch: int, no_grad) -> float:
+        """Capture with the adapters' ops in the graphs; where the platform cannot capture them, the
+        graphs without them (they then replay only steps in which no row has an adapter)."""
+        state = self.lora.state
+        state.reserve_graphs(max_batch)
+        state.capturing = True
+        try:
+            seconds = self.decode_graphs.capture(runner, max_batch, no_grad)
+            if not self.decode_graphs.captured:
+                state.capture_adapters = self.lora.graphs_have_adapters = False
+                seconds += self.decode_graphs.capture(runner, max_batch, no_grad)
+        finally:
+            state.capturing = False
         return seconds

@@ -32,6 +32,10 @@ class StepPlan:
     # speculative decoding: per entry of ``samples``, its draft tokens at the end of its new tokens;
     # each needs the logits of its last len + 1 rows (empty: no sequence verifies drafts)
     sample_drafts: list[int] = field(default_factory=list)
+    # LoRA (podium.lora): each sequence's adapter slot (-1: none; None: no sequence has an adapter),
+    # and the (slot, AdapterRef) pairs to write into the device's slots before this step
+    lora_slots: list[int] | None = None
+    lora_loads: list = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -79,7 +83,16 @@ def plan_step(output: SchedulerOutput, feed_rows: dict[int, int] | None = None) 
             _prompt_span(i, s, first, prompt_spans)
     fill = (fill_dst, fill_src) if fill_dst else None
     drafts = [len(output.scheduled[i].drafts) for i in samples] if drafted else []
-    return StepPlan(rows, starts, lens, tokens, samples, new_blocks, fill, prompt_spans, drafts)
+    return StepPlan(rows, starts, lens, tokens, samples, new_blocks, fill, prompt_spans, drafts,
+                    _lora_slots(output), output.lora_loads)
+
+
+def _lora_slots(output: SchedulerOutput) -> list[int] | None:
+    """Each scheduled sequence's adapter slot, or None when none of them has one."""
+    if not output.lora_active:
+        return None
+    slots = [s.seq.lora_slot for s in output.scheduled]
+    return slots if max(slots) >= 0 else None
 
 
 def _placeholders(tokens: list[int], first: int, seq_id: int, feed_rows: dict[int, int] | None,

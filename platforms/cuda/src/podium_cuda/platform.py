@@ -245,8 +245,9 @@ def op_kernels() -> dict:
     from .gemv import GEMV_OPS
     from .gguf import GGUF_OPS
     from .int4 import INT4_OPS
+    from .lora import LORA_OPS
     from .moe import fused_moe
     from .token_bitmask import apply_token_bitmask
 
-    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, **INT4_OPS, "fused_moe": fused_moe, "fp8_linear": fp8_linear,
-            "apply_token_bitmask": apply_token_bitmask}
+    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, **INT4_OPS, **LORA_OPS, "fused_moe": fused_moe,
+            "fp8_linear": fp8_linear, "apply_token_bitmask": apply_token_bitmask}

@@ -98,10 +98,13 @@ class KernelTuning:
     # gguf_linear / gguf_embedding: GGUF blocks dequantized in the kernel (gguf.py); the reference
     # dequantizes the whole weight every call; fp8_linear: torch._scaled_mm or the Triton GEMM
     # (fp8_linear.py, fp8_triton_max_rows); int4_linear: the Triton dequant-GEMM/GEMV (int4.py);
-    # apply_token_bitmask: one launch writing the forbidden tokens only (token_bitmask.py)
+    # apply_token_bitmask: one launch writing the forbidden tokens only (token_bitmask.py);
+    # lora_shrink / lora_expand: the segmented Triton GEMMs (lora.py); the reference loops over slots
+    # with their row counts read on the host, which a CUDA graph cannot capture
     fused_ops: tuple[str, ...] = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax",
                                   "rms_norm_linear", "silu_and_mul_linear", "fused_moe", "gguf_linear",
-                                  "gguf_embedding", "fp8_linear", "int4_linear", "apply_token_bitmask")
+                                  "gguf_embedding", "fp8_linear", "int4_linear", "apply_token_bitmask",
+                                  "lora_shrink", "lora_expand")
     # fp8_linear calls of at most this many rows (per-tensor / per-channel scales) take the Triton
     # GEMM, which quantizes the activations inside it, instead of the per-token quantization's
     # launches plus torch._scaled_mm; block scales always take it. Not measured on a GPU yet:

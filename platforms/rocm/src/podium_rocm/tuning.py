@@ -55,8 +55,10 @@ ROCM_TUNING = KernelTuning(
     # Each fused op replaces several torch elementwise kernels (each a full pass over HBM) with
     # one pass; that gain does not depend on the vendor. Not timed on AMD. fused_moe: the reference's
     # per-expert loop reads counts on the host, which a HIP graph cannot capture (Triton's grouped
-    # GEMMs with CUDA's tilings; not timed on AMD either)
-    fused_ops=("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe"),
+    # GEMMs with CUDA's tilings; not timed on AMD either); lora_shrink / lora_expand likewise (the
+    # segmented GEMMs of podium_cuda.lora)
+    fused_ops=("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe", "lora_shrink",
+               "lora_expand"),
     # the batch-1 GEMV (podium_cuda.gemv) was tuned on the H200's 132 SMs; not timed on AMD, so hipBLAS
     gemv_batch1=False,
     # programmatic dependent launch is an NVIDIA sm90 feature (pdl.py); off here, also when the ROCm

@@ -17,6 +17,8 @@ act-order at 1, 2 and 7 rows (two groups of 128).
 ``apply_token_bitmask`` masks every row and a subset of rows in another order, over a vocabulary
 that ends mid-word, with all-allowed and all-forbidden words among random ones; it must give the
 reference's logits exactly (forbidden tokens -inf, the others untouched).
+``lora_shrink`` and ``lora_expand``: the cases of ``lora_cases`` (rows with and without an adapter
+slot in one batch); a shrink is compared on the rows that have a slot only.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from torch import nn
 from ..fp8 import FP8
 from ..gguf_blocks import BLOCKS, random_rows
 from ..int4 import AWQ, GPTQ, random_packed
+from ..lora import LoRAMapping
 from ..moe import MoEExperts
 from ..ops import REFERENCE_OPS
+from .lora_cases import lora_cases
 from .report import ConformanceError, check_close, dtype_name, guarded
 
 T, HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, MAX_POS = 7, 96, 4, 2, 32, 64
@@ -78,6 +82,8 @@ def op_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[
         return [(torch.randint(0, OUT_FEATURES, (rows,), generator=gen),
                  random_rows(ggml_type, OUT_FEATURES, GGUF_COLUMNS, gen), ggml_type, dtype)
                 for ggml_type in BLOCKS for rows in LINEAR_ROWS]
+    if name in ("lora_shrink", "lora_expand"):
+        return lora_cases(name, dtype, gen)
     if name == "fp8_linear":
         return [_fp8_case(rows, granularity, dtype, gen) for granularity in ("tensor", "channel", "block")
                 for rows in LINEAR_ROWS]
@@ -174,8 +180,10 @@ def _to(args: tuple[Any, ...], device: torch.device | str, float64: bool = False
     for a in args:
         if isinstance(a, nn.Module):
             a = copy.deepcopy(a).to(device=device, dtype=torch.float64 if float64 else None)
-        elif isinstance(a, torch.Tensor):
+        elif isinstance(a, LoRAMapping):
             a = a.to(device)
+        elif isinstance(a, torch.Tensor):
+            a = a.to(device, copy=True)  # each side its own: an op may write into its inputs (lora_expand)
             if float64 and a.is_floating_point():
                 a = a.double()
         out.append(a)
@@ -237,6 +245,9 @@ def _check_case(name: str, fn: Callable[..., Any], args: tuple[Any, ...], dtype:
             raise ConformanceError(f"{what}: the masked logits differ from the reference's (forbidden tokens "
                                    "-inf, every other logit unchanged)")
         return
+    if name == "lora_shrink" and isinstance(got, torch.Tensor):  # rows without a slot are left undefined
+        used = args[2].token_slots >= 0
+        got, want = got.detach().cpu()[used], want[used]
     outputs = want if isinstance(want, tuple) else (want,)
     results = got if isinstance(got, tuple) else (got,)
     if len(results) != len(outputs):
