@@ -50,10 +50,13 @@ def count_verify_replays(llm: LLM) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--tokenizer", default=None, help="for a model without one (a shape's config.json)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--device", default="cuda", help="cpu runs the same checks without verify graphs")
     args = parser.parse_args()
     common = dict(device=args.device, dtype="float32", max_num_seqs=8, max_model_len=512, kv_cache_memory="1GiB")
+    if args.tokenizer:
+        common["tokenizer"] = args.tokenizer
     want = generate(LLM(args.model, **common), args.max_tokens)
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     failures = 0
