@@ -115,7 +115,10 @@ async def run_requests(options: ServeOptions, requests: list[BenchRequest], toke
     from tqdm.auto import tqdm
 
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else None
-    limits = httpx.Limits(max_connections=options.max_concurrency, max_keepalive_connections=options.max_concurrency)
+    # idle connections dropped after 2 s, before a server with a 5 s keep-alive (uvicorn's default) closes
+    # them: a reused connection the server had just closed failed its request with a ReadError
+    limits = httpx.Limits(max_connections=options.max_concurrency, max_keepalive_connections=options.max_concurrency,
+                          keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.timeout_s), limits=limits, transport=transport) as client:
         payload_opts = options.payload
         if not payload_opts.model:

@@ -40,7 +40,9 @@ def create_app(settings: RouterSettings, on_start=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+        # idle connections dropped after 2 s: before any replica's server closes them (uvicorn's
+        # default keep-alive is 5 s), so a reused connection is never one the replica just closed
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=2.0)
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) as client:
             pool = ReplicaPool(settings, client)
             metrics = RouterMetrics()

@@ -102,7 +102,8 @@ def serve(settings: RouterSettings, on_start=None) -> None:
           f"{f' + file {settings.replica_file}' if settings.replica_file else ''}, policy {settings.policy}; "
           f"listening on http://{settings.host}:{settings.port} (API key {auth})", flush=True)
     uvicorn.run(create_app(settings, on_start), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=settings.log_level in ("debug", "trace"))
+                log_level=settings.log_level, access_log=settings.log_level in ("debug", "trace"),
+                timeout_keep_alive=65)  # longer than clients keep idle connections (see podium serve)
 
 
 def main(argv: list[str] | None = None) -> int:

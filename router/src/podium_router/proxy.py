@@ -182,8 +182,10 @@ class Proxy:
             replica.first_byte(candidate.uncached_tokens)
             replica.finished_request(hashes)
             self.pool.finished(replica)
-            if isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
+            if isinstance(exc, httpx.ConnectError):  # nobody listens: out of routing until a check passes
                 self.pool.suspect(replica, type(exc).__name__)
+            # (a read error before the first byte may be one connection's end, not the replica's: the
+            # request goes to the next candidate and the health checks judge the replica)
             logger.info("request %s: %s failed before its first byte (%s); trying another replica",
                         ids["X-Request-Id"], replica.name, exc)
             return str(exc) or type(exc).__name__

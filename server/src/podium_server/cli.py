@@ -137,6 +137,13 @@ def audit_settings(args: argparse.Namespace) -> AuditSettings | None:
                          max_bytes=parse_size(args.audit_log_max_bytes), backups=args.audit_log_backups)
 
 
+# Idle keep-alive connections stay open this long: longer than clients keep theirs (httpx drops an
+# idle pooled connection after 5 s, the router and `podium bench serve` after 2 s), so the server
+# never closes a connection just as a client reuses it (uvicorn's own 5 s raced httpx's 5 s: a
+# ReadError on a few of 1,000 requests at once).
+KEEP_ALIVE_S = 65
+
+
 def uvicorn_config(app, settings: ServerSettings):
     """uvicorn's configuration for ``app`` under ``settings`` (TLS included)."""
     import uvicorn
@@ -144,6 +151,7 @@ def uvicorn_config(app, settings: ServerSettings):
     tls = settings.tls.uvicorn_kwargs() if settings.tls else {}
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           timeout_graceful_shutdown=settings.shutdown_timeout or None,
+                          timeout_keep_alive=KEEP_ALIVE_S,
                           access_log=settings.log_level in ("debug", "trace"), **tls)
 
 

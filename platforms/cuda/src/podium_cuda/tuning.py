@@ -49,8 +49,20 @@ class AttentionTiling:
 # The batch-invariant GEMM's plan (gemm_plan.py's text form): benchmarks/invariant_gemm_gpu.py
 # measures every candidate kernel and tiling at each Llama-3.1-8B / 3.2-1B projection shape and
 # prints the winners as this string as its last line; paste it here. Shapes not listed take the
-# default (its first item), which the pointer kernel of 128 x 128 x 64 tiles is until measured.
-INVARIANT_GEMM_PLAN = "tiles/128/128/64/8/3"
+# default (its first item). Measured on an H200 (2026-12-03; docs/performance.md): the persistent
+# TMA kernel at these tilings ran the mode at 0.91-0.95x of the default's 8B throughput, where the
+# pointer kernel's 128 x 128 x 64 tiles ran it at 0.67x.
+INVARIANT_GEMM_PLAN = ("tma/128/128/64/4/4;"
+                       "6144:4096=tma/128/128/64/4/4;"
+                       "4096:4096=tma/64/256/64/4/4;"
+                       "28672:4096=tma/128/256/64/8/3;"
+                       "4096:14336=tma/128/128/64/4/4;"
+                       "128256:4096=tma/128/256/64/8/3;"
+                       "3072:2048=tma/64/256/64/4/4;"
+                       "2048:2048=tma/64/256/64/4/4;"
+                       "16384:2048=tma/128/256/64/8/3;"
+                       "2048:8192=tma/128/128/64/4/4;"
+                       "128256:2048=tma/128/256/64/8/3")
 
 
 @dataclass(frozen=True)
@@ -107,10 +119,10 @@ class KernelTuning:
                                   "lora_shrink", "lora_expand")
     # fp8_linear calls of at most this many rows (per-tensor / per-channel scales) take the Triton
     # GEMM, which quantizes the activations inside it, instead of the per-token quantization's
-    # launches plus torch._scaled_mm; block scales always take it. Not measured on a GPU yet:
-    # benchmarks/quant_gpu.sh times both per 8B shape at 1 / 16 / 256 / 4096 rows and prints the
-    # threshold they imply (fp8 rule: ...), which is what belongs here
-    fp8_triton_max_rows: int = 16
+    # launches plus torch._scaled_mm; block scales always take it. benchmarks/quant_gpu.sh times
+    # both per 8B shape at 1 / 16 / 256 / 4096 rows and prints the threshold they imply: on an H200
+    # (2026-12-03) _scaled_mm won at every shape and row count (the Triton GEMM 1.1-3x its time), so 0
+    fp8_triton_max_rows: int = 0
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
