@@ -155,7 +155,7 @@ def test_missing_weight_in_folder_is_named(tmp_path):
 
 # --------------------------------------------------------------------------- shapes, dtypes, errors
 @pytest.mark.parametrize("name, billions", [("llama-3.1-8b-shape", 8.03), ("llama-3.2-1b-shape", 1.24),
-                                            ("qwen3-0.6b-shape", 0.60)])
+                                            ("qwen3-0.6b-shape", 0.60), ("smollm2-135m-shape", 0.13)])
 def test_named_shapes_have_the_real_parameter_counts(name, billions):
     source = resolve_model(name)
     assert source.weights() is None and source.tokenizer is None and source.dtype == torch.bfloat16

@@ -25,6 +25,16 @@ _LLAMA3_COMMON: dict[str, Any] = {
 }
 
 NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    # the embedded default model's architecture (SmolLM2-135M-Instruct): with its tokenizer
+    # (``--tokenizer DIR``, DIR from ``benchmarks/structured_cost.py --export-tokenizer DIR``) it serves
+    # like the real model where its weights cannot travel (a device call's size limit)
+    "smollm2-135m-shape": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True, "bos_token_id": 1,
+        "eos_token_id": 2, "dtype": "bfloat16",
+    },
     "llama-3.1-8b-shape": {
         **_LLAMA3_COMMON,
         "hidden_size": 4096,
