@@ -53,9 +53,27 @@ def test_tp2_with_adapters_equals_tp1(arch, tmp_path):
             assert a.token_ids == peft_greedy(peft_models[int(request.lora_name[1])], prompts[i], 8)
 
 
+NEAR_TIE = 0.5  # nats: the kept GGUF kernels quantize activations to int8 per block, as llama.cpp does
+# (seen: 0.34 at a flip with this adapter; a wrong or missing adapter moves the top token by nats)
+
+
+def _equal_up_to_a_near_tie(peft_model, prompt: list[int], ours: list[int]) -> None:
+    """Our greedy tokens are PEFT's, or follow them up to a position where PEFT itself ranks our
+    token within NEAR_TIE of its own (a flip the kernels' activation rounding may cause)."""
+    want = peft_greedy(peft_model, prompt, len(ours))
+    position = next((i for i, (a, b) in enumerate(zip(ours, want)) if a != b), None)
+    if position is None:
+        return
+    with torch.inference_mode():
+        logits = peft_model(torch.tensor([prompt + want[:position]])).logits[0, -1].log_softmax(-1)
+    margin = float(logits[want[position]] - logits[ours[position]])
+    assert margin < NEAR_TIE, f"token {position}: {ours[position]} for PEFT's {want[position]}, {margin:.3f} nats below"
+
+
 def test_quantized_gguf_base_with_an_adapter_equals_peft_on_the_dequantized_model(tmp_path):
     """SmolLM2's Q4_1 GGUF run with its blocks kept (quantization="gguf"): the adapter wraps the
-    quantized linears; transformers loads the same file dequantized and PEFT adapts it."""
+    quantized linears; transformers loads the same file dequantized and PEFT adapts it (greedy
+    tokens equal, or apart only after a near-tie)."""
     from engine_fixtures import smollm2_gguf
     from transformers import AutoModelForCausalLM
 
@@ -69,6 +87,6 @@ def test_quantized_gguf_base_with_an_adapter_equals_peft_on_the_dequantized_mode
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == peft_greedy(peft_model, prompt, 6)
+        _equal_up_to_a_near_tie(peft_model, prompt, out.outputs[0].token_ids)
     with peft_model.disable_adapter():
         assert peft_greedy(peft_model, prompts[0], 6) != outs[0].outputs[0].token_ids, "the adapter changed nothing"

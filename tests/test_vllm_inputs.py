@@ -47,7 +47,7 @@ def test_every_prompt_shape_gives_the_same_greedy_tokens(smollm2):
                              {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
     assert [o.prompt_token_ids for o in outs] == [ids] * 4
-    with pytest.raises(ValueError, match="LoRA"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
         smollm2.generate(text, GREEDY, lora_request=object())
 
 

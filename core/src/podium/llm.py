@@ -146,6 +146,9 @@ class LLM:
     def _loras_for(count: int, lora_request) -> list:
         if lora_request is None or isinstance(lora_request, (LoRARequest, str)):  # (a str: a loaded adapter's name)
             return [lora_request] * count
+        if not isinstance(lora_request, (list, tuple)):
+            raise ValueError(f"lora_request must be a LoRARequest, a loaded adapter's name or a list of them (one "
+                             f"per prompt), got {type(lora_request).__name__}")
         if len(lora_request) != count:
             raise ValueError(f"got {len(lora_request)} lora_request entries for {count} prompts; give one or one "
                              "per prompt")

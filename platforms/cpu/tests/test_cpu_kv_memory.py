@@ -46,8 +46,12 @@ def tensor_resident(tensor: torch.Tensor) -> float:
 
 
 def test_fresh_zeros_are_not_resident_until_committed():
-    """The premise (a calloc'd array's pages fault in on first touch), then ``commit_pages``."""
-    array = np.zeros(LAYER_BYTES, dtype=np.uint8)
+    """The premise (fresh pages fault in on first touch, even in a process that has freed large
+    buffers before), then ``commit_pages``."""
+    for _ in range(3):  # what a long test session does to the heap: large buffers come and go
+        np.ones(3 * LAYER_BYTES, dtype=np.uint8).sum()
+    array = host_memory.fresh_pages(LAYER_BYTES)
+    assert array.flags.writeable and array.ctypes.data % mmap.PAGESIZE == 0
     assert resident_fraction(array.ctypes.data, array.nbytes) < 0.01
     assert host_memory.resident_bytes(torch.from_numpy(array)) < 0.01 * LAYER_BYTES
     host_memory.commit_pages(array)

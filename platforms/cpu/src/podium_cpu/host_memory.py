@@ -28,14 +28,23 @@ logger = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 
 
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, commit: bool, align: int = 64) -> torch.Tensor:
-    """A zeroed, ``align``-byte aligned tensor; ``commit``: its every page resident already."""
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, commit: bool) -> torch.Tensor:
+    """A zeroed, page-aligned tensor; ``commit``: its every page resident already."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + align, dtype=np.uint8)  # calloc: zero pages, none resident yet
+    raw = fresh_pages(nbytes)
     if commit:
         commit_pages(raw)
-    start = -raw.ctypes.data % align
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def fresh_pages(nbytes: int) -> np.ndarray:
+    """``nbytes`` of zero pages that no process has touched, as uint8 (page-aligned; freed to the OS
+    with the array). An anonymous mapping of its own: calloc may instead hand out a freed region of
+    the heap, which it zeroes by writing it (all resident), and does in a long-lived process that
+    has freed large buffers before."""
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
 def commit_pages(array: np.ndarray) -> None:
