@@ -52,17 +52,7 @@ static inline int64_t padded_chunks(int64_t K) { return (K / 32 + 7) / 8 * 8; }
 
 /* A second per-thread buffer for the quantized x rows: the calling thread is also one of the team
  * whose thread_scratch holds a batch's unpacked weights. */
-static void *x_scratch(size_t bytes) {
-    static __thread void *buffer;
-    static __thread size_t capacity;
-    if (bytes > capacity) {
-        void *grown = malloc(bytes);
-        if (!grown) return NULL;
-        free(buffer);
-        buffer = grown, capacity = bytes;
-    }
-    return buffer;
-}
+DEFINE_THREAD_SCRATCH(x_scratch)
 
 /* 32 float32 values -> q, d, d * sum(q) */
 static inline void quantize_chunk(const float *x, int8_t *q, float *d_out, float *s_out) {

@@ -7,17 +7,21 @@
 
 #include <stdlib.h>
 
-/* This thread's scratch of at least `bytes` bytes (NULL: no memory); its contents are not kept */
-static inline void *thread_scratch(size_t bytes) {
-    static __thread void *buffer;
-    static __thread size_t capacity;
-    if (bytes > capacity) {
-        void *grown = malloc(bytes);
-        if (!grown) return NULL;
-        free(buffer);
-        buffer = grown, capacity = bytes;
+/* NAME(bytes): this thread's scratch of at least `bytes` bytes (NULL: no memory); its contents are
+ * not kept. A source needing two buffers at once defines a second function. */
+#define DEFINE_THREAD_SCRATCH(NAME)                                                                   \
+    static inline void *NAME(size_t bytes) {                                                          \
+        static __thread void *buffer;                                                                 \
+        static __thread size_t capacity;                                                              \
+        if (bytes > capacity) {                                                                       \
+            void *grown = malloc(bytes);                                                              \
+            if (!grown) return NULL;                                                                  \
+            free(buffer);                                                                             \
+            buffer = grown, capacity = bytes;                                                         \
+        }                                                                                             \
+        return buffer;                                                                                \
     }
-    return buffer;
-}
+
+DEFINE_THREAD_SCRATCH(thread_scratch)
 
 #endif
