@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 from podium import LLM, SamplingParams
 
@@ -68,12 +69,57 @@ def random_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+class StepClock:
+    """Times each engine step of one engine, noting whether the step verified drafts.
+
+    A random-weight model's near-ties flip between a one-token decode and a (k + 1)-token verify in
+    bf16, and a recorded oracle stops proposing once the output leaves the record; so the tokens a
+    step yields understate a verify step's ceiling. The step times do not: a verify step of k + 1
+    tokens against a plain decode step is the ceiling (k + 1) x decode / verify, whatever was accepted.
+    """
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: list[tuple[float, bool]] = []  # (seconds, verified drafts)
+        self._drafted = False
+        engine = llm.engine
+        if engine.speculator is not None:
+            propose = engine.speculator.propose
+
+            def noted(running, max_model_len):
+                propose(running, max_model_len)
+                self._drafted = any(seq.draft_token_ids for seq in running)
+
+            engine.speculator.propose = noted
+        step = engine.step
+
+        def timed():
+            self._drafted = False
+            started = time.perf_counter()
+            outputs = step()
+            self.steps.append((time.perf_counter() - started, self._drafted))
+            return outputs
+
+        engine.step = timed
+
+    def request_done(self) -> None:
+        """Drops the request's first step (its prefill) from what ``ms_per_step`` averages."""
+        self._kept = getattr(self, "_kept", [])
+        self._kept.extend(self.steps[1:])
+        self.steps = []
+
+    def ms_per_step(self, drafted: bool) -> float | None:
+        times = [s for s, d in getattr(self, "_kept", []) if d == drafted]
+        return 1000 * statistics.median(times) if times else None
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, clock: StepClock | None = None) -> tuple[float, int]:
     """(decode seconds, tokens after the first) for the prompts one at a time (batch 1): from each
     request's first token to its last, so the prompt's prefill (the same for both) is left out."""
     seconds, tokens = 0.0, 0
     for prompt in prompts:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        if clock is not None:
+            clock.request_done()
         seconds += out.metrics.last_token_time - out.metrics.first_token_time
         tokens += len(out.outputs[0].token_ids) - 1
     return seconds, tokens
@@ -157,15 +203,19 @@ def main() -> None:
     for llm in engines.values():  # warm-up
         run(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=random_workload))
     ms: dict[str, list[float]] = {name: [] for name in runs}
+    clocks = {name: StepClock(llm) for name, llm in engines.items()}
     for _ in range(args.pairs):
         for name, llm in runs.items():
             base = name.removesuffix(" eager verify")
             if base in switches:
                 switches[base].set(not name.endswith(" eager verify"))
-            seconds, tokens = run(llm, prompts, params)
+            clock = clocks[base] if base == name else None  # step times of graph-replayed verify steps
+            seconds, tokens = run(llm, prompts, params, clock)
+            clocks[base].steps.clear()  # an eager-verify run's steps are not kept
             ms[name].append(1000 * seconds / tokens)
     report(args, engines, switches, ms, "random 64-token prompts" + (", oracle drafts" if args.oracle else "")
            if random_workload else "repeat-with-edits requests")
+    report_steps(args, clocks)
 
 
 def report(args, engines: dict[str, LLM], switches: dict, ms: dict[str, list[float]], workload: str) -> None:
@@ -183,6 +233,21 @@ def report(args, engines: dict[str, LLM], switches: dict, ms: dict[str, list[flo
             print(f"{name}: acceptance rate {stats.acceptance_rate:.3f}, mean accepted length "
                   f"{stats.mean_accepted_length:.2f}, per position "
                   f"{', '.join(f'{r:.2f}' for r in stats.acceptance_rate_per_position)}; verify graph sizes: {sizes}")
+
+
+def report_steps(args, clocks: dict[str, StepClock]) -> None:
+    """Median step times: a plain decode step against each engine's verify steps, and the ceiling."""
+    decode = clocks["plain"].ms_per_step(False)
+    if decode is None:
+        return
+    print(f"plain decode step {decode:.2f} ms (median)")
+    for name, clock in clocks.items():
+        verify = clock.ms_per_step(True)
+        if name == "plain" or verify is None:
+            continue
+        k = int(name.rsplit("k=", 1)[1])
+        print(f"{name}: verify step of {k + 1} tokens {verify:.2f} ms = {verify / decode:.2f}x a decode step; "
+              f"ceiling with every draft accepted {(k + 1) * decode / verify:.2f}x")
 
 
 if __name__ == "__main__":
