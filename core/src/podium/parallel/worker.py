@@ -8,8 +8,12 @@ collectives inside keep the ranks in step; only rank 0 samples). ``None`` stops 
 
 A thread in rank 0 watches the workers' process sentinels: a worker that exits marks the group
 dead at once, and the engine's next step (or the collective it is blocked in, which gloo fails
-when the peer's connection closes) raises ``EngineDead``. A step that waits more than
-``STEP_TIMEOUT_S`` for the others (a hung rank) stops the workers, with the same result. A worker whose rank 0 is gone stops
+when the peer's connection closes) raises ``EngineDead``. Each worker also beats: a thread of its
+own stamps the time into a shared array every ``HEARTBEAT_S``; a worker whose stamp is older than
+``HEARTBEAT_TIMEOUT_S`` is a hung process (stopped, swapped out, frozen by its driver with the
+interpreter held) and rank 0 stops the workers, with the same result, within seconds and whether or
+not a step is running. A step that waits more than ``STEP_TIMEOUT_S`` for the others (a rank that
+still beats but never reaches the collective) does the same. A worker whose rank 0 is gone stops
 (its channel wait checks its parent; its collectives fail).
 """
 
@@ -40,6 +44,10 @@ JOIN_TIMEOUT_S = 10
 # a driver call): rank 0 stops the workers, which fails the blocked collective, and the engine is
 # dead with that reason. Far above any step's time on a device that serves (steps take milliseconds)
 STEP_TIMEOUT_S = 60.0
+HEARTBEAT_S = 0.5
+# a live worker's beat thread runs every HEARTBEAT_S even while its main thread computes (torch
+# releases the interpreter) or loads weights; 10 s leaves room for a machine far busier than that
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 def _check_devices(platform, world_size: int) -> None:
@@ -55,8 +63,8 @@ def _check_devices(platform, world_size: int) -> None:
 class Workers:
     """Rank 0's group plus the worker processes it started."""
 
-    def __init__(self, group: TensorParallelGroup, procs: list, reports) -> None:
-        self.group, self.procs, self.reports = group, procs, reports
+    def __init__(self, group: TensorParallelGroup, procs: list, reports, beats) -> None:
+        self.group, self.procs, self.reports, self.beats = group, procs, reports, beats
         self.dead: str | None = None
         self._step_started: float | None = None
         self._stop = threading.Event()
@@ -77,13 +85,26 @@ class Workers:
                 if not self._stop.is_set() and self.dead is None:
                     self.dead = f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
                     logger.error("%s; the engine cannot run any more steps", self.dead)
-            started = self._step_started
-            if started is not None and self.dead is None and time.monotonic() - started > STEP_TIMEOUT_S:
-                self.dead = (f"a step waited more than {STEP_TIMEOUT_S:g} s for the other tensor-parallel ranks "
-                             f"(one hangs); the workers were stopped")
-                logger.error("%s", self.dead)
-                for proc in self.procs:
-                    proc.kill()
+            if self.dead is None and not self._stop.is_set():
+                self._check_hung()
+
+    def _check_hung(self) -> None:
+        now = time.monotonic()
+        started = self._step_started
+        if started is not None and now - started > STEP_TIMEOUT_S:
+            reason = (f"a step waited more than {STEP_TIMEOUT_S:g} s for the other tensor-parallel ranks "
+                      f"(one hangs)")
+        else:
+            silent = [(rank, now - self.beats[rank]) for rank in range(1, len(self.beats))
+                      if now - self.beats[rank] > HEARTBEAT_TIMEOUT_S]
+            if not silent:
+                return
+            rank, seconds = silent[0]
+            reason = f"tensor-parallel rank {rank} has not answered for {seconds:.0f} s (one hangs)"
+        self.dead = f"{reason}; the workers were stopped"
+        logger.error("%s", self.dead)
+        for proc in self.procs:
+            proc.kill()
 
     def check(self) -> None:
         if self.dead is not None:
@@ -161,11 +182,12 @@ def start_workers(config, platform, hf_config) -> Workers:
     ring = ShmRing(world - 1) if config.plan_broadcast == "shm" else None
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
+    beats = ctx.RawArray("d", [time.monotonic()] * world)  # each worker's last heartbeat (index = rank)
     procs = []
     try:
         for rank in range(1, world):
             proc = ctx.Process(target=worker_main, name=f"podium-tp-rank{rank}", daemon=True,
-                               args=(config, rank, port, ring.name if ring else None, os.getpid(), reports))
+                               args=(config, rank, port, ring.name if ring else None, os.getpid(), reports, beats))
             proc.start()
             procs.append(proc)
         _wait_until_joining(procs, reports)
@@ -177,7 +199,7 @@ def start_workers(config, platform, hf_config) -> Workers:
         if ring is not None:
             ring.close(unlink=True)
         raise
-    workers = Workers(group, procs, reports)
+    workers = Workers(group, procs, reports, beats)
     atexit.register(workers.shutdown)
     return workers
 
@@ -200,13 +222,20 @@ def _wait_until_joining(procs: list, reports) -> None:
         joining.add(rank)
 
 
-def worker_main(config, rank: int, port: int, ring_name: str | None, parent: int, reports) -> None:
+def _beat(beats, rank: int) -> None:
+    while True:
+        beats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+        time.sleep(HEARTBEAT_S)
+
+
+def worker_main(config, rank: int, port: int, ring_name: str | None, parent: int, reports, beats) -> None:
     """A worker rank: build the shard, then run plans until told to stop or rank 0 is gone."""
     from ..engine import grad_off
     from ..loader import resolve_model
     from ..platform_setup import start_platform
     from ..shard import ModelShard
 
+    threading.Thread(target=_beat, args=(beats, rank), name="podium-tp-heartbeat", daemon=True).start()
     group = None
     try:
         started = start_platform(config, rank=rank)  # binds this rank's device only
