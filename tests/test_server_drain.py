@@ -34,15 +34,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(tmp_path, request):
     from transformers import LlamaConfig
 
+    shutdown_timeout = getattr(request, "param", 3)
     LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2,
                 bos_token_id=1).save_pretrained(tmp_path)
     port = _free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", str(tmp_path / "config.json"), "--port", str(port),
-                             "--served-model-name", "tiny", "--max-num-seqs", "32", "--shutdown-timeout", "3",
+                             "--served-model-name", "tiny", "--max-num-seqs", "32", "--shutdown-timeout", str(shutdown_timeout),
                              "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning", "--no-enable-prefix-caching"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PODIUM_API_KEY": ""})
@@ -67,10 +68,11 @@ def server(tmp_path):
             proc.wait(timeout=30)
 
 
-async def _stream(client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event) -> tuple[list[str], bool, float]:
+async def _stream(client: httpx.AsyncClient, prompt: list[int], started: asyncio.Event,
+                  max_tokens: int = 4000) -> tuple[list[str], bool, float]:
     """(what ended it: finish reasons and error codes, whether [DONE] came last, when it ended)."""
     endings, done = [], False
-    async with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 4000, "stream": True,
+    async with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": True,
                                                               "temperature": 0, "ignore_eos": True}) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
@@ -134,3 +136,30 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits_promptly(server):
     assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"]
     assert out["code"] == 0, "".join(lines)
     assert out["exit_after"] < 2.0, out["exit_after"]
+
+
+async def _drain_short(proc: subprocess.Popen, url: str) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        events = [asyncio.Event() for _ in range(8)]
+        streams = [asyncio.create_task(_stream(client, [5 + i, 6, 7], events[i], max_tokens=48)) for i in range(8)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*streams)
+        last_end = max(r[2] for r in results)
+        code = await asyncio.to_thread(proc.wait, 60)
+        return {"results": results, "exit_after": time.monotonic() - last_end,
+                "since_signal": time.monotonic() - signalled, "code": code}
+
+
+@pytest.mark.parametrize("server", [30], indirect=True)
+def test_a_drain_whose_streams_finish_early_exits_without_waiting_for_the_timeout(server):
+    """Streams that finish inside ``--shutdown-timeout`` (30 s here) end normally, and the process
+    exits as soon as the last one has ended, not when the timeout runs out."""
+    proc, url, lines = server
+    out = asyncio.run(_drain_short(proc, url))
+    for endings, done, _ in out["results"]:
+        assert done and endings == ["length"], endings
+    assert out["code"] == 0, "".join(lines)
+    assert out["exit_after"] < 2.0, out["exit_after"]
+    assert out["since_signal"] < 20, out["since_signal"]
