@@ -23,8 +23,9 @@ from podium.engine_flags import add_engine_flags, engine_kwargs
 from podium.platform_setup import use_batch_invariant_kernels
 from podium_plugin_api import Capabilities, Platform
 
-NUM_TARGETS = 64
-MAX_TOKENS = 6
+NUM_GREEDY, NUM_SEEDED = 64, 16
+NUM_TARGETS = NUM_GREEDY + NUM_SEEDED
+MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SHARED = "You are a helpful assistant who answers questions about geography and history in detail. "
 WORDS = "alpha beta gamma delta river mountain code python music light paris tokyo seven blue".split()
@@ -36,14 +37,14 @@ def make_llm(**kwargs) -> LLM:
 
 
 def target_requests() -> list[tuple[str, SamplingParams]]:
-    """64 requests: golden prompts, word salads of 2-60 words, prompts sharing a 3-block prefix
-    (prefix-cache hits); every fourth one sampled with its own seed, the rest greedy."""
+    """64 greedy and 16 seeded requests: golden prompts, word salads of 2-60 words, prompts sharing a
+    3-block prefix (prefix-cache hits); every fifth one sampled with its own seed."""
     rng = random.Random(34)
     prompts = list(GOLDEN_PROMPTS)
     while len(prompts) < NUM_TARGETS:
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60)))
         prompts.append(SHARED + words if len(prompts) % 3 == 0 else words)
-    params = [GREEDY if i % 4 else SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=i,
+    params = [GREEDY if i % 5 else SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=i,
                                                   ignore_eos=True)
               for i in range(NUM_TARGETS)]
     return list(zip(prompts, params))
@@ -91,7 +92,8 @@ def alone(targets) -> dict[str, list[int]]:
 
 
 def test_inside_mixed_batches_and_after_prefix_hits(targets, alone):
-    """Batches of 2-16 (each target with a few others), then all 64 among 192 others (256)."""
+    """Batches of 2-16 (each target with a few others), halves of the targets in batches of 64 and
+    128, then all of them among others up to 256."""
     llm = make_llm(max_num_seqs=256)
     got, start, rng = {}, 0, random.Random(1)
     while start < NUM_TARGETS:
@@ -100,6 +102,10 @@ def test_inside_mixed_batches_and_after_prefix_hits(targets, alone):
         got.update({p: t for p, t in run(llm, mixed(group, size, start)).items() if p in alone})
         start += len(group)
     assert_same(got, alone, "inside batches of 2-16")
+    half = NUM_TARGETS // 2
+    for size, group in ((64, targets[:half]), (128, targets[half:])):
+        got = {p: t for p, t in run(llm, mixed(group, size, size)).items() if p in alone}
+        assert_same(got, {p: alone[p] for p, _ in group}, f"inside a batch of {size}")
     assert_same(run(llm, mixed(targets, 256, 3)), alone, "inside a batch of 256")
     hits_before = llm.engine.stats().prefix_cache_hits
     again = run(llm, targets)  # every prompt's full blocks are cached by now
