@@ -42,7 +42,7 @@ def _tuning(dot: bool, block_k: int = 0):
 
 
 @pytest.mark.parametrize("dot", [True, False], ids=["tensor-cores", "cuda-cores"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 @pytest.mark.parametrize("rows,n,k", [(1, 40, 96), (1, 136, 2048), (3, 100, 320), (16, 24, 1100)])
 def test_fp8_gemv_plain(dot, dtype, granularity, rows, n, k, kernel_device, check_dtype):
@@ -61,7 +61,7 @@ def test_fp8_gemv_plain(dot, dtype, granularity, rows, n, k, kernel_device, chec
 
 
 @pytest.mark.parametrize("dot", [True, False], ids=["tensor-cores", "cuda-cores"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm", "silu_and_mul"])
 @pytest.mark.parametrize("rows,n,k", [(1, 72, 640), (5, 40, 300)])
 def test_fp8_gemv_prologues(dot, dtype, prologue, rows, n, k, kernel_device, check_dtype):

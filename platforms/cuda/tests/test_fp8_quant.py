@@ -27,7 +27,7 @@ def _assert_same(got, want, what):
     assert torch.equal(s.cpu(), want_s.cpu()), f"{what}: row scales differ"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,k", [(1, 96), (3, 4096), (16, 100), (2, 5000)])
 def test_quantize_rows_as_the_contract(dtype, rows, k, kernel_device, check_dtype):
     check_dtype(dtype)
@@ -43,7 +43,7 @@ def test_quantize_rows_as_the_contract(dtype, rows, k, kernel_device, check_dtyp
     _assert_same(got, quantize_per_token(x), f"{rows} x {k} {dtype}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm", "silu_and_mul"])
 @pytest.mark.parametrize("rows,k", [(1, 320), (5, 4100)])
 def test_quantize_with_prologue_as_separate_kernel_then_contract(dtype, prologue, rows, k, kernel_device,

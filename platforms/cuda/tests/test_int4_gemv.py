@@ -35,7 +35,7 @@ def _counts_zero(device):
     assert int(counters(torch.device(device), 1).abs().sum()) == 0, "a split count was left nonzero"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", [AWQ, GPTQ])
 @pytest.mark.parametrize("rows,k,n,group,block_n,splits", [
     (1, 512, 200, 128, 64, 3),   # N not whole blocks, groups split unevenly
@@ -62,7 +62,7 @@ def test_int4_gemv_plain(dtype, fmt, rows, k, n, group, block_n, splits, kernel_
     _counts_zero(dev)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", [AWQ, GPTQ])
 @pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm", "silu_and_mul"])
 @pytest.mark.parametrize("rows", [1, 4])
