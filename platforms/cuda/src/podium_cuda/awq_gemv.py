@@ -2,20 +2,21 @@
 
 int4_gemv.py's kernel unpacks a tile into [rows, words, 8 nibbles]; Triton then spreads the nibble
 axis over threads and routes every word through shared memory, and each thread multiplies one
-column: about ten instructions a weight. Here every tensor stays in the layout the packed words
-are loaded in ([SUB, BLOCK_N / 8] int32, 16 bytes of a row a thread) and the eight nibbles of a
-word are eight separate accumulators, so a thread holds 32 columns of one row per sub-tile and
-its input element is shared by them. Per weight (``nibble``):
+column: about ten instructions a weight. Here every tensor stays in the layout the packed words are
+loaded in: a thread is one int32 word (8 columns) of one row of a [SUB, BLOCK_N / 8] sub-tile (a
+warp reads 32 consecutive words, 128 bytes, of a row), and the eight nibbles of a word are eight
+separate accumulators, so nothing is reshaped. Per weight (``_nibble``):
 
-    LOP3  (w & (15 << 4i)) | 0x4B000000  = the float 2^23 + q * 16^i exactly (i < 5; the top three
-          nibbles are shifted down by 20 first, one shift a word for three)
-    FADD  minus 2^23 + z * 16^i (the group's zero, unpacked the same way once a group): (q - z) 16^i
+    LOP3  word & (exponent bits | 15 << 4e): the float 2^23 + q * 16^e exactly, the word having had
+          2^23's exponent bits OR-ed in once (its low five nibbles; the top three shifted down by 20)
+    FADD  minus 2^23 + z * 16^e (the group's zero, unpacked the same way once a group): (q - z) 16^e
     FFMA  times x into the group's sum for that column
 
-and once a group, per column: sum * (s * 16^-i) into the total (exact powers of two). A program owns
-BLOCK_N columns and a slice of the groups (split-K as in int4_gemv.py: partial sums in a float32
-scratch, the last program of a column block adds them in split order and writes the row). A group
-is GROUP // SUB sub-tiles unrolled, so a thread has that many 16-byte loads in flight.
+and once a group, per column: sum * (s * 16^-e) into the total (exact powers of two). A group is
+GROUP // SUB sub-tiles unrolled, one 4-byte load of each in flight per thread. The prologue's output
+for the program's rows is computed once into a float32 scratch (every thread of a warp needs the
+same rows). A program owns BLOCK_N columns and a slice of the groups (split-K as in split_k.py: the
+last program of a column block adds the slices' partial sums in order and writes the row).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .pdl import gdc_launch_dependents, gdc_wait
 from .prologue import input_chunk, rows_rstd
 from .split_k import finish_row, last_split, reset
 
-SUB = 32  # rows of a sub-tile: with 8 warps and 16-byte loads of 32 words a row, one row a thread
+SUB = 8  # rows of a sub-tile: one row a thread (a thread is one word of a row, a warp 32 words of it)
 _SUB = tl.constexpr(SUB)
 MAGIC = 0x4B000000  # the float 2^23's bits: OR-ing 23 bits below them gives 2^23 + those bits, exactly
 
@@ -190,5 +191,5 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
 
 
 def warps(block_n: int) -> int:
-    """One sub-tile row a thread: SUB rows x BLOCK_N / 32 threads of 16 bytes (4 words)."""
-    return max(1, SUB * block_n // 1024)
+    """One word of one sub-tile row a thread: SUB rows x BLOCK_N / 8 words."""
+    return max(1, SUB * block_n // 256)
