@@ -3,8 +3,8 @@
 int4_gemv.py's kernel unpacks a tile into [rows, words, 8 nibbles]; Triton then spreads the nibble
 axis over threads and routes every word through shared memory, and each thread multiplies one
 column: about ten instructions a weight. Here every tensor stays in the layout the packed words are
-loaded in: a thread is one int32 word (8 columns) of one row of a [SUB, BLOCK_N / 8] sub-tile (a
-warp reads 32 consecutive words, 128 bytes, of a row), and the eight nibbles of a word are eight
+loaded in: a thread is two int32 words (16 columns) of one row of a [SUB, BLOCK_N / 8] sub-tile (a
+warp reads 64 consecutive words, 256 bytes, of a row), and the eight nibbles of a word are eight
 separate accumulators, so nothing is reshaped. Per weight (``_nibble``):
 
     LOP3  word & (exponent bits | 15 << 4e): the float 2^23 + q * 16^e exactly, the word having had
@@ -13,7 +13,7 @@ separate accumulators, so nothing is reshaped. Per weight (``_nibble``):
     FFMA  times x into the group's sum for that column
 
 and once a group, per column: sum * (s * 16^-e) into the total (exact powers of two). A group is
-GROUP // SUB sub-tiles unrolled, one 4-byte load of each in flight per thread. The prologue's output
+GROUP // SUB sub-tiles unrolled, one 8-byte load of each in flight per thread. The prologue's output
 for the program's rows is computed once into a float32 scratch (every thread of a warp needs the
 same rows). A program owns BLOCK_N columns and a slice of the groups (split-K as in split_k.py: the
 last program of a column block adds the slices' partial sums in order and writes the row).
@@ -29,7 +29,7 @@ from .pdl import gdc_launch_dependents, gdc_wait
 from .prologue import input_chunk, rows_rstd
 from .split_k import finish_row, last_split, reset
 
-SUB = 8  # rows of a sub-tile: one row a thread (a thread is one word of a row, a warp 32 words of it)
+SUB = 16  # rows of a sub-tile: one row a thread (a thread is two words of a row)
 _SUB = tl.constexpr(SUB)
 MAGIC = 0x4B000000  # the float 2^23's bits: OR-ing 23 bits below them gives 2^23 + those bits, exactly
 
@@ -99,7 +99,9 @@ def awq_gemv_kernel(
     splits); split s takes groups [s * groups_per_split, ...)."""
     BW: tl.constexpr = BLOCK_N // 8
     pid_n, split = tl.program_id(0), tl.program_id(1)
-    words = pid_n * BW + tl.arange(0, BW) * one  # one == 1 unknown to the compiler: one word a thread (below)
+    # one == 1, unknown to the compiler: it then proves pairs of words contiguous (the hint), no more, so a
+    # thread loads two words (8 bytes) of a row and a warp 64 words
+    words = tl.max_contiguous(tl.multiple_of(pid_n * BW + tl.arange(0, BW) * one, 2), 2)
     ok = words < N // 8
     sub_rows = tl.arange(0, _SUB)
     g_first = split * groups_per_split
@@ -191,5 +193,5 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
 
 
 def warps(block_n: int) -> int:
-    """One word of one sub-tile row a thread: SUB rows x BLOCK_N / 8 words."""
-    return max(1, SUB * block_n // 256)
+    """Two words of one sub-tile row a thread: SUB rows x BLOCK_N / 16 word pairs."""
+    return max(1, SUB * block_n // 512)
