@@ -13,7 +13,8 @@ separate accumulators, so nothing is reshaped. Per weight (``_nibble``):
     FFMA  times x into the group's sum for that column
 
 and once a group, per column: sum * (s * 16^-e) into the total (exact powers of two). A group is
-GROUP // SUB sub-tiles unrolled, one 8-byte load of each in flight per thread. The prologue's output
+GROUP // SUB sub-tiles unrolled, one 8-byte load of each in flight per thread; the first group's lines
+are requested for L2 at the start (``prefetch_l2``), before the wait for the previous kernel. The prologue's output
 for the program's rows is computed once into a float32 scratch (every thread of a warp needs the
 same rows). A program owns BLOCK_N columns and a slice of the groups (split-K as in split_k.py: the
 last program of a column block adds the slices' partial sums in order and writes the row).
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import gdc_launch_dependents, gdc_wait
+from .pdl import gdc_launch_dependents, gdc_wait, nvidia_at_least, prefetch_l2
 from .prologue import input_chunk, rows_rstd
 from .split_k import finish_row, last_split, reset
 
@@ -93,7 +94,7 @@ def awq_gemv_kernel(
     out_ptr, partial_ptr, count_ptr, sum_ptr, h_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, x_ptr, r_ptr, g_ptr,
     N, K, groups_per_split, splits, eps, one, magic,
     BLOCK_N: tl.constexpr, GROUP: tl.constexpr, NORM_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """out [1, N] = prologue(x) [1, K] @ W (+ bias), W AWQ-packed (qweight [K, N/8]). Grid (cdiv(N, BLOCK_N),
     splits); split s takes groups [s * groups_per_split, ...)."""
@@ -107,6 +108,8 @@ def awq_gemv_kernel(
     g_first = split * groups_per_split
     g_end = tl.minimum(K // GROUP, g_first + groups_per_split)
     tile = sub_rows[:, None] * (N // 8) + words[None, :]  # [_SUB, BW] int32 offsets from a sub-tile's first row
+    if PREFETCH:  # the first group's lines to L2 while the prologue runs (a row of BLOCK_N / 8 words: one line)
+        prefetch_l2(qw_ptr + (g_first * GROUP + tl.arange(0, GROUP)).to(tl.int64) * (N // 8) + pid_n * BW)
     w0 = _load(qw_ptr, tile, g_first * GROUP, N, ok, EVEN_N)  # each group's first sub-tile, loaded a group ahead
     if PDL:  # a sub-tile is in flight; everything below reads what earlier kernels write
         gdc_launch_dependents()
@@ -189,7 +192,8 @@ def launch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
         bias if bias is not None else out, x, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, n, k, per_split, splits, float(eps), 1, MAGIC, BLOCK_N=block_n,
         GROUP=group_size, NORM_BLOCK=min(2048, triton.next_power_of_2(k)), PROLOGUE=prologue,
-        HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, PDL=pdl, num_warps=warps(block_n), **launch_options)
+        HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, PDL=pdl, PREFETCH=nvidia_at_least(x.device, (8, 0)),
+        num_warps=warps(block_n), **launch_options)
 
 
 def warps(block_n: int) -> int:

@@ -16,7 +16,9 @@ by the last program of each feature range to finish (an atomic count per range, 
 split order (deterministic), scaled by ``s_x * s_w``, the bias added, the row written: one launch.
 The quantized values are the bytes ``quantize_per_token`` gives (IEEE division).
 
-PDL (sm90+): the kernel lets the next one launch at its start and waits for the one before it first.
+PDL (sm90+): the kernel lets the next one launch at its start and waits for the one before it first;
+the first weight tile's lines are requested for L2 before that wait (``prefetch_l2``), so HBM streams
+them while the previous kernel ends and the rows' norm and amax are computed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from . import fp8_quant
 from .fp8_gemm import interpreting
 from .fp8_quant import e4m3_values, rows_scale
 from .gemv import _multiprocessors
-from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options
+from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least, prefetch_l2
 from .prologue import ADD_RMSNORM, PLAIN, RMSNORM, SILU, input_chunk, rows_rstd
 from .split_k import counters, last_split, reset
 from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
@@ -52,7 +54,7 @@ def fp8_gemv_kernel(
     M, N, K, features, splits, stride_x, stride_r, stride_o, eps,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, NORM_BLOCK: tl.constexpr,
     PROLOGUE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-    XQ_GIVEN: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr,
+    XQ_GIVEN: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """out [M, N] = (e4m3(prologue(x) / s_x) . W^T) * s_x * s_w (+ bias); W e4m3 [N, K] row-major, s_w [1] or
     [N]. Grid (cdiv(N, features), splits): program (f, s) takes features [f * features, ...) over
@@ -65,6 +67,10 @@ def fp8_gemv_kernel(
     n_end = tl.minimum(N, n_start + features)
     k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
+    if PREFETCH:  # the first tile's lines to L2 while the rows' norm and amax are computed (clamped in bounds)
+        lines = tl.minimum(split * BLOCK_K + 128 * tl.arange(0, BLOCK_K // 128), K - 1)
+        first = tl.minimum(n_start + tl.arange(0, TILE), N - 1)
+        prefetch_l2(w_ptr + first.to(tl.int64)[:, None] * K + lines[None, :])
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -208,6 +214,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         float(eps), BLOCK_M=16 if given else next_power_of_2(rows),
         BLOCK_K=block_k, TILE=tile, NORM_BLOCK=min(2048, next_power_of_2(k)), PROLOGUE=prologue,
         PER_CHANNEL=weight_scale.numel() != 1, HAS_BIAS=bias is not None, DOT=tuning.fp8_gemv_dot, XQ_GIVEN=given,
-        HW_CAST=not interpreting(), PDL=pdl, num_warps=warps, num_stages=3, **launch_options(pdl),
+        HW_CAST=not interpreting(), PDL=pdl, PREFETCH=nvidia_at_least(x.device, (8, 0)), num_warps=warps,
+        num_stages=3, **launch_options(pdl),
     )
     return out, summed
