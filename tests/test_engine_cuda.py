@@ -140,10 +140,11 @@ def test_cuda_bf16_batch_one_decode_takes_the_gemv_and_follows_transformers(mode
     from model_fixtures import teacher_forced_gaps
     from transformers import AutoModelForCausalLM
 
-    from podium_cuda.gemv import GEMV_OPS, BatchOneLinear
+    from podium_cuda.fused_linear import FUSED_LINEAR_OPS
+    from podium_cuda.gemv import BatchOneLinear
 
     llm = LLM(model_dir, device=GPU, dtype="bfloat16", kv_cache_memory="2GiB")
-    assert llm.engine.ops["rms_norm_linear"] is GEMV_OPS["rms_norm_linear"]
+    assert llm.engine.ops["rms_norm_linear"] is FUSED_LINEAR_OPS["rms_norm_linear"]
     assert type(llm.engine.model.lm_head) is BatchOneLinear
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     batch = [{"prompt_token_ids": p} for p in prompts[:4]]

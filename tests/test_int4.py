@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from podium import LLM, SamplingParams
 
@@ -111,6 +112,30 @@ def test_int4_layer_against_a_plain_reference():
     x = torch.randn(3, 256, generator=gen)
     torch.testing.assert_close(layer.dequantized(torch.float32), dequantized.t(), rtol=0, atol=0)
     torch.testing.assert_close(layer(x), x @ dequantized.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_layers_declare_the_op_they_compute_with():
+    """The contract's quantized_call: the op named and its arguments reproduce the layer's own output, for
+    the INT4 and FP8 layers (what a platform's fused norm + linear calls in its place)."""
+    from podium.quantization.fp8 import Fp8Linear, quantize_weight
+    from podium.quantization.int4 import Int4Linear
+    from podium_plugin_api.ops import REFERENCE_OPS
+    from podium_plugin_api.quantization import quantized_call
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 256, generator=gen)
+    int4 = Int4Linear(256, 64, True, GROUP, "gptq")
+    for key, value in quantize(torch.randn(64, 256, generator=gen), "gptq", gen)[0].items():
+        getattr(int4, key).data = value if key != "scales" else value.float()
+    int4.bias.data = torch.randn(64, generator=gen)
+    fp8 = Fp8Linear(256, 64, True, "channel", REFERENCE_OPS)
+    fp8.weight.data, fp8.weight_scale.data = quantize_weight(torch.randn(64, 256, generator=gen))
+    fp8.bias.data = torch.randn(64, generator=gen)
+    for layer, name in ((int4, "int4_linear"), (fp8, "fp8_linear")):
+        op, args = quantized_call(layer)
+        assert op == name
+        torch.testing.assert_close(REFERENCE_OPS[op](x, *args), layer(x), rtol=0, atol=0)
+    assert quantized_call(nn.Linear(4, 4)) is None
 
 
 def test_unsupported_int4_configs_are_refused():

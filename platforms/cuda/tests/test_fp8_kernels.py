@@ -63,7 +63,8 @@ def test_triton_fp8_gemm(granularity, rows, dtype, kernel_device, check_dtype):
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("rows", [1, 37])
 def test_fp8_linear_on_either_path(granularity, rows, gpu):
-    """bf16 rows through the op the platform installs, with the Triton GEMM and with _scaled_mm chosen."""
+    """bf16 rows through the op the platform installs, with the FP8 GEMV, the Triton GEMM and _scaled_mm
+    (its rows quantized by the Triton launch and by the contract's torch function) chosen."""
     import dataclasses
 
     from podium_cuda.fp8_linear import choice, fp8_linear
@@ -71,9 +72,13 @@ def test_fp8_linear_on_either_path(granularity, rows, gpu):
 
     x, weight, scale, want = case(granularity, rows, torch.bfloat16, torch.Generator().manual_seed(rows))
     x, weight, scale = x.to(gpu), weight.to(gpu), scale.to(gpu)
-    for max_rows in (0, 4096):
-        tuning = dataclasses.replace(CUDA_TUNING, fp8_triton_max_rows=max_rows)
-        expected = "triton" if granularity == "block" or max_rows else "scaled_mm"
+    for gemv_rows, max_rows, fused in ((0, 0, True), (0, 0, False), (0, 4096, True), (64, 0, True)):
+        tuning = dataclasses.replace(CUDA_TUNING, fp8_gemv_max_rows=gemv_rows, fp8_triton_max_rows=max_rows,
+                                     fp8_fused_quant=fused)
+        if granularity != "block" and rows <= min(gemv_rows, 16):  # fp8_gemv.MAX_ROWS
+            expected = "gemv"
+        else:
+            expected = "triton" if granularity == "block" or max_rows else "scaled_mm"
         assert choice(x, weight, scale, tuning) == expected
         got = fp8_linear(x, weight, scale, tuning=tuning)
-        assert (got.double().cpu() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+        assert (got.double().cpu() - want).abs().max().item() <= 1e-2 * want.abs().max().item(), expected

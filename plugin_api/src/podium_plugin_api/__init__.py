@@ -37,6 +37,7 @@ _EXPORTS = {
     "lora_mapping": ".lora",
     "MoEExperts": ".moe",
     "QuantizationMethod": ".quantization",
+    "quantized_call": ".quantization",
     "Availability": ".platform",
     "Capabilities": ".platform",
     "GraphCaptureUnsupported": ".platform",

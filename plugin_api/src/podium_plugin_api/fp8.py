@@ -28,7 +28,9 @@ def expand_scale(scale: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (fp8 [T, K], float32 scales [T, 1]) with x ~ q * s; an all-zero row gets scale 1."""
     amax = x.float().abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor: CUDA divides by a Python number as a product with its float32 reciprocal,
+    # which is not amax / 448 in the last bit; this way every device (and kernel) gets the same scale
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

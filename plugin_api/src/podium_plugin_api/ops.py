@@ -7,8 +7,9 @@ reference here. Shapes: T tokens, H heads, D head size, B batch rows, V vocabula
 Two ops join an elementwise op to the projection after it, for platforms whose kernels
 fuse the pair (a one-row GEMV with the norm in its prologue, say): ``rms_norm_linear`` and
 ``silu_and_mul_linear``. They take the model's projection *module* (``linear``: an ``nn.Linear``,
-or whatever the platform's ``prepare_model`` made of it) and must equal calling it on the
-elementwise op's result. Where a platform does not override them, ``build_op_table`` composes them
+whatever the platform's ``prepare_model`` made of it, or a quantization method's layer, which names
+the quantized op it computes with: ``podium_plugin_api.quantization.quantized_call``) and must equal
+calling it on the elementwise op's result. Where a platform does not override them, ``build_op_table`` composes them
 from the table's own ``rms_norm`` / ``fused_add_rms_norm`` / ``silu_and_mul``, so a platform that
 overrides only those loses nothing.
 

@@ -13,6 +13,12 @@ The core registers its built-in methods (``gguf``, ``fp8``, ``compressed-tensors
 kernels, by returning classes from the ``podium_quantization_methods`` hook. Kernels of the
 built-in formats are ops of the op table (``gguf_linear``, ...), which a platform overrides
 through ``custom_ops`` like any other op.
+
+A quantized layer that computes ``op(x, *args)`` with one of those ops says so: a class attribute
+``quantized_op`` (the op's name) and a method ``quantized_args()`` (the op's arguments after x, in
+its signature's order). The fused ops that take a projection module (``rms_norm_linear``,
+``silu_and_mul_linear``) may then run the elementwise op inside that op's kernel instead of calling
+the module; ``quantized_call`` reads the two for them. A layer without them is called as a module.
 """
 
 from __future__ import annotations
@@ -57,3 +63,12 @@ class QuantizationMethod:
 
     def describe(self) -> str:
         return self.name
+
+
+def quantized_call(linear: nn.Module) -> tuple[str, tuple] | None:
+    """(op name, the op's arguments after x) of a layer that declares ``quantized_op`` and
+    ``quantized_args`` (module docstring), else None."""
+    op = getattr(linear, "quantized_op", None)
+    if not isinstance(op, str):
+        return None
+    return op, tuple(linear.quantized_args())

@@ -29,11 +29,16 @@ Minor versions:
   and multi-LoRA serving: the batched ``lora_shrink`` / ``lora_expand`` ops over a step's rows
   (``podium_plugin_api.lora``: the slot-weight layout, ``LoRAMapping``), each with a reference the
   kit checks an override against. A 2.0 to 2.3 plugin inherits the references.
+- 2.5: quantized layers name the op they compute with (``quantized_op`` / ``quantized_args``, read by
+  ``podium_plugin_api.quantization.quantized_call``), so a platform's ``rms_norm_linear`` /
+  ``silu_and_mul_linear`` can run the norm or SiLU-and-mul inside its quantized kernel; the FP8 rows'
+  scale is ``amax / 448`` divided exactly on every device. A 2.0 to 2.4 plugin keeps calling the
+  layer as a module.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.4.0"
+API_VERSION = "2.5.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

@@ -57,6 +57,11 @@ class Fp8Linear(nn.Module):
     def scale(self) -> torch.Tensor:
         return getattr(self, self.scale_name)
 
+    quantized_op = "fp8_linear"  # (podium_plugin_api.quantization: a platform may fuse the op before it)
+
+    def quantized_args(self) -> tuple:
+        return self.weight, self.scale, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         out = self.fp8_linear(rows, self.weight, self.scale, self.bias)

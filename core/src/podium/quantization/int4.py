@@ -55,6 +55,12 @@ class Int4Linear(nn.Module):
         return dequantize(self.qweight, self.qzeros, self.scales, getattr(self, "g_idx", None), self.group_size,
                           self.format).to(dtype)
 
+    quantized_op = "int4_linear"  # (podium_plugin_api.quantization: a platform may fuse the op before it)
+
+    def quantized_args(self) -> tuple:
+        return (self.qweight, self.qzeros, self.scales, getattr(self, "g_idx", None), self.group_size, self.format,
+                self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
         out = self.int4_linear(rows, self.qweight, self.qzeros, self.scales, getattr(self, "g_idx", None),

@@ -27,11 +27,14 @@ SCALES_INSIDE_MAX_ROWS = 16  # calls of more rows get their s_x from one torch r
 
 @triton.jit
 def _round_e4m3(v):
-    """v float32 in [-448, 448] -> the nearest e4m3 value (ties to even), as float32."""
-    exponent = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # subnormals: e4m3's 2^-6
+    """v float32 in [-448, 448] -> the nearest e4m3 value (ties to even), as float32; a value that
+    rounds to zero keeps its sign, as the conversion does (-0 is e4m3's 0x80)."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # subnormals: e4m3's 2^-6
     step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
     magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |v / step| <= 16 to an integer, ties even
-    return ((v / step + magic) - magic) * step
+    rounded = ((tl.abs(v) / step + magic) - magic) * step
+    return tl.where(bits < 0, -rounded, rounded)
 
 
 @triton.jit

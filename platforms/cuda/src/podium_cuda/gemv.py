@@ -26,32 +26,12 @@ from torch.nn import functional as F
 
 from .fused_ops import fused_add_rms_norm, rms_norm, silu_and_mul
 from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options
+from .prologue import _ADD_RMSNORM, _RMSNORM, ADD_RMSNORM, PLAIN, RMSNORM, SILU
+from .prologue import input_chunk as _input_chunk
 from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
 
-PLAIN, RMSNORM, ADD_RMSNORM, SILU = 0, 1, 2, 3  # the kernel's PROLOGUE
-_RMSNORM, _ADD_RMSNORM, _SILU = (tl.constexpr(v) for v in (RMSNORM, ADD_RMSNORM, SILU))
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # where it was measured; float32 keeps cuBLAS (tests)
 MAX_BLOCK_K = 2048
-
-
-@triton.jit
-def _input_chunk(x_ptr, r_ptr, g_ptr, rstd, cols, ok, K, PROLOGUE: tl.constexpr):
-    """The GEMV input at ``cols`` [BLOCK_K] in float32, rounded to x's dtype where fused_ops rounds."""
-    if PROLOGUE == _SILU:  # x [2K] = [gate | up]
-        gate = tl.load(x_ptr + cols, mask=ok, other=0.0)
-        up = tl.load(x_ptr + K + cols, mask=ok, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        h = (silu * up.to(tl.float32)).to(gate.dtype)
-    else:
-        h = tl.load(x_ptr + cols, mask=ok, other=0.0)
-        if PROLOGUE == _ADD_RMSNORM:
-            r = tl.load(r_ptr + cols, mask=ok, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-        if PROLOGUE == _RMSNORM or PROLOGUE == _ADD_RMSNORM:
-            normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-            h = (normed * tl.load(g_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
-    return h.to(tl.float32)
 
 
 @triton.jit
@@ -168,7 +148,8 @@ def gemv(x: torch.Tensor, linear: nn.Module, tuning: KernelTuning = CUDA_TUNING)
 
 
 def rms_norm_linear(x, residual, weight, eps, linear, tuning: KernelTuning = CUDA_TUNING):
-    """(linear(rms_norm(x + residual)), x + residual); one GEMV launch at one row (podium_plugin_api.ops)."""
+    """(linear(rms_norm(x + residual)), x + residual); one GEMV launch at one row (podium_plugin_api.ops;
+    fused_linear.py installs it, quantized layers first going to their own kernels)."""
     if not takes_gemv(x, linear, tuning) or weight.dtype != x.dtype or x.shape[1] != linear.in_features:
         if residual is None:
             return linear(rms_norm(x, weight, eps, tuning)), x
@@ -216,5 +197,3 @@ def use_batch_one_linears(model: nn.Module, tuning: KernelTuning = CUDA_TUNING) 
             count += 1
     return count
 
-
-GEMV_OPS = {"rms_norm_linear": rms_norm_linear, "silu_and_mul_linear": silu_and_mul_linear}

@@ -6,10 +6,12 @@ an int32 of qweight gives 8 columns (AWQ, in AWQ's nibble order) or 8 input rows
 with shifts; zeros and scales come once per tile where the tile lies in one group (no act-order,
 BLOCK_K dividing the group), else per input row through ``g_idx`` (act-order / desc_act).
 
-- one row (a batch-1 decode step): a GEMV, ``tl.sum`` of x times the tile (no ``tl.dot``, nothing
-  padded to 16 rows); K is split over ``split_k`` programs per column block so that a small
-  projection still fills the GPU, their float32 partial sums added by one torch ``sum`` (a fixed
-  order: the result is deterministic);
+- up to ``KernelTuning.int4_gemv_max_rows`` rows (batch-1 decode): int4_gemv.py's split-K GEMV, which
+  also takes the RMSNorm / SiLU-and-mul before the layer into its prologue (``prologue_linear``);
+- one row where that does not take it (act-order GPTQ): the GEMV here, ``tl.sum`` of x times the tile;
+  K is split over ``split_k`` programs per column block so that a small projection still fills the
+  GPU, their float32 partial sums added by one torch ``sum`` (a fixed order: the result is
+  deterministic);
 - more rows: a tiled GEMM, the tile rounded to the activations' dtype (bf16/fp16: tensor cores;
   float32: exact products) into float32 sums.
 """
@@ -23,7 +25,9 @@ import triton.language as tl
 from podium_plugin_api.int4 import AWQ, GPTQ
 from podium_plugin_api.int4 import int4_linear as reference
 
+from . import int4_gemv
 from .fp8_gemm import interpreting
+from .prologue import ADD_RMSNORM, RMSNORM, SILU
 from .tuning import CUDA_TUNING, KernelTuning
 
 GEMV_BLOCK_N, GEMV_BLOCK_K = 64, 128
@@ -125,10 +129,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                 g_idx: torch.Tensor | None, group_size: int, fmt: str,
                 bias: torch.Tensor | None = None, tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
     """x [M, K] @ the packed weight [K, N] (+ bias) -> [M, N] in x's dtype (module docstring); shapes the
-    kernels do not tile (K or N not whole tiles) go to the contract's reference. (``tuning``: the
-    platform passes its table to every op; these launches take none of it.)"""
+    kernels do not tile (K or N not whole tiles) go to the contract's reference."""
     rows, k = x.shape
     n = scales.shape[1]
+    if _gemv_takes(x, n, k, g_idx, group_size, fmt, tuning):
+        return int4_gemv.int4_gemv(x, qweight, qzeros, scales, group_size, fmt, bias, tuning=tuning)[0]
     gemv = rows == 1
     block_k, block_n = (GEMV_BLOCK_K, GEMV_BLOCK_N) if gemv else (GEMM_BLOCK_K, GEMM_BLOCK_N)
     if not _takes(x, n, k, fmt, block_k, block_n):
@@ -155,6 +160,33 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         num_stages=3)
     return out
+
+
+def _gemv_takes(x: torch.Tensor, n: int, k: int, g_idx: torch.Tensor | None, group_size: int, fmt: str,
+                tuning: KernelTuning) -> bool:
+    in_order = fmt == AWQ or g_idx is None or _in_order(g_idx, group_size)
+    return int4_gemv.takes(x, n, k, group_size, fmt, in_order, tuning.int4_gemv_max_rows)
+
+
+def prologue_linear(x: torch.Tensor, prologue: int, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                    eps: float, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor | None, group_size: int, fmt: str, bias: torch.Tensor | None,
+                    tuning: KernelTuning) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(int4_linear(prologue(x)), x + residual for ADD_RMSNORM else None) through the GEMV, or None where it
+    does not take the call (the caller then runs the separate elementwise kernel and the layer)."""
+    n = scales.shape[1]
+    k = scales.shape[0] * group_size if fmt == AWQ or g_idx is None else g_idx.shape[0]
+    if x.dim() != 2 or x.shape[1] != (2 * k if prologue == SILU else k) or x.stride(-1) != 1:
+        return None
+    if prologue == ADD_RMSNORM and (residual is None or residual.shape != x.shape or residual.dtype != x.dtype):
+        return None
+    if prologue in (RMSNORM, ADD_RMSNORM) and (norm_weight is None or norm_weight.shape != (k,)
+                                              or norm_weight.dtype != x.dtype):
+        return None
+    if not _gemv_takes(x[:, :k], n, k, g_idx, group_size, fmt, tuning):
+        return None
+    return int4_gemv.int4_gemv(x, qweight, qzeros, scales, group_size, fmt, bias, prologue, residual, norm_weight,
+                               eps, tuning)
 
 
 def _in_order(g_idx: torch.Tensor, group_size: int) -> bool:

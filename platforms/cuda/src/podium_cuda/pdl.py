@@ -13,6 +13,8 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+import triton
+import triton.language as tl
 
 try:  # NVIDIA's grid dependency control; a Triton build without it never takes the PDL path
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -30,6 +32,16 @@ def nvidia_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched as programmatic dependent launches."""
     return gdc_wait is not None and nvidia_at_least(device, (9, 0))
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at ``ptrs`` (one address a 128-byte line) without waiting for them: a kernel
+    whose own first steps read only what the previous kernel wrote (a norm over the row, say) has its
+    first weights on the way meanwhile, and with PDL during the previous kernel's tail. A hint with no
+    result (NVIDIA only; never under the interpreter)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 def launch_options(enabled: bool) -> dict:

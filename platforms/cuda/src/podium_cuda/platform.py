@@ -241,13 +241,13 @@ class CudaPlatform(Platform):
 def op_kernels() -> dict:
     """Every Triton op podium-cuda has, by op name (which are installed is the tuning's choice)."""
     from .fp8_linear import fp8_linear
+    from .fused_linear import FUSED_LINEAR_OPS
     from .fused_ops import FUSED_OPS  # triton is imported here, not before
-    from .gemv import GEMV_OPS
     from .gguf import GGUF_OPS
     from .int4 import INT4_OPS
     from .lora import LORA_OPS
     from .moe import fused_moe
     from .token_bitmask import apply_token_bitmask
 
-    return {**FUSED_OPS, **GEMV_OPS, **GGUF_OPS, **INT4_OPS, **LORA_OPS, "fused_moe": fused_moe,
+    return {**FUSED_OPS, **FUSED_LINEAR_OPS, **GGUF_OPS, **INT4_OPS, **LORA_OPS, "fused_moe": fused_moe,
             "fp8_linear": fp8_linear, "apply_token_bitmask": apply_token_bitmask}

@@ -103,7 +103,8 @@ class KernelTuning:
     # Llama-3.1-8B shapes, 1..8192 tokens, in graph replay and eager)
     # argmax (greedy sampling over V / 4096 programs a row): faster than torch's one-block reduction
     # inside a graph at batch 1 and 256, which sped up batch-1 decode
-    # rms_norm_linear / silu_and_mul_linear: the batch-1 GEMV below, else the fused norm / SiLU
+    # rms_norm_linear / silu_and_mul_linear (fused_linear.py): FP8 / INT4 layers' kernels with the
+    # norm / SiLU in their prologue, the batch-1 GEMV below for bf16, else the fused norm / SiLU
     # then the linear
     # fused_moe: the grouped Triton GEMMs (moe.py); the reference's per-expert loop reads
     # expert counts on the host, which a CUDA graph cannot capture
@@ -123,6 +124,29 @@ class KernelTuning:
     # both per 8B shape at 1 / 16 / 256 / 4096 rows and prints the threshold they imply: on an H200
     # (2026-12-03) _scaled_mm won at every shape and row count (the Triton GEMM 1.1-3x its time), so 0
     fp8_triton_max_rows: int = 0
+    # fp8_linear calls (and an RMSNorm / SiLU-and-mul before one, through rms_norm_linear /
+    # silu_and_mul_linear) of at most this many rows (per-tensor / per-channel scales) take the FP8
+    # GEMV (fp8_gemv.py: the e4m3 weight read once, the rows' prologue and quantization inside);
+    # 0: never. benchmarks/quant_gpu.sh prints the row count up to which it beats quantize +
+    # _scaled_mm at every 8B shape ("fp8 gemv rule")
+    fp8_gemv_max_rows: int = 1
+    # the FP8 GEMV's slice of K a program (a power of two); 0: fp8_gemv.config's rule
+    fp8_gemv_block_k: int = 0
+    # the FP8 GEMV multiplies on the tensor cores (an e4m3 MMA of the rows, padded to 16, with 64
+    # weight rows a step); False: on the CUDA cores (convert, multiply, sum). quant_gpu.sh times both
+    fp8_gemv_dot: bool = True
+    # FP8 calls that take _scaled_mm quantize their rows in one Triton launch (fp8_quant.py), the
+    # RMSNorm / add-RMSNorm / SiLU-and-mul before them inside it; False: the contract's torch
+    # quantize_per_token after the separate norm / SiLU kernel (for A/B runs)
+    fp8_fused_quant: bool = True
+    # int4_linear calls (and the RMSNorm / SiLU-and-mul before one) of at most this many rows take
+    # the INT4 GEMV (int4_gemv.py: split K, prologue inside); others the Triton dequant-GEMM.
+    # benchmarks/quant_gpu.sh prints the row count up to which it wins ("int4 gemv rule")
+    int4_gemv_max_rows: int = 1
+    # the INT4 GEMV's output features a program (a multiple of 64) and K splits a column block
+    # (0: int4_gemv.config's rule, about four programs a multiprocessor)
+    int4_gemv_block_n: int = 0
+    int4_gemv_split_k: int = 0
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True

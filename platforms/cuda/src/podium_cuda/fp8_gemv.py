@@ -1,0 +1,220 @@
+"""FP8 W8A8 (``podium_plugin_api.fp8``) at a few rows: a GEMV over the e4m3 weight with the activations'
+per-token quantization, and the norm or SiLU-and-mul before it (prologue.py), inside the one launch.
+
+At batch-1 decode ``_scaled_mm`` and the launches that quantize its input cost more than bf16's
+GEMV (docs/performance.md), though the weight is half the bytes. The work per weight byte must stay
+small, and quantizing an input element (prologue, a correctly rounded division, the e4m3 rounding)
+costs a few dozen instructions: so a program owns a slice of K (BLOCK_K wide, ``split`` of them)
+and a range of output features, quantizes its rows' slice once into registers, and then streams the
+range's weight rows past it, ROWS at a time, each [ROWS, BLOCK_K] tile's products summed into the
+slice's partial dot products. Each element is thus quantized by one program per feature range
+(not one per feature tile), and a weight element costs its conversion and one FMA.
+
+The rows' scales need the whole row: every program walks the rows' K for their norm (``rows_rstd``)
+and their amax (``rows_scale``), reads from L2. The slices' partial sums (float32 scratch) are added
+by the last program of each feature range to finish (an atomic count per range, reset by it), in
+split order (deterministic), scaled by ``s_x * s_w``, the bias added, the row written: one launch.
+The quantized values are the bytes ``quantize_per_token`` gives (IEEE division).
+
+PDL (sm90+): the kernel lets the next one launch at its start and waits for the one before it first;
+the first weight tile's lines are requested for L2 before that wait (``prefetch_l2``), so HBM streams
+them while the previous kernel ends and the rows' norm and amax are computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import fp8_quant
+from .fp8_gemm import interpreting
+from .fp8_quant import e4m3_values, rows_scale
+from .gemv import _multiprocessors
+from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least, prefetch_l2
+from .prologue import ADD_RMSNORM, PLAIN, RMSNORM, SILU, input_chunk, rows_rstd
+from .split_k import counters, last_split, reset
+from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
+
+MAX_ROWS = 16  # the most input rows a launch takes (the MMA's rows; on the CUDA cores each row's slice is in registers)
+ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _tile(w_ptr, n0, n_end, k, k_ok, K, TILE: tl.constexpr):
+    """The e4m3 weight rows n0 .. n0 + TILE (masked at n_end) at columns k, [TILE, BLOCK_K]."""
+    n = n0 + tl.arange(0, TILE)
+    return tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=(n < n_end)[:, None] & k_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def fp8_gemv_kernel(
+    out_ptr, partial_ptr, count_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, x_ptr, r_ptr, g_ptr,
+    M, N, K, features, splits, stride_x, stride_r, stride_o, eps,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    PROLOGUE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+    XQ_GIVEN: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """out [M, N] = (e4m3(prologue(x) / s_x) . W^T) * s_x * s_w (+ bias); W e4m3 [N, K] row-major, s_w [1] or
+    [N]. Grid (cdiv(N, features), splits): program (f, s) takes features [f * features, ...) over
+    columns [s * BLOCK_K, ...); partial is float32 [splits, M, N]. TILE weight rows a step, multiplied on
+    the CUDA cores (products and a sum over the slice) or, DOT, on the tensor cores as an MMA of the
+    slice's rows padded to 16 (one row: broadcast) with the tile. XQ_GIVEN: x holds the rows already
+    quantized (e4m3, no prologue) and r their scales."""
+    pid_f, split = tl.program_id(0), tl.program_id(1)
+    n_start = pid_f * features
+    n_end = tl.minimum(N, n_start + features)
+    k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    if PREFETCH:  # the first tile's lines to L2 while the rows' norm and amax are computed (clamped in bounds)
+        lines = tl.minimum(split * BLOCK_K + 128 * tl.arange(0, BLOCK_K // 128), K - 1)
+        first = tl.minimum(n_start + tl.arange(0, TILE), N - 1)
+        prefetch_l2(w_ptr + first.to(tl.int64)[:, None] * K + lines[None, :])
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    rows = tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64) * stride_x
+    if XQ_GIVEN:  # x is e4m3 already (fp8_quant.quantize), its rows' scales at r_ptr
+        xq = tl.load(x_rows + k[None, :], mask=row_ok & k_ok[None, :], other=0.0).to(tl.float32)
+        s_x = tl.load(r_ptr + rows, mask=row_ok, other=1.0)
+    else:
+        r_rows = r_ptr + rows.to(tl.int64) * stride_r
+        rstd = rows_rstd(x_rows, r_rows, sum_ptr + rows.to(tl.int64) * K, row_ok, K, eps, pid_f + split, PROLOGUE,
+                         NORM_BLOCK)
+        s_x = rows_scale(x_rows, r_rows, g_ptr, rstd, row_ok, K, PROLOGUE, NORM_BLOCK)  # [BLOCK_M, 1]
+        h = input_chunk(x_rows, r_rows, g_ptr, rstd, k[None, :], row_ok & k_ok[None, :], K, PROLOGUE)
+        xq = e4m3_values(tl.math.div_rn(h, s_x), HW_CAST)  # [BLOCK_M, BLOCK_K]: this slice, quantized once
+    if DOT:
+        _dot_steps(partial_ptr, w_ptr, xq, n_start, n_end, k, k_ok, K, M, N, split, BLOCK_M, BLOCK_K, TILE, HW_CAST)
+    else:
+        part_rows = partial_ptr + (split * M + rows).to(tl.int64) * N  # [BLOCK_M, 1]
+        w = _tile(w_ptr, n_start, n_end, k, k_ok, K, TILE)
+        for n0 in range(n_start, n_end, TILE):
+            w_next = _tile(w_ptr, n0 + TILE, n_end, k, k_ok, K, TILE)  # a tile ahead (masked off past the range)
+            wf = w.to(tl.float32)
+            n = n0 + tl.arange(0, TILE)
+            if BLOCK_M == 1:
+                part = tl.sum(wf * xq, 1)[None, :]  # [1, TILE]
+            else:
+                part = tl.sum(wf[None, :, :] * xq[:, None, :], 2)  # [BLOCK_M, TILE]
+            tl.store(part_rows + n[None, :], part, mask=row_ok & (n < n_end)[None, :])
+            w = w_next
+    if last_split(count_ptr, pid_f, splits):
+        _finish(out_ptr, partial_ptr, ws_ptr, b_ptr, s_x, rows, row_ok, n_start, n_end, M, N, splits, stride_o,
+                PER_CHANNEL, HAS_BIAS)
+        reset(count_ptr, pid_f, splits)
+
+
+@triton.jit
+def _dot_steps(partial_ptr, w_ptr, xq, n_start, n_end, k, k_ok, K, M, N, split, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr, TILE: tl.constexpr, HW_CAST: tl.constexpr):
+    """The feature range's partial sums through tl.dot: [16, BLOCK_K] x [BLOCK_K, TILE] a step."""
+    if BLOCK_M == 1:
+        a = tl.broadcast_to(xq, (16, BLOCK_K))  # rows 1..15 repeat row 0 and are not stored
+    else:
+        a = xq  # BLOCK_M == 16, rows past M zero (XQ_GIVEN)
+    rows = tl.arange(0, 16)[:, None]
+    part_rows = partial_ptr + (split * M + rows).to(tl.int64) * N
+    for n0 in range(n_start, n_end, TILE):
+        w = _tile(w_ptr, n0, n_end, k, k_ok, K, TILE)
+        if HW_CAST:
+            part = tl.dot(a.to(tl.float8e4nv), tl.trans(w), out_dtype=tl.float32)
+        else:  # the interpreter: the same exact products in float32
+            part = tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        n = n0 + tl.arange(0, TILE)
+        tl.store(part_rows + n[None, :], part, mask=(rows < M) & (n < n_end)[None, :])
+
+
+@triton.jit
+def _finish(out_ptr, partial_ptr, ws_ptr, b_ptr, s_x, rows, row_ok, n_start, n_end, M, N, splits, stride_o,
+            PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[:, n_start:n_end] = (sum over splits of partial) * s_x * s_w (+ bias), splits in order."""
+    for c0 in range(n_start, n_end, 128):
+        n = c0 + tl.arange(0, 128)[None, :]
+        ok = row_ok & (n < n_end)
+        total = tl.zeros((rows.shape[0], 128), dtype=tl.float32)
+        for s in range(0, splits):
+            total += tl.load(partial_ptr + (s * M + rows).to(tl.int64) * N + n, mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        s_w = tl.load(ws_ptr + n, mask=n < n_end, other=0.0) if PER_CHANNEL else tl.load(ws_ptr)
+        total = total * s_w * s_x
+        if HAS_BIAS:
+            total += tl.load(b_ptr + n, mask=n < n_end, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows.to(tl.int64) * stride_o + n, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, max_rows: int) -> bool:
+    """Whether a call with input rows ``x`` [M, width] goes here: 1..min(max_rows, MAX_ROWS) rows of a
+    float dtype on the device (or the interpreter), a contiguous e4m3 weight with per-tensor or
+    per-channel scales."""
+    n = weight.shape[0]
+    per_row = weight_scale.numel() == 1 or tuple(weight_scale.shape) == (n, 1)
+    return (x.dim() == 2 and 1 <= x.shape[0] <= min(max_rows, MAX_ROWS) and x.dtype in ROW_DTYPES
+            and (x.is_cuda or interpreting()) and per_row and weight.is_contiguous())
+
+
+def config(rows: int, n: int, k: int, multiprocessors: int, tuning: KernelTuning) -> tuple[int, int, int, int]:
+    """(BLOCK_K, TILE, features a program, num_warps). Tensor cores (``tuning.fp8_gemv_dot``): slices of 512
+    columns and 128 weight rows a step (the fewest instructions a weight byte of the sm90 builds
+    compared: ~2 against ~7 on the CUDA cores); CUDA cores: 512 columns (a warp's 16-byte loads span
+    one row of it; 256 with more than two input rows, all held in registers) and 16 rows a step.
+    4 warps; feature ranges of whole steps, as many as make about four programs a multiprocessor
+    with the slices. ``tuning.fp8_gemv_block_k`` overrides the slice width."""
+    dot = tuning.fp8_gemv_dot
+    block_k = tuning.fp8_gemv_block_k or (512 if rows <= 2 or dot else 256)
+    block_k = max(32 if dot else 16, min(block_k, next_power_of_2(k)))
+    tile = 128 if dot else 16
+    splits = triton.cdiv(k, block_k)
+    ranges = max(1, triton.cdiv(4 * multiprocessors, splits))
+    features = max(tile, triton.cdiv(triton.cdiv(n, ranges), tile) * tile)
+    return block_k, tile, features, 4
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+             prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0, tuning: KernelTuning = CUDA_TUNING) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [M, N] in x's dtype, x + residual for ADD_RMSNORM else None); ``takes`` must hold.
+
+    x [M, K] (SILU: [M, 2K] = [gate | up]); weight e4m3 [N, K]; weight_scale [1] or [N, 1]. On the
+    tensor cores more than one row is quantized first by fp8_quant.py's launch (the MMA's 16 rows
+    would otherwise each redo the norm and amax over K in every program)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
+    n, k = weight.shape
+    width = 2 * k if prologue == SILU else k
+    if x.shape[1] != width:
+        raise ValueError(f"fp8_gemv: x is {tuple(x.shape)}; this weight [{n}, {k}] takes rows of {width}")
+    if prologue == ADD_RMSNORM and (residual is None or residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"fp8_gemv: the residual must match x {tuple(x.shape)} {x.dtype}")
+    if prologue in (RMSNORM, ADD_RMSNORM) and (norm_weight is None or norm_weight.shape != (k,)):
+        raise ValueError(f"fp8_gemv: the norm's weight must be [{k}]")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    given = tuning.fp8_gemv_dot and rows > 1
+    summed = None
+    if given:
+        x, s_x, summed = fp8_quant.quantize(x, prologue, residual, norm_weight, eps)
+        prologue, residual = PLAIN, s_x
+    elif prologue == ADD_RMSNORM:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        summed = torch.empty_like(x)
+    scale = weight_scale.reshape(-1) if weight_scale.dtype == torch.float32 else weight_scale.float().reshape(-1)
+    block_k, tile, features, warps = config(rows, n, k, _multiprocessors(x.device), tuning)
+    splits, ranges = triton.cdiv(k, block_k), triton.cdiv(n, features)
+    partial = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
+    pdl = tuning.gemv_pdl and dependent_launch(x.device)
+    fp8_gemv_kernel[(ranges, splits)](
+        out, partial, counters(x.device, ranges) if splits > 1 else out,
+        summed if summed is not None and not given else out, weight, scale, bias if bias is not None else out, x,
+        residual if residual is not None else x, norm_weight if norm_weight is not None else x, rows, n, k, features,
+        splits, x.stride(0), residual.stride(0) if residual is not None and not given else 0, out.stride(0),
+        float(eps), BLOCK_M=16 if given else next_power_of_2(rows),
+        BLOCK_K=block_k, TILE=tile, NORM_BLOCK=min(2048, next_power_of_2(k)), PROLOGUE=prologue,
+        PER_CHANNEL=weight_scale.numel() != 1, HAS_BIAS=bias is not None, DOT=tuning.fp8_gemv_dot, XQ_GIVEN=given,
+        HW_CAST=not interpreting(), PDL=pdl, PREFETCH=nvidia_at_least(x.device, (8, 0)), num_warps=warps,
+        num_stages=3, **launch_options(pdl),
+    )
+    return out, summed
