@@ -102,3 +102,52 @@ def test_responses_json_schema_output_validates(server):
         model=MODEL, input="Give the weather in Paris as JSON.", max_output_tokens=60,
         text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER_SCHEMA, "strict": True}})
     jsonschema.validate(json.loads(response.output_text), WEATHER_SCHEMA)
+
+
+# -- structured output after the reasoning -------------------------------------------------------
+# A DeepSeek-R1-style template over SmolLM2's ChatML: the generation prompt opens the think block.
+# Shown two worked examples, SmolLM2 reasons inside it and closes it itself before its answer.
+THINK_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+CAPITAL = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 12}},
+           "required": ["capital"], "additionalProperties": False}
+FEW_SHOT = [{"role": "system", "content": "Think inside <think></think>, then answer with JSON."},
+            *[m for country, city in (("France", "Paris"), ("Spain", "Madrid")) for m in (
+                {"role": "user", "content": f"Capital of {country}?"},
+                {"role": "assistant", "content": f"<think>\nThe capital of {country} is {city}.\n</think>\n"
+                                                 f'{{"city": "{city}"}}'})],
+            {"role": "user", "content": "Capital of Italy?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server():
+    engine = LLMEngine(model=MODEL, dtype="float32", device="cpu", max_model_len=512)
+    engine.tokenizer.chat_template = THINK_TEMPLATE
+    settings = ServerSettings(engine_mode="thread", reasoning_parser="deepseek_r1")
+    with ThreadServer(create_app(settings, ThreadEngine(engine))) as server:
+        yield server
+
+
+def test_chat_structured_output_applies_after_the_reasoning(thinking_server):
+    """With a reasoning parser, a json_schema response (and a forced tool call) is constrained only
+    after </think>: the model's reasoning comes back as reasoning_content, the content validates;
+    streamed, the deltas add up to the same."""
+    client = oai(thinking_server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL, "strict": True}}
+    kwargs = {"model": MODEL, "messages": FEW_SHOT, "temperature": 0, "max_tokens": 60, "response_format": fmt}
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "stop"
+    assert "Rome" in choice.message.reasoning_content
+    jsonschema.validate(json.loads(choice.message.content), CAPITAL)
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == (choice.message.reasoning_content, choice.message.content)
+    tool = {"type": "function", "function": {"name": "answer", "parameters": CAPITAL}}
+    choice = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, temperature=0, max_tokens=60, tools=[tool],
+                                            tool_choice={"type": "function", "function": {"name": "answer"}}).choices[0]
+    assert choice.finish_reason == "tool_calls" and "Rome" in choice.message.reasoning_content
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), CAPITAL)

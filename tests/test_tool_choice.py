@@ -20,13 +20,12 @@ from podium_server.protocol import ChatCompletionRequest  # noqa: E402
 from podium_server.serving_chat import ChatHandler  # noqa: E402
 from podium_server.tool_choice import (  # noqa: E402
     AUTO_NEEDS_PARSER,
-    ToolCallStream,
-    ToolMode,
     check_tools,
-    parse_calls,
     required_schema,
     tool_mode,
 )
+from podium_server.tool_parsers import ToolCallStream  # noqa: E402
+from podium_server.tool_parsers.forced import NamedToolParser, RequiredToolsParser  # noqa: E402
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -79,11 +78,12 @@ def _request(**fields) -> ChatCompletionRequest:
 def test_tool_choice_modes_and_errors():
     functions = check_tools([ADD, NOW])
     assert tool_mode(_request(tools=[ADD, NOW], tool_choice="none"), functions) == (None, None)
-    mode, params = tool_mode(_request(tools=[ADD, NOW], tool_choice={"type": "function", "function": {"name": "add"}}),
-                             functions)
-    assert mode == ToolMode("named", "add") and params.json == ADD["function"]["parameters"]
-    mode, params = tool_mode(_request(tools=[ADD, NOW], tool_choice="required"), functions)
-    assert mode == ToolMode("required")
+    parser, params = tool_mode(_request(tools=[ADD, NOW], tool_choice={"type": "function", "function": {"name": "add"}}),
+                               functions)
+    assert isinstance(parser, NamedToolParser) and parser.tool_name == "add"
+    assert params.json == ADD["function"]["parameters"]
+    parser, params = tool_mode(_request(tools=[ADD, NOW], tool_choice="required"), functions)
+    assert isinstance(parser, RequiredToolsParser) and params.json == required_schema(functions, None)
     with pytest.raises(APIError, match="--enable-auto-tool-choice"):
         tool_mode(_request(tools=[ADD]), functions)  # tools without tool_choice: auto
     assert "--tool-call-parser" in AUTO_NEEDS_PARSER
@@ -105,32 +105,61 @@ def test_required_schema_accepts_calls_and_refuses_the_rest():
         jsonschema.validate([{"name": "now", "parameters": {}}] * 2, single)
 
 
-@pytest.mark.parametrize("mode,text", [
-    (ToolMode("named", "add"), '{"a": 2, "b": 3}'),
-    (ToolMode("required"), '[{"name": "add", "parameters": {"a": 2, "b": 3}}, {"name": "now", "parameters": {}}]')])
-def test_streamed_pieces_reassemble_to_the_calls(mode, text):
-    calls = parse_calls(mode, text)
-    stream = ToolCallStream(mode)
-    pieces = []
-    for i in range(0, len(text), 3):  # three characters a delta
-        pieces += stream.feed(text[i:i + 3], finished=False)
-    pieces += stream.feed("", finished=True)
+@pytest.mark.parametrize("parser,text,calls", [
+    (NamedToolParser("add"), '{"a": 2, "b": 3}', [("add", {"a": 2, "b": 3})]),
+    (RequiredToolsParser(), '[{"name": "add", "parameters": {"a": 2, "b": 3}}, {"name": "now", "parameters": {}}]',
+     [("add", {"a": 2, "b": 3}), ("now", {})])], ids=["named", "required"])
+def test_forced_calls_stream_in_openais_shape_and_reassemble(parser, text, calls):
+    """A forced call streams as the grammar writes it: its first delta has the index, id and name
+    (arguments empty), the next ones argument fragments, before the text is complete; the pieces
+    add up to the non-streamed calls."""
+    extracted = parser.extract(text)
+    assert [(c.name, json.loads(c.arguments)) for c in extracted.calls] == calls and extracted.content == ""
+    stream = ToolCallStream(parser)
+    deltas = []
+    for i in range(1, len(text) + 1):  # one character a delta
+        deltas.append(stream.update(text[:i], final=i == len(text)))
+    pieces = [piece for delta in deltas for piece in delta.tool_calls]
+    assert all(not d.content for d in deltas)
+    first_args = next(i for i, d in enumerate(deltas) if any(p.arguments for p in d.tool_calls))
+    assert first_args < len(text) // 2  # arguments stream while the output is being generated
     merged: dict[int, dict] = {}
     for piece in pieces:
-        entry = merged.setdefault(piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""})
-        entry["arguments"] += piece.function.arguments or ""
-    assert [(m["name"], json.loads(m["arguments"])) for _, m in sorted(merged.items())] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
-    assert all(m["id"] for m in merged.values())
-    assert parse_calls(mode, text[:-2]) is None  # cut short: no calls
+        if piece.index not in merged:  # the first delta of a call: id and name, no arguments yet
+            assert piece.id and piece.name and piece.arguments == ""
+            merged[piece.index] = {"name": piece.name, "arguments": ""}
+        else:
+            assert piece.id is None and piece.name is None
+        merged[piece.index]["arguments"] += piece.arguments
+    assert [(m["name"], json.loads(m["arguments"])) for _, m in sorted(merged.items())] == calls
+    assert [m["arguments"] for _, m in sorted(merged.items())] == [c.arguments for c in extracted.calls]
 
 
-def test_a_required_array_cut_short_streams_as_content():
-    from podium_server.protocol import ChatStreamChoice, DeltaMessage
-    from podium_server.serving_chat import _as_tool_calls
+def test_a_required_array_cut_short_is_content():
+    """A ``required`` array cut short (max_tokens) does not parse: the non-streamed answer is its text."""
+    cut = '[{"name": "add", "parameters": {"a": 2'
+    extracted = RequiredToolsParser().extract(cut)
+    assert extracted.calls == [] and extracted.content == cut
+    with pytest.raises(ValueError):
+        RequiredToolsParser().parse('{"name": "add"}', final=True)
 
-    stream = ToolCallStream(ToolMode("required"))
-    first = _as_tool_calls(ChatStreamChoice(index=0, delta=DeltaMessage(content='[{"name": "ad')), stream)
-    assert first.delta.tool_calls is None and first.delta.content is None
-    last = _as_tool_calls(ChatStreamChoice(index=0, delta=DeltaMessage(content="d"), finish_reason="length"), stream)
-    assert last.delta.content == '[{"name": "add' and last.finish_reason == "length"
+
+def test_a_constraint_waits_for_the_reasoning_parsers_section():
+    """With a reasoning parser the server hands the engine its markers as token ids (the grammar
+    starts after </think>); Qwen3's section is optional, DeepSeek R1's is not; without a parser, or
+    without a constraint, nothing changes."""
+    from podium.sampling_params import ReasoningMarkers, StructuredOutputsParams
+    from podium_server.chat_output import OutputParsing
+    from podium_server.reasoning import get_reasoning_parser
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=True):
+            assert not add_special_tokens
+            return {"<think>": [7], "</think>": [8, 9]}[text]
+
+    constraint = StructuredOutputsParams(json={"type": "object"})
+    for name, optional in (("deepseek_r1", False), ("qwen3", True)):
+        gated = OutputParsing(reasoning=get_reasoning_parser(name)).after_reasoning(constraint, Tokenizer())
+        assert gated.reasoning == ReasoningMarkers((7,), (8, 9), optional) and gated.json == constraint.json
+    assert OutputParsing().after_reasoning(constraint, Tokenizer()) is constraint
+    assert OutputParsing(reasoning=get_reasoning_parser("qwen3")).after_reasoning(None, Tokenizer()) is None

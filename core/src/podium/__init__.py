@@ -15,6 +15,7 @@ _LAZY = {
     "LLM": "podium.llm",
     "SamplingParams": "podium.sampling_params",
     "StructuredOutputsParams": "podium.sampling_params",
+    "ReasoningMarkers": "podium.sampling_params",
     "RequestOutput": "podium.outputs",
     "CompletionOutput": "podium.outputs",
     "PoolingParams": "podium.pooling_params",

@@ -12,11 +12,33 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what the sampler's integer tensors
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
 
 
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A thinking model's reasoning section, as token ids: ``start`` opens it (``<think>``), ``end``
+    closes it (``</think>``). ``optional``: an output reasons only if it opens with ``start`` (Qwen3's
+    parser); else an output the prompt leaves no answer to yet is reasoning until ``end`` (DeepSeek R1's)."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            ids = tuple(int(t) for t in getattr(self, name))
+            if not ids:
+                raise ValueError(f"reasoning markers: {name} needs at least one token id")
+            object.__setattr__(self, name, ids)
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output, as vLLM names it: exactly one of ``json`` (a JSON schema, dict or
     string), ``regex``, ``choice`` (a list of strings), ``grammar`` (xgrammar's EBNF, llguidance's
-    Lark) or ``json_object`` (any JSON object); ``podium.structured`` enforces it. ``backend`` picks the grammar backend (None: the engine's default)."""
+    Lark) or ``json_object`` (any JSON object); ``podium.structured`` enforces it. ``backend`` picks the grammar backend (None: the engine's default).
+
+    ``reasoning``: the constraint applies to the answer after a reasoning section (a server's
+    reasoning parser gives its markers): no mask while the model reasons, the grammar from the token
+    after the end marker (``podium.structured.reasoning_gate``). None: from the first output token."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -24,6 +46,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     backend: str | None = None
+    reasoning: ReasoningMarkers | None = None
 
     def kind(self) -> str:
         """The one constraint given (raises ValueError naming the fields when none or several are)."""

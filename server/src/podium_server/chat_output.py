@@ -1,14 +1,16 @@
 """One choice's output text -> reasoning, content and tool calls, for every chat-like endpoint.
 
 ``OutputParsing`` holds the parsers a request uses (a reasoning parser if the server has one; a
-tool parser if the request has tools and lets the model choose). The reasoning split runs first;
-the tool parser reads only the answer after it. ``final`` gives the non-streamed message;
-``OutputStream`` (one per streamed choice) turns the text so far into the deltas that are new.
+tool parser if the request has tools and lets the model choose, or a forced-call parser when a
+grammar makes the calls). The reasoning split runs first; the tool parser reads only the answer
+after it, which is also all that a constraint applies to (``after_reasoning``). ``final`` gives the
+non-streamed message; ``OutputStream`` (one per streamed choice) turns the text so far into the
+deltas that are new.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from podium.sampling_params import StructuredOutputsParams
 
@@ -68,6 +70,13 @@ class OutputParsing:
     def stream(self) -> OutputStream:
         return OutputStream(self)
 
+    def after_reasoning(self, constraint: StructuredOutputsParams | None, tokenizer) -> StructuredOutputsParams | None:
+        """``constraint`` applied to the answer only, after the reasoning parser's section (as vLLM
+        does: the grammar does not constrain the thinking)."""
+        if constraint is None or self.reasoning is None or tokenizer is None:
+            return constraint
+        return replace(constraint, reasoning=self.reasoning.markers(tokenizer))
+
 
 class OutputStream:
     def __init__(self, parsing: OutputParsing) -> None:
@@ -100,11 +109,12 @@ class OutputStream:
         return delta
 
 
-def output_parsing(ctx, tools_auto: bool) -> OutputParsing:
-    """The parsers for one request of the server ``ctx`` (``tools_auto``: it has tools, the model chooses)."""
+def output_parsing(ctx, tools_auto: bool, forced: ToolParser | None = None) -> OutputParsing:
+    """The parsers for one request of the server ``ctx`` (``tools_auto``: it has tools, the model
+    chooses; ``forced``: the parser of calls a grammar makes)."""
     reasoning = get_reasoning_parser(ctx.reasoning_parser) if ctx.reasoning_parser else None
-    tools = None
-    if tools_auto:
+    tools = forced
+    if tools_auto and forced is None:
         if not (ctx.auto_tool_choice and ctx.tool_call_parser):
             raise bad_request('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
                               "--tool-call-parser NAME (the model family's tool-call format)", param="tool_choice")
@@ -127,5 +137,5 @@ def tool_call_handling(ctx, choice: str, tools: dict[str, dict], named: str | No
         if named not in tools:
             raise bad_request(f"tool_choice names the tool {named!r}, which is not among the tools "
                               f"({', '.join(tools)})", param=param)
-        return OutputParsing(tools=NamedToolParser(named)), StructuredOutputsParams(json=tools[named])
-    return OutputParsing(tools=AnyToolParser()), StructuredOutputsParams(json=any_tool_schema(list(tools.items())))
+        return output_parsing(ctx, False, NamedToolParser(named)), StructuredOutputsParams(json=tools[named])
+    return output_parsing(ctx, False, AnyToolParser()), StructuredOutputsParams(json=any_tool_schema(list(tools.items())))

@@ -7,10 +7,11 @@ checks the context. ``tool_choice`` "required" or a named function is enforced b
 (``tool_choice``); ``response_format`` and vLLM's constraint fields by ``structured_outputs``.
 Streaming sends, per choice, a role delta first, then the engine's content deltas as they come (or
 ``tool_calls`` pieces), then a chunk with the finish reason; then a usage chunk if
-``stream_options.include_usage``; then ``[DONE]``. With a reasoning parser, or tools and
-``tool_choice`` "auto" (``chat_output``: the server's tool-call parser), the text is split into
-``reasoning_content``, ``content`` and ``tool_calls`` (streamed as their own deltas). Images and
-audio are refused with a 400 "not supported yet".
+``stream_options.include_usage``; then ``[DONE]``. With a reasoning parser, tools and
+``tool_choice`` "auto" (``chat_output``: the server's tool-call parser) or a forced tool choice (its
+forced-call parser), the text is split into ``reasoning_content``, ``content`` and ``tool_calls``
+(streamed as their own deltas); a constraint then applies to the answer after the reasoning.
+Images and audio are refused with a 400 "not supported yet".
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .protocol import (
 )
 from .serving_base import ChunkTemplate, ServingBase, log_ignored, reject_unsupported
 from .structured_outputs import from_response_format, structured_outputs
-from .tool_choice import ToolCallStream, ToolMode, check_tools, parse_calls, template_messages, tool_mode
+from .tool_choice import check_tools, template_messages, tool_mode
 
 _PART_NAMES = {"image_url": "images are", "input_image": "images are", "input_audio": "audio input is",
                "file": "file inputs are", "video_url": "video inputs are"}
@@ -59,13 +60,14 @@ class ChatHandler(ServingBase):
         self.check_chat_features(req)
         log_ignored(req)
         functions = check_tools(req.tools)
-        mode, tool_constraint = tool_mode(req, functions, auto_tool_choice=self.auto_tool_choice)
+        forced, tool_constraint = tool_mode(req, functions, auto_tool_choice=self.auto_tool_choice)
         constraint = structured_outputs(req, ("response_format", from_response_format(req.response_format)),
                                         ("tool_choice", tool_constraint))
-        # a constrained output is the answer alone (no reasoning to split off); otherwise the
-        # server's parsers split it (the tool-call parser when the model chooses its calls)
-        parsing = OutputParsing() if constraint is not None else \
-            output_parsing(self.ctx, bool(functions) and req.tool_choice in (None, "auto"))
+        # the model's own tool calls are parsed only from unconstrained text (a response_format's
+        # JSON is the answer, not a call); a grammar's forced calls by their own parser
+        tools_auto = constraint is None and bool(functions) and req.tool_choice in (None, "auto")
+        parsing = output_parsing(self.ctx, tools_auto, forced)
+        constraint = parsing.after_reasoning(constraint, self.ctx.tokenizer)
         prompt = self.chat_prompt(req.messages, req.add_generation_prompt, self._template_kwargs(req), req.tools)
         top_n = None
         if req.logprobs:
@@ -82,9 +84,8 @@ class ChatHandler(ServingBase):
         (stream,) = await self.add_all(request_id, [prompt], [params], "messages", req.priority, lora)
         model = self.response_model(lora)
         if req.stream:
-            return self.event_stream(self._chunks(req, request_id, stream, mode, parsing, model))
-        return await self.unless_disconnected(request, self._response(req, request_id, stream, mode,
-                                                                      parsing, model))
+            return self.event_stream(self._chunks(req, request_id, stream, parsing, model))
+        return await self.unless_disconnected(request, self._response(req, request_id, stream, parsing, model))
 
     @property
     def auto_tool_choice(self) -> bool:
@@ -141,7 +142,7 @@ class ChatHandler(ServingBase):
 
     # -- not streaming --------------------------------------------------------------------------
     async def _response(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                        mode: ToolMode | None, parsing: OutputParsing, model: str) -> Response:
+                        parsing: OutputParsing, model: str) -> Response:
         (out,) = await self.finals([stream])
         choices = []
         for c in out.outputs:
@@ -149,11 +150,7 @@ class ChatHandler(ServingBase):
             if req.logprobs:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0, self.ctx.token_text)
             message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
-            calls = parse_calls(mode, c.text) if mode is not None else None
-            if calls:
-                message = ChatResponseMessage(content=None, tool_calls=calls)
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            elif mode is None and parsing.active:
+            if parsing.active:
                 message, finish_reason = _parsed_message(parsing, c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
@@ -164,10 +161,10 @@ class ChatHandler(ServingBase):
 
     # -- streaming ------------------------------------------------------------------------------
     async def _chunks(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream,
-                      mode: ToolMode | None, parsing: OutputParsing, model: str) -> AsyncIterator[ChatCompletionChunk]:
+                      parsing: OutputParsing, model: str) -> AsyncIterator[ChatCompletionChunk]:
         """The engine's deltas as chunks: each new text goes out as it is (the engine held back what
-        a stop string might still cut), one chunk per choice that changed; a tool-call choice's text
-        as its ``tool_calls`` pieces."""
+        a stop string might still cut), one chunk per choice that changed; with parsers, a choice's
+        text as its reasoning, content and ``tool_calls`` pieces."""
         created = int(time.time())
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -178,7 +175,6 @@ class ChatHandler(ServingBase):
         try:
             for index in range(req.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            tool_streams = [ToolCallStream(mode) for _ in range(req.n)] if mode is not None else None
             parsed = [_ParsedChoice(parsing.stream()) for _ in range(req.n)] if parsing.active else None
             templates = [ChunkTemplate(chunk([ChatStreamChoice(index=index, delta=DeltaMessage(
                 content=ChunkTemplate.PLACEHOLDER))])) for index in range(req.n)]  # plain content deltas
@@ -194,9 +190,7 @@ class ChatHandler(ServingBase):
                     choice = self._choice(req, c)
                     if choice is None:
                         continue
-                    if tool_streams is not None:
-                        choice = _as_tool_calls(choice, tool_streams[c.index])
-                    if not continuous and tool_streams is None and choice.logprobs is None and choice.finish_reason is None:
+                    if not continuous and choice.logprobs is None and choice.finish_reason is None:
                         yield templates[c.index].render(choice.delta.content)
                     else:
                         usage = _usage(stream.num_prompt_tokens, completion_tokens) if continuous else None
@@ -257,19 +251,6 @@ def _parsed_message(parsing: OutputParsing, text: str, finish_reason: str | None
     message = ChatResponseMessage(content=parsed.content or (None if calls else ""), reasoning_content=parsed.reasoning,
                                   tool_calls=calls or None)
     return message, "tool_calls" if calls and finish_reason == "stop" else finish_reason
-
-
-def _as_tool_calls(choice: ChatStreamChoice, tool_stream: ToolCallStream) -> ChatStreamChoice:
-    """A content delta of a tool-call choice as its ``tool_calls`` pieces."""
-    finished = choice.finish_reason is not None
-    pieces = tool_stream.feed(choice.delta.content or "", finished)
-    finish_reason = choice.finish_reason
-    if finish_reason == "stop" and (tool_stream.started or tool_stream.calls):
-        finish_reason = "tool_calls"
-    delta = DeltaMessage(tool_calls=pieces or None)
-    if finished and tool_stream.calls == []:  # a "required" array that does not parse: its text as content
-        delta = DeltaMessage(content=tool_stream.text)
-    return ChatStreamChoice(index=choice.index, delta=delta, logprobs=choice.logprobs, finish_reason=finish_reason)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:

@@ -53,6 +53,7 @@ class MessagesHandler(ServingBase):
         lora = self.check_model(req.model)
         parsing, structured = tool_handling(self.ctx, req)
         structured = _output_format(req.output_config, structured)
+        structured = parsing.after_reasoning(structured, self.ctx.tokenizer)
         params = _sampling_params(req, req.max_tokens, structured, parsing.keeps_special_tokens)
         message_id = _id("msg")
         (stream,) = await self.add_all(message_id, [chat_prompt(req)], [params], "messages",

@@ -78,6 +78,7 @@ class ResponsesHandler(ServingBase):
         prompt = self._render(req, tools)
         parsing, structured = _tool_choice(self.ctx, req, tools)
         structured = _text_format(req.text, structured)
+        structured = parsing.after_reasoning(structured, self.ctx.tokenizer)
         unset_is_default = {"temperature": req.temperature, "top_p": req.top_p}
         try:
             params = SamplingParams(max_tokens=req.max_output_tokens, structured_outputs=structured,

@@ -9,33 +9,24 @@
 - ``auto``: the model chooses, which needs a tool-call parser to find calls in free text; without
   one (``--enable-auto-tool-choice --tool-call-parser``) it is a 400 naming the flags, as in vLLM.
 
-The output becomes OpenAI ``tool_calls``: whole in a response, streamed as pieces (id and name
-first, then argument fragments: a named call's arguments stream as generated; a ``required``
-array's calls are sent when it is complete, since its items' names come only with their text).
+The output becomes OpenAI ``tool_calls`` through a forced-call parser (``tool_parsers.forced``),
+like a model format's: whole in a response; streamed in OpenAI's delta shape as the grammar
+generates it (a call's index, id, type and name first, then its arguments in fragments).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from podium.sampling_params import StructuredOutputsParams
 
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from .protocol import ChatCompletionRequest
+from .tool_parsers import ToolParser
+from .tool_parsers.forced import NamedToolParser, RequiredToolsParser
 
 AUTO_NEEDS_PARSER = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
-
-
-@dataclass(frozen=True)
-class ToolMode:
-    """How this request's output turns into tool calls: ``"named"`` (its output is the arguments of
-    ``name``) or ``"required"`` (a JSON array of calls)."""
-
-    kind: str
-    name: str | None = None
 
 
 def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict]:
@@ -59,8 +50,9 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict]:
 
 
 def tool_mode(req: ChatCompletionRequest, functions: dict[str, dict], auto_tool_choice: bool = False) -> \
-        tuple[ToolMode | None, StructuredOutputsParams | None]:
-    """The request's tool mode and the constraint that enforces it (both None: plain text)."""
+        tuple[ToolParser | None, StructuredOutputsParams | None]:
+    """The parser of a forced tool choice and the constraint that enforces it (both None: the model
+    answers in text, or chooses its calls with ``auto``)."""
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if functions else "none"
@@ -73,13 +65,13 @@ def tool_mode(req: ChatCompletionRequest, functions: dict[str, dict], auto_tool_
             raise bad_request(AUTO_NEEDS_PARSER, param="tool_choice")
         return None, None
     if choice == "required":
-        return ToolMode("required"), StructuredOutputsParams(json=required_schema(functions, req.parallel_tool_calls))
+        return RequiredToolsParser(), StructuredOutputsParams(json=required_schema(functions, req.parallel_tool_calls))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in functions:
             raise bad_request(f"tool_choice names function {name!r}, which is not among the tools "
                               f"({', '.join(functions)})", param="tool_choice")
-        return ToolMode("named", name), StructuredOutputsParams(json=functions[name]["parameters"])
+        return NamedToolParser(name), StructuredOutputsParams(json=functions[name]["parameters"])
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                       f"{{'name': ...}}}}, got {choice!r}", param="tool_choice")
 
@@ -94,61 +86,6 @@ def required_schema(functions: dict[str, dict], parallel: bool | None) -> dict:
     if parallel is False:
         schema["maxItems"] = 1
     return schema
-
-
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def parse_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:
-    """The tool calls in a finished output (None: it does not parse, e.g. cut short by max_tokens)."""
-    if mode.kind == "named":
-        try:
-            json.loads(text)
-        except ValueError:
-            return None
-        return [ToolCall(id=tool_call_id(), type="function", function=FunctionCall(name=mode.name, arguments=text))]
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c for c in items):
-        return None
-    return [ToolCall(id=tool_call_id(), type="function",
-                     function=FunctionCall(name=c["name"], arguments=json.dumps(c.get("parameters", {}),
-                                                                                ensure_ascii=False)))
-            for c in items]
-
-
-@dataclass
-class ToolCallStream:
-    """Turns one choice's streamed text into ``tool_calls`` delta pieces."""
-
-    mode: ToolMode
-    text: str = ""
-    started: bool = False
-    calls: list[ToolCall] | None = field(default=None)
-
-    def feed(self, text: str, finished: bool) -> list[ToolCall]:
-        self.text += text
-        if self.mode.kind == "named":
-            pieces = []
-            if not self.started:
-                self.started = True
-                pieces.append(ToolCall(index=0, id=tool_call_id(), type="function",
-                                       function=FunctionCall(name=self.mode.name, arguments="")))
-            if text:
-                pieces.append(ToolCall(index=0, function=FunctionCall(arguments=text)))
-            return pieces
-        if not finished:
-            return []
-        self.calls = parse_calls(self.mode, self.text) or []
-        pieces = []
-        for i, call in enumerate(self.calls):
-            pieces.append(ToolCall(index=i, id=call.id, type="function",
-                                   function=FunctionCall(name=call.function.name, arguments="")))
-            pieces.append(ToolCall(index=i, function=FunctionCall(arguments=call.function.arguments)))
-        return pieces
 
 
 def template_messages(conversation: list[dict]) -> list[dict]:

@@ -5,6 +5,7 @@
     llguidance_backend.py the second backend
     service.py            compilation off the step path, cached by (backend, spec) per tokenizer
     bitmask.py            the sampler's batched mask: matchers fill host rows, one copy, one masked fill
+    reasoning_gate.py     a thinking model's grammar starts after its reasoning section
 
 The engine takes a constrained request through ``GrammarService.request`` (validation now, a
 compile future), keeps it out of the scheduler until the grammar is compiled, and hands the

@@ -8,11 +8,17 @@ stream sends their differences and the pieces add up to the final split.
   the prompt, so it is optional here); an output cut short before ``</think>`` is all reasoning.
 - ``qwen3``: reasoning only if the output opens with ``<think>`` (with ``enable_thinking: false``
   Qwen3's template closes an empty think block in the prompt, and the output is all answer).
+
+A constrained request's grammar applies to the answer after the reasoning: the server hands the
+engine the parser's markers as token ids (``markers``), and the engine masks nothing until the
+output has closed the section (``podium.structured.reasoning_gate``).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from podium.sampling_params import ReasoningMarkers
 
 from ..tool_parsers.base import holdback
 
@@ -38,6 +44,13 @@ class ReasoningParser:
         if end < 0:
             return text[start:] if final else text[start:holdback(text, END_THINK)], ""
         return text[start:end], text[end + len(END_THINK):].lstrip()
+
+    def markers(self, tokenizer: Any) -> ReasoningMarkers:
+        """The section's markers as ``tokenizer``'s ids (one special token each in Qwen3's and DeepSeek
+        R1's vocabularies), for the engine's grammar to start after."""
+        def ids(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+        return ReasoningMarkers(ids(THINK), ids(END_THINK), optional=self.requires_open_tag)
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
