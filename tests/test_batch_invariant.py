@@ -25,7 +25,7 @@ from podium_plugin_api import Capabilities, Platform
 
 NUM_GREEDY, NUM_SEEDED = 64, 16
 NUM_TARGETS = NUM_GREEDY + NUM_SEEDED
-MAX_TOKENS = 16
+MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SHARED = "You are a helpful assistant who answers questions about geography and history in detail. "
 WORDS = "alpha beta gamma delta river mountain code python music light paris tokyo seven blue".split()
