@@ -250,6 +250,31 @@ def test_the_rules_take_the_fastest_kernel_this_cpu_runs(kernels):
     assert f32 == ("fma" if ("fma", torch.float32) in runnable else "onednn" if can_pack(torch.float32) else "torch")
 
 
+@pytest.mark.parametrize("forced", ["amx", "avx512-bf16", "fma", "onednn"])
+def test_the_linears_option_forces_its_kernel_where_it_runs_and_refuses_elsewhere(kernels, forced):
+    """A named kernel replaces the rule of each dtype it computes here (the rest keep theirs); one that
+    computes none here is an error naming the option, never another kernel."""
+    runnable = {(k.name, k.dtype) for k in runnable_native_kernels(kernels)}
+    computes = {dtype for dtype in (torch.bfloat16, torch.float32)
+                if ((forced, dtype) in runnable if forced != "onednn" else can_pack(dtype))}
+    platform = CpuPlatform()
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": forced})
+    if not computes:
+        with pytest.raises(ValueError, match=f"linears option is {forced}, which runs no dtype here"):
+            platform.linear_rules()
+        return
+    auto = CpuPlatform()
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for rows in (1, 32, AMX_MAX_ROWS + 1):
+            got = platform.linear_kernel(dtype, 576, 1536, rows)
+            if dtype not in computes:
+                assert got == auto.linear_kernel(dtype, 576, 1536, rows)
+            elif forced == "amx" and rows > AMX_MAX_ROWS:
+                assert got.kernel == "onednn"
+            else:
+                assert got.kernel == forced and "forced by the linears option" in got.reason, (dtype, rows, got)
+
+
 @pytest.fixture(scope="module", params=["amx-bfloat16", "avx512-bf16-bfloat16", "fma-bfloat16", "fma-float32"])
 def native_kernel(request, kernels):
     """Each native linear kernel this CPU runs, chosen by the rules or not."""
