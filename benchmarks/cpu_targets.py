@@ -127,9 +127,17 @@ def podium_env(s: Session, base: Path | None) -> dict:
     return {**s.env, "PYTHONPATH": path, "XDG_CACHE_HOME": str(s.out / "base-cache")}  # its kernels apart
 
 
+# `podium bench` with only the bench command registered: the `podium` CLI loads every command the
+# installed packages declare (entry points of this checkout), which an older revision may not have
+BENCH_ONLY = ("import argparse, sys; from podium_bench.cli import register; "
+              "parser = argparse.ArgumentParser(prog='podium'); register(parser.add_subparsers(dest='command')); "
+              "args = parser.parse_args(sys.argv[1:]); sys.exit(int(args.func(args) or 0))")
+
+
 def podium_bench(s: Session, name: str, args: list, base: Path | None, *keys) -> float | None:
     out = s.out / f"{name}.json"
-    s.run(name, [PODIUM, "bench", *args, "--no-progress", "--json-out", out], env=podium_env(s, base))
+    command = [PODIUM] if base is None else [PY, "-c", BENCH_ONLY]
+    s.run(name, [*command, "bench", *args, "--no-progress", "--json-out", out], env=podium_env(s, base))
     return json_value(out, "results", *keys)
 
 
