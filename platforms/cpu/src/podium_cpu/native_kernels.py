@@ -99,6 +99,9 @@ class NativeKernels:
     gguf_linear: dict = field(default_factory=dict)
     gguf_embed: dict = field(default_factory=dict)
     replay: ctypes._CFuncPtr | None = None  # graph_replay.c: a captured step's calls (graphs.py)
+    # paged_attention.c's podium_attention_amx(on) -> on: bf16 prefill tiles on AMX tiles (set at load
+    # where AMX runs; the tests turn it off to compare with the AVX512-BF16 tiles)
+    attention_amx: ctypes._CFuncPtr | None = None
 
 
 def cache_dir() -> Path:
@@ -299,6 +302,8 @@ def _load() -> tuple[NativeKernels | None, str]:
         libs = [ctypes.CDLL(str(p)) for p in paths]
         entries = _bind(libs)
         amx_ready = _amx_ready(libs)
+        attention_amx = _attention_amx_entry(libs)
+        attention_amx(1 if amx_ready else 0)  # bf16 prefill tiles on AMX where the process may use it
         fma_ready = _ready(libs, "podium_fma_ready") == 1
         dpbf16_ready = _ready(libs, "podium_dpbf16_ready") == 1
         replay = _replay_entry(libs)
@@ -324,6 +329,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},
         gguf_embed={t: entries[f"podium_gguf_{name}_embed"] for t, name in GGUF_TYPES.items()},
         replay=replay,
+        attention_amx=attention_amx,
     ), ""
 
 
@@ -338,6 +344,15 @@ def _replay_entry(libs: list[ctypes.CDLL]):
     if fn is None:
         raise AttributeError("native library lacks podium_replay")
     fn.argtypes, fn.restype = [_PTR, _I64], ctypes.c_int
+    return fn
+
+
+def _attention_amx_entry(libs: list[ctypes.CDLL]):
+    """paged_attention.c's ``int podium_attention_amx(int on)``."""
+    fn = _symbol(libs, "podium_attention_amx")
+    if fn is None:
+        raise AttributeError("native library lacks podium_attention_amx")
+    fn.argtypes, fn.restype = [_INT], ctypes.c_int
     return fn
 
 
