@@ -55,14 +55,15 @@ static inline void amx_attention_configure(void) {
 }
 
 /* the floats of scratch amx_tile needs for a tile of up to R query rows */
-static inline size_t amx_tile_floats(int64_t R) {
+static inline size_t amx_tile_floats(int64_t R, int64_t blocks) {
     const int64_t rows = (R + 15) / 16 * 16;
     return (size_t)(rows * AMX_D / 2        /* Q [rows][D] bf16 */
                     + 16 * AMX_KEYS + 16    /* S [16][32] float32 and the softmax's overread */
                     + 16 * AMX_KEYS / 2     /* P [16][32] bf16 */
-                    + AMX_KEYS * AMX_D / 2  /* value pairs [16][D][2] bf16 */
+                    + (blocks + 1) * AMX_B * AMX_D / 2 /* value pairs [blocks + 1][8][D][2] bf16 */
                     + 16 * AMX_D            /* O through memory [16][D] */
-                    + 2 * 16);              /* max, weight sum */
+                    + 2 * 16                /* max, weight sum */
+                    + 16 * 16);             /* the weight sums lane by lane */
 }
 
 /* value block v [B][D] (keys 0..15) -> vp [8 pairs][D][2]: dims of keys 2j and 2j + 1 side by side */
@@ -78,23 +79,33 @@ static inline void amx_value_pairs(const bf16_t *v, bf16_t *vp) {
         }
 }
 
-/* online_softmax_row for one row of the 32-key window (the same operations in the same order, so
- * the same weights), with the window in two registers: x[0..32) the row's raw scores, keys [a, e)
- * visible (0 <= a < e <= 32); the weights (0 where not visible) go to p as bf16. Returns alpha. */
-static inline float amx_softmax_row(const float *x, int64_t a, int64_t e, float scale, float *m, float *l,
+/* online_softmax_row for one row of the 32-key window, with the window in two registers and no
+ * horizontal sum or max a block where it can go without: x[0..32) the row's raw scores, keys
+ * [a, e) visible (0 <= a < e <= 32); the weights (0 where not visible) go to p as bf16. The row's
+ * running max *m moves, as there, only when a visible score exceeds it by RESCALE_MARGIN (the
+ * block's max is taken only then); the weights are summed lane by lane into lv [16] (the row's
+ * weight sum is their total, taken once at the end). Returns alpha, the factor the row's sums (lv
+ * already) take. */
+static inline float amx_softmax_row(const float *x, int64_t a, int64_t e, float scale, float *m, float *lv,
                                     bf16_t *p) {
     const __mmask32 in = (__mmask32)((e >= 32 ? 0xffffffffu : (1u << e) - 1) & ~((1u << a) - 1));
     const __mmask16 in0 = (__mmask16)in, in1 = (__mmask16)(in >> 16);
     const __m512 low = _mm512_set1_ps(-INFINITY), s = _mm512_set1_ps(scale);
     const __m512 x0 = _mm512_mask_mul_ps(low, in0, _mm512_loadu_ps(x), s);
     const __m512 x1 = _mm512_mask_mul_ps(low, in1, _mm512_loadu_ps(x + 16), s);
-    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-    const float m_new = block_max > *m + RESCALE_MARGIN ? block_max : *m;
+    const __m512 limit = _mm512_set1_ps(*m + RESCALE_MARGIN);
+    float m_new = *m;
+    if (*m == -INFINITY || _mm512_cmp_ps_mask(x0, limit, _CMP_GT_OQ) || _mm512_cmp_ps_mask(x1, limit, _CMP_GT_OQ)) {
+        const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+        m_new = block_max > *m + RESCALE_MARGIN ? block_max : *m;
+    }
     const float alpha = m_new == *m ? 1.f : *m == -INFINITY ? 0.f : expf(*m - m_new);
     const __m512 mv = _mm512_set1_ps(m_new), lo = _mm512_set1_ps(EXP_LO);
     const __m512 w0 = _mm512_maskz_mov_ps(in0, (__m512)expv((vf)_mm512_mask_sub_ps(lo, in0, x0, mv)));
     const __m512 w1 = _mm512_maskz_mov_ps(in1, (__m512)expv((vf)_mm512_mask_sub_ps(lo, in1, x1, mv)));
-    *l = *l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+    const __m512 sums = _mm512_loadu_ps(lv);
+    _mm512_storeu_ps(lv, _mm512_add_ps(alpha == 1.f ? sums : _mm512_mul_ps(sums, _mm512_set1_ps(alpha)),
+                                       _mm512_add_ps(w0, w1)));
     *m = m_new;
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(w0));
     _mm256_storeu_si256((__m256i *)(p + 16), (__m256i)_mm512_cvtneps_pbh(w1));
@@ -112,19 +123,23 @@ static void amx_tile(const bf16_t *query, const bf16_t *kc, const bf16_t *vc, bf
     bf16_t *q = (bf16_t *)scratch;                          /* [groups * 16][D] */
     float *S = (float *)(q + groups * 16 * D);              /* [16][32] (+16) */
     bf16_t *P = (bf16_t *)(S + 16 * AMX_KEYS + 16);          /* [16][32] */
-    bf16_t *vp = P + 16 * AMX_KEYS;                          /* [16 pairs][D][2] */
-    float *O = (float *)(vp + AMX_KEYS * D);                 /* [16][D] */
-    float *m = O + 16 * D, *l = m + 16;
+    const int64_t lo = (window > 0 && pos0 - window + 1 > 0) ? pos0 - window + 1 : 0;
+    const int64_t first = lo / B, last = last_pos / B, blocks = last - first + 1;
+    /* every block's value pairs [blocks + 1][8 pairs][D][2], made by the first row group for all:
+     * blocks b, b + 1 are 16 contiguous pairs; the extra block is zeros (the pair of the last block) */
+    bf16_t *vall = P + 16 * AMX_KEYS;
+    float *O = (float *)(vall + (blocks + 1) * B * D);       /* [16][D] */
+    float *m = O + 16 * D, *l = m + 16, *lv = l + 16; /* lv [16][16]: amx_softmax_row's sums */
     for (int64_t i = 0; i < count; i++)
         memcpy(q + i * G * D, query + (tok0 + i) * q_stride + h * G * D, sizeof(bf16_t) * G * D);
     memset(q + R * D, 0, sizeof(bf16_t) * (size_t)((groups * 16 - R) * D)); /* rows past R: zeros */
-    const int64_t lo = (window > 0 && pos0 - window + 1 > 0) ? pos0 - window + 1 : 0;
-    const int64_t first = lo / B, last = last_pos / B;
+    memset(vall + blocks * B * D, 0, sizeof(bf16_t) * (size_t)(B * D));
     amx_attention_configure(); /* per call: the thread's tiles may have been configured by a linear */
     for (int64_t grp = 0; grp < groups; grp++) {
         const bf16_t *qg = q + grp * 16 * D;
         const int64_t r0 = grp * 16, rows = R - r0 < 16 ? R - r0 : 16;
         for (int r = 0; r < 16; r++) m[r] = -INFINITY, l[r] = 0.f;
+        memset(lv, 0, sizeof(float) * 16 * 16);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -181,7 +196,7 @@ static void amx_tile(const bf16_t *query, const bf16_t *kc, const bf16_t *vc, bf
                     _mm256_storeu_si256((__m256i *)(p + 16),
                                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps((__mmask16)(in >> 16), x + 16)));
                 } else {
-                    alpha[r] = amx_softmax_row(x, a, e, scale, m + r, l + r, p);
+                    alpha[r] = amx_softmax_row(x, a, e, scale, m + r, lv + 16 * r, p);
                 }
                 rescale |= alpha[r] != 1.f && alpha[r] != 0.f; /* 0: no sums yet to scale */
             }
@@ -198,11 +213,11 @@ static void amx_tile(const bf16_t *query, const bf16_t *kc, const bf16_t *vc, bf
                 _tile_loadd(2, O + 32, D * 4);
                 _tile_loadd(3, O + 48, D * 4);
             }
-            amx_value_pairs(vc + base0, vp);
-            if (nb == 2)
-                amx_value_pairs(vc + base1, vp + (B / 2) * 2 * D);
-            else
-                memset(vp + (B / 2) * 2 * D, 0, sizeof(bf16_t) * (size_t)(B * D)); /* no second block */
+            const bf16_t *vp = vall + (b - first) * B * D; /* pairs of blocks b and b + 1 (or zeros) */
+            if (grp == 0) {
+                amx_value_pairs(vc + base0, vall + (b - first) * B * D);
+                if (nb == 2) amx_value_pairs(vc + base1, vall + (b + 1 - first) * B * D);
+            }
             _tile_loadd(6, P, AMX_KEYS * 2);
             _tile_loadd(7, vp, 2 * D * 2); /* dims 0..15 of the 16 key pairs */
             _tile_dpbf16ps(0, 6, 7);
@@ -219,7 +234,7 @@ static void amx_tile(const bf16_t *query, const bf16_t *kc, const bf16_t *vc, bf
         _tile_stored(3, O + 48, D * 4);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t row = r0 + r;
-            const float inv = 1.f / l[r];
+            const float inv = 1.f / (soft_cap > 0.f ? l[r] : _mm512_reduce_add_ps(_mm512_loadu_ps(lv + 16 * r)));
             bf16_t *o = out + (tok0 + row / G) * o_stride + (h * G + row % G) * D;
             for (int64_t d = 0; d < D; d += 16) storev_bf16(o + d, loadv(O + r * D + d) * inv);
         }

@@ -182,12 +182,19 @@ int podium_attention_amx(int on) {
     return amx_tiles_on;
 }
 
-/* the tile floats of scratch a bf16 call needs beyond DEFINE_TILE's, for tiles of up to R rows */
-static size_t amx_floats(int64_t R, const Shape *s) {
+/* the floats of scratch a bf16 call's AMX tiles need, for tiles of up to R rows (0: none run) */
+static size_t amx_floats(int64_t R, const Shape *s, const Step *st) {
 #if HAVE_AMX_ATTENTION
-    return amx_tiles_on && amx_tile_fits(s->head_size, s->block_size) ? amx_tile_floats(R) : 0;
+    if (!amx_tiles_on || !amx_tile_fits(s->head_size, s->block_size)) return 0;
+    int64_t blocks = 1; /* the most key blocks one tile reads */
+    for (int64_t i = 0; i < st->num_tiles; i++) {
+        const int64_t pos0 = st->tiles[4 * i + 2], last = (pos0 + st->tiles[4 * i + 3] - 1) / s->block_size;
+        const int64_t lo = s->window > 0 && pos0 - s->window + 1 > 0 ? pos0 - s->window + 1 : 0;
+        blocks = last - lo / s->block_size + 1 > blocks ? last - lo / s->block_size + 1 : blocks;
+    }
+    return amx_tile_floats(R, blocks);
 #else
-    (void)R, (void)s;
+    (void)R, (void)s, (void)st;
     return 0;
 #endif
 }
@@ -205,8 +212,8 @@ static void tile_bf16_any(const bf16_t *query, const bf16_t *kc, const bf16_t *v
     tile_bf16(query, kc, vc, out, table, tok0, pos0, count, h, s, scratch);
 }
 /* float32 tiles have no AMX form */
-static size_t no_amx_floats(int64_t R, const Shape *s) {
-    (void)R, (void)s;
+static size_t no_amx_floats(int64_t R, const Shape *s, const Step *st) {
+    (void)R, (void)s, (void)st;
     return 0;
 }
 
@@ -243,7 +250,7 @@ int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, con
     const size_t item_floats = items ? (size_t)(2 * G * D + B * D + G * B + G * span) : 0;            \
     const size_t tile_floats = tiles ? (size_t)(2 * R * D + 2 * B * D + R * B + VL + 2 * R) +         \
                                        (sizeof(T) * R * D + sizeof(float) - 1) / sizeof(float) : 0;   \
-    const size_t extra = tiles ? TILE_EXTRA(R, s) : 0;                                                \
+    const size_t extra = tiles ? TILE_EXTRA(R, s, st) : 0;                                            \
     const size_t most = item_floats > tile_floats ? item_floats : tile_floats;                        \
     const size_t floats = most > extra ? most : extra;                                                \
     const int rope = key && st->cos_sin;                                                              \
