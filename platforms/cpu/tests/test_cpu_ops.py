@@ -127,6 +127,29 @@ def test_silu_and_mul_strided_rows_and_fallbacks(kernels):
         fused_ops.silu_and_mul(kernels, odd)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_argmax_is_torchs_first_index_of_the_maximum(kernels, dtype):
+    """Many ties (the first index wins, whichever vector lane holds it), NaN the maximum (its first
+    index), an infinity, all -inf, rows shorter than a vector and with a ragged tail; the kit's
+    conformance check too."""
+    from podium_plugin_api.testing.op_checks import check_op
+
+    gen = torch.Generator().manual_seed(7)
+    for vocab in (1, 5, 16, 17, 4999, 49152):
+        x = torch.randint(-4, 4, (12, vocab), generator=gen).to(dtype)
+        if vocab > 16:
+            x[1, vocab - 1] = 9  # the maximum in the tail or the last vector
+            x[2, 7], x[2, vocab // 2] = float("nan"), float("nan")
+            x[3, 10], x[3, vocab - 1] = float("inf"), float("nan")
+            x[4] = float("-inf")
+            x[5, 3], x[5, vocab - 1] = 5, 5  # a tie across lanes: index 3
+        got = fused_ops.argmax(kernels, x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (vocab, got)
+    wide = torch.randn(4, 100, generator=gen).to(dtype)
+    assert torch.equal(fused_ops.argmax(kernels, wide[:, ::2]), wide[:, ::2].argmax(dim=-1))  # strided: reference
+    check_op("argmax", CpuPlatform().custom_ops()["argmax"], dtype, "cpu", "platform.custom_ops()")
+
+
 def test_top_k_prefilter_keeps_what_the_reference_keeps():
     gen = torch.Generator().manual_seed(0)
     logits = torch.stack([torch.randperm(5000, generator=gen) for _ in range(6)]).float().mul(0.01)

@@ -95,6 +95,7 @@ class NativeKernels:
     dpbf16_fused_linear: dict = field(default_factory=dict)
     embed_rows: dict = field(default_factory=dict)  # the embedding lookup
     token_bitmask: dict = field(default_factory=dict)  # structured output's mask, in place
+    argmax: dict = field(default_factory=dict)  # greedy sampling's first index of each row's maximum
     # GGUF blocks kept quantized (gguf_linear.c): {ggml type id: {dtype: entry}}
     gguf_linear: dict = field(default_factory=dict)
     gguf_embed: dict = field(default_factory=dict)
@@ -237,6 +238,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_fma_fused_linear": (_FUSED_LINEAR, ("f32", "bf16")),
     "podium_embed_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16")),
     "podium_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT], ("f32", "bf16")),
+    "podium_argmax": ([_PTR, _I64, _I64, _I64, _PTR, _INT], ("f32", "bf16")),
     **{f"podium_gguf_{name}_linear": (_LINEAR, ("f32", "bf16")) for name in GGUF_TYPES.values()},
     **{f"podium_gguf_{name}_embed": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16"))
        for name in GGUF_TYPES.values()},
@@ -326,6 +328,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         dpbf16_fused_linear=entries["podium_dpbf16_fused_linear"] if dpbf16_ready else {},
         embed_rows=entries["podium_embed_rows"],
         token_bitmask=entries["podium_token_bitmask"],
+        argmax=entries["podium_argmax"],
         gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},
         gguf_embed={t: entries[f"podium_gguf_{name}_embed"] for t, name in GGUF_TYPES.items()},
         replay=replay,
