@@ -81,13 +81,8 @@ def test_bf16_prefill_tiles_on_amx_and_on_avx512_both_match_the_reference(platfo
         pytest.skip(why)
     if not kernels.amx_linear:
         pytest.skip("no AMX here: the AVX512-BF16 tiles run, tested above")
-    backend = platform.attention_backend()
-    try:
-        for on in (1, 0):
-            assert kernels.attention_amx(on) == on
-            run_case(platform, backend, case, torch.bfloat16, seed=3 + on)
-    finally:
-        kernels.attention_amx(1)
+    for amx in (True, False):  # (the platform's amx option)
+        run_case(platform, CpuAttentionBackend(kernels, amx=amx), case, torch.bfloat16, seed=3 + amx)
 
 
 def test_native_kernel_is_built_here():

@@ -281,7 +281,7 @@ def test_the_linears_option_forces_its_kernel_where_it_runs_and_refuses_elsewher
     computes = {dtype for dtype in (torch.bfloat16, torch.float32)
                 if ((forced, dtype) in runnable if forced != "onednn" else can_pack(dtype))}
     platform = CpuPlatform()
-    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": forced})
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": forced, "amx": True})
     if not computes:
         with pytest.raises(ValueError, match=f"linears option is {forced}, which runs no dtype here"):
             platform.linear_rules()
@@ -296,6 +296,20 @@ def test_the_linears_option_forces_its_kernel_where_it_runs_and_refuses_elsewher
                 assert got.kernel == "onednn"
             else:
                 assert got.kernel == forced and "forced by the linears option" in got.reason, (dtype, rows, got)
+
+
+def test_the_amx_option_off_runs_the_cpu_as_one_without_amx(kernels):
+    """Off: no linear on AMX tiles (the rule a CPU with AVX512-BF16 and no AMX has) and attention
+    tiles without them; forcing the amx kernel then is an error."""
+    platform = CpuPlatform()
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "auto", "amx": False})
+    for rows in (1, 32, AMX_MAX_ROWS + 1):
+        got = platform.linear_kernel(torch.bfloat16, 576, 1536, rows).kernel
+        assert got != "amx" and got == ("avx512-bf16" if kernels.dpbf16_linear else got), (rows, got)
+    assert platform.attention_backend().amx is False
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "amx", "amx": False})
+    with pytest.raises(ValueError, match="linears option is amx, which runs no dtype here"):
+        platform.linear_rules()
 
 
 @pytest.fixture(scope="module", params=["amx-bfloat16", "avx512-bf16-bfloat16", "fma-bfloat16", "fma-float32"])

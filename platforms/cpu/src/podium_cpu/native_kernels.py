@@ -58,7 +58,7 @@ class Shape(ctypes.Structure):
             "q_token_stride", "o_token_stride", "k_token_stride", "v_token_stride",
             "num_heads", "num_kv_heads", "head_size", "block_size", "window",
         )
-    ] + [("scale", ctypes.c_float), ("soft_cap", ctypes.c_float)]
+    ] + [("scale", ctypes.c_float), ("soft_cap", ctypes.c_float), ("amx_tiles", ctypes.c_int64)]
 
 
 class Step(ctypes.Structure):

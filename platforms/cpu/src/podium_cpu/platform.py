@@ -8,7 +8,8 @@ Choices made here, from what the machine offers (``cpu_info``):
 - linears: a native kernel (AMX, AVX512-BF16 or FMA) or oneDNN's packed matmul per dtype and batch
   size, by the rule in ``linear_choice``; ``linear_kernel`` says which runs for a shape and why,
   ``podium platforms --verbose`` shows each dtype's rule. The platform option ``linears`` forces
-  one kernel for the dtypes it computes (``linear_choice.forced_rules``).
+  one kernel for the dtypes it computes (``linear_choice.forced_rules``); the option ``amx`` off runs
+  the CPU as one without AMX (linears and attention), to measure that kind on an AMX machine.
 - graphs: decode steps captured as their native kernel calls and replayed from C (graphs.py), where
   the attention is the native kernel's; a model with an op outside the native kernels (a oneDNN
   linear, say) stays eager.
@@ -28,6 +29,7 @@ Choices made here, from what the machine offers (``cpu_info``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from functools import partial
@@ -72,6 +74,10 @@ KV_COMMIT_OPTION = PlatformOption(
     "is the full cache from the start and a host that cannot hold it fails at startup, for about 0.5 s "
     "of startup per GiB; off: pages fault in as blocks are first used, so RSS rises to the cache's size "
     "over the first minutes of serving (a plateau, not a leak)")
+AMX_OPTION = PlatformOption(
+    "amx", bool, True, "use AMX tiles where the CPU has them (bf16 linears up to 256 rows, bf16 prefill "
+    "attention); off: the CPU runs as one with AVX512-BF16 and no AMX (the avx512-bf16 linear kernel for every "
+    "batch, AVX512-BF16 attention tiles), to measure that kind on an AMX machine")
 LINEARS_OPTION = PlatformOption(
     "linears", str, "auto", "the kernel of the linear layers (auto: the rule per dtype and batch, see `podium "
     "platforms --verbose`); a named kernel replaces the rule of every dtype it computes (amx, avx512-bf16: "
@@ -88,6 +94,7 @@ class CpuPlatform(Platform):
         self._attention = "auto"  # the attention option; activate() sets it
         self._commit_kv = False  # the kv_cache_commit option
         self._linears = "auto"  # the linears option
+        self._amx = True  # the amx option
         self._backend: AttentionBackend | None = None
         self._backend_note = ""
         self._capabilities: Capabilities | None = None
@@ -95,7 +102,7 @@ class CpuPlatform(Platform):
         self._invariant = False  # the batch-invariant mode (use_batch_invariant_kernels)
 
     def options(self) -> tuple[PlatformOption, ...]:
-        return (ATTENTION_OPTION, KV_COMMIT_OPTION, LINEARS_OPTION)
+        return (ATTENTION_OPTION, KV_COMMIT_OPTION, LINEARS_OPTION, AMX_OPTION)
 
     def activate(self, options: Mapping[str, Any]) -> None:
         """Take the attention choice, the KV commit and the linears' kernel (nothing process-wide to
@@ -103,6 +110,7 @@ class CpuPlatform(Platform):
         self._attention = options["attention"]
         self._commit_kv = options["kv_cache_commit"]
         self._linears = options["linears"]
+        self._amx = options["amx"]
         self._backend, self._capabilities, self._linear_rules = None, None, None
 
     def capabilities(self) -> Capabilities:
@@ -150,7 +158,7 @@ class CpuPlatform(Platform):
 
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
-            self._backend, self._backend_note = _make_backend(self._attention, self._invariant)
+            self._backend, self._backend_note = _make_backend(self._attention, self._invariant, self._amx)
         return self._backend
 
     @property
@@ -178,6 +186,9 @@ class CpuPlatform(Platform):
         """Each dtype's linear kernels here (``linear_choice``); builds the native kernels on first use."""
         if self._linear_rules is None:
             kernels, why_not = load_kernels()
+            if kernels is not None and not self._amx:  # the amx option off: as a CPU without AMX
+                kernels = dataclasses.replace(kernels, amx_linear={}, amx_fused_linear={})
+                why_not = why_not or "AMX is off (the amx option)"
             if self._invariant:
                 self._linear_rules = batch_invariant_rules(kernels, why_not, self._linears)
             else:
@@ -241,7 +252,7 @@ def _check_invariant_dtypes(model: nn.Module, rules: dict[torch.dtype, LinearRul
                          f"on this CPU (it has: {have}); choose another --dtype or run without --batch-invariant")
 
 
-def _make_backend(choice: str = "auto", invariant: bool = False) -> tuple[AttentionBackend, str]:
+def _make_backend(choice: str = "auto", invariant: bool = False, amx: bool = True) -> tuple[AttentionBackend, str]:
     """(backend, note) for ``choice``; auto: the native kernel when it builds, else IPEX's, else torch.
 
     The native kernel comes first because it measured faster here: 32 bf16 decodes over ~100
@@ -256,7 +267,7 @@ def _make_backend(choice: str = "auto", invariant: bool = False) -> tuple[Attent
         kernels, reason = load_kernels()
         if kernels is not None:
             tile_min_query = EVERY_TOKEN_ALONE if invariant else TILE_MIN_QUERY
-            return CpuAttentionBackend(kernels, tile_min_query), forced if choice == "native" else ""
+            return CpuAttentionBackend(kernels, tile_min_query, amx), forced if choice == "native" else ""
         if choice == "native":
             raise RuntimeError(f"the cpu platform's attention option is native, but the native kernels did not "
                                f"load: {reason}")

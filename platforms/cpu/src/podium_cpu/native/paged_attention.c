@@ -44,6 +44,7 @@ typedef struct { /* one layer's call: its strides (elements) and attention param
     int64_t num_heads, num_kv_heads, head_size, block_size;
     int64_t window;        /* <= 0: no sliding window */
     float scale, soft_cap; /* soft_cap <= 0: none */
+    int64_t amx_tiles;     /* 0: bf16 prefill tiles never on AMX tiles (the platform's amx option) */
 } Shape;
 
 typedef struct { /* one step's batch, the same for every layer */
@@ -185,7 +186,7 @@ int podium_attention_amx(int on) {
 /* the floats of scratch a bf16 call's AMX tiles need, for tiles of up to R rows (0: none run) */
 static size_t amx_floats(int64_t R, const Shape *s, const Step *st) {
 #if HAVE_AMX_ATTENTION
-    if (!amx_tiles_on || !amx_tile_fits(s->head_size, s->block_size)) return 0;
+    if (!amx_tiles_on || !s->amx_tiles || !amx_tile_fits(s->head_size, s->block_size)) return 0;
     int64_t blocks = 1; /* the most key blocks one tile reads */
     for (int64_t i = 0; i < st->num_tiles; i++) {
         const int64_t pos0 = st->tiles[4 * i + 2], last = (pos0 + st->tiles[4 * i + 3] - 1) / s->block_size;
@@ -203,7 +204,7 @@ static size_t amx_floats(int64_t R, const Shape *s, const Step *st) {
 static void tile_bf16_any(const bf16_t *query, const bf16_t *kc, const bf16_t *vc, bf16_t *out, const int32_t *table,
                           int64_t tok0, int64_t pos0, int64_t count, int64_t h, const Shape *s, float *scratch) {
 #if HAVE_AMX_ATTENTION
-    if (amx_tiles_on && amx_tile_fits(s->head_size, s->block_size)) {
+    if (amx_tiles_on && s->amx_tiles && amx_tile_fits(s->head_size, s->block_size)) {
         amx_tile(query, kc, vc, out, table, tok0, pos0, count, h, s->num_heads / s->num_kv_heads, s->num_kv_heads,
                  s->q_token_stride, s->o_token_stride, s->window, s->scale, s->soft_cap, scratch);
         return;
