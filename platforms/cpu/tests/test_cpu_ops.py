@@ -127,6 +127,29 @@ def test_silu_and_mul_strided_rows_and_fallbacks(kernels):
         fused_ops.silu_and_mul(kernels, odd)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_argmax_is_torchs_first_index_of_the_maximum(kernels, dtype):
+    """Many ties (the first index wins, whichever vector lane holds it), NaN the maximum (its first
+    index), an infinity, all -inf, rows shorter than a vector and with a ragged tail; the kit's
+    conformance check too."""
+    from podium_plugin_api.testing.op_checks import check_op
+
+    gen = torch.Generator().manual_seed(7)
+    for vocab in (1, 5, 16, 17, 4999, 49152):
+        x = torch.randint(-4, 4, (12, vocab), generator=gen).to(dtype)
+        if vocab > 16:
+            x[1, vocab - 1] = 9  # the maximum in the tail or the last vector
+            x[2, 7], x[2, vocab // 2] = float("nan"), float("nan")
+            x[3, 10], x[3, vocab - 1] = float("inf"), float("nan")
+            x[4] = float("-inf")
+            x[5, 3], x[5, vocab - 1] = 5, 5  # a tie across lanes: index 3
+        got = fused_ops.argmax(kernels, x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (vocab, got)
+    wide = torch.randn(4, 100, generator=gen).to(dtype)
+    assert torch.equal(fused_ops.argmax(kernels, wide[:, ::2]), wide[:, ::2].argmax(dim=-1))  # strided: reference
+    check_op("argmax", CpuPlatform().custom_ops()["argmax"], dtype, "cpu", "platform.custom_ops()")
+
+
 def test_top_k_prefilter_keeps_what_the_reference_keeps():
     gen = torch.Generator().manual_seed(0)
     logits = torch.stack([torch.randperm(5000, generator=gen) for _ in range(6)]).float().mul(0.01)
@@ -248,6 +271,45 @@ def test_the_rules_take_the_fastest_kernel_this_cpu_runs(kernels):
                         else "torch")
     f32 = platform.linear_kernel(torch.float32, 576, 576, 32).kernel
     assert f32 == ("fma" if ("fma", torch.float32) in runnable else "onednn" if can_pack(torch.float32) else "torch")
+
+
+@pytest.mark.parametrize("forced", ["amx", "avx512-bf16", "fma", "onednn"])
+def test_the_linears_option_forces_its_kernel_where_it_runs_and_refuses_elsewhere(kernels, forced):
+    """A named kernel replaces the rule of each dtype it computes here (the rest keep theirs); one that
+    computes none here is an error naming the option, never another kernel."""
+    runnable = {(k.name, k.dtype) for k in runnable_native_kernels(kernels)}
+    computes = {dtype for dtype in (torch.bfloat16, torch.float32)
+                if ((forced, dtype) in runnable if forced != "onednn" else can_pack(dtype))}
+    platform = CpuPlatform()
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": forced, "amx": True})
+    if not computes:
+        with pytest.raises(ValueError, match=f"linears option is {forced}, which runs no dtype here"):
+            platform.linear_rules()
+        return
+    auto = CpuPlatform()
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for rows in (1, 32, AMX_MAX_ROWS + 1):
+            got = platform.linear_kernel(dtype, 576, 1536, rows)
+            if dtype not in computes:
+                assert got == auto.linear_kernel(dtype, 576, 1536, rows)
+            elif forced == "amx" and rows > AMX_MAX_ROWS:
+                assert got.kernel == "onednn"
+            else:
+                assert got.kernel == forced and "forced by the linears option" in got.reason, (dtype, rows, got)
+
+
+def test_the_amx_option_off_runs_the_cpu_as_one_without_amx(kernels):
+    """Off: no linear on AMX tiles (the rule a CPU with AVX512-BF16 and no AMX has) and attention
+    tiles without them; forcing the amx kernel then is an error."""
+    platform = CpuPlatform()
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "auto", "amx": False})
+    for rows in (1, 32, AMX_MAX_ROWS + 1):
+        got = platform.linear_kernel(torch.bfloat16, 576, 1536, rows).kernel
+        assert got != "amx" and got == ("avx512-bf16" if kernels.dpbf16_linear else got), (rows, got)
+    assert platform.attention_backend().amx is False
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "amx", "amx": False})
+    with pytest.raises(ValueError, match="linears option is amx, which runs no dtype here"):
+        platform.linear_rules()
 
 
 @pytest.fixture(scope="module", params=["amx-bfloat16", "avx512-bf16-bfloat16", "fma-bfloat16", "fma-float32"])

@@ -53,9 +53,11 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu-paged"
     key_transposed = True  # key tiles stored [D, block_size]
 
-    def __init__(self, kernels: NativeKernels | None = None, tile_min_query: int = TILE_MIN_QUERY) -> None:
+    def __init__(self, kernels: NativeKernels | None = None, tile_min_query: int = TILE_MIN_QUERY,
+                 amx: bool = True) -> None:
         self.kernels = kernels
         self.tile_min_query = tile_min_query  # EVERY_TOKEN_ALONE: the batch-invariant mode (attention_plan)
+        self.amx = amx  # bf16 prefill tiles on AMX tiles where the process can use them (amx_attention.h)
         self._shapes: dict[tuple, tuple] = {}  # (layer id, strides, block size) -> (layer, the kernel's Shape)
         if kernels is not None:
             self.name = "cpu-paged-native"
@@ -182,18 +184,20 @@ class CpuAttentionBackend(AttentionBackend):
         caches = (base, base + kv_cache.stride(0) * kv_cache.element_size(), blocks, block_size)
         if capturing():  # a graph: the kernel reads the step's tensors in place on every replay
             step = captured_step(meta, query, block_size, True, rotary)
-            return launch(self.kernels, self._shapes, layer, query, (key, value), caches, step)
+            return launch(self.kernels, self._shapes, layer, query, (key, value), caches, step, self.amx)
         plan = plan_for(meta, block_size, self.tile_min_query)
         if rotary is not None and (query.shape[0] != key.shape[0] or not rotary_fits(rotary, key.shape[0], head_size)):
             return None
-        return call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary)
+        return call_kernel(self.kernels, self._shapes, layer, query, (key, value), caches, meta, plan, rotary,
+                           self.amx)
 
     def _attend(self, layer, query, key_cache, value_cache, meta, plan: StepPlan, new_key, new_value) -> torch.Tensor:
         blocks, hkv, block_size, head_size = value_cache.shape
         if self._native_layout(key_cache) and query.dtype == key_cache.dtype and \
                 kernel_inputs_fit(layer, query, None, hkv, head_size, 0):
             caches = (key_cache.data_ptr(), value_cache.data_ptr(), blocks, block_size)
-            return call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan)  # checks the plan
+            return call_kernel(self.kernels, self._shapes, layer, query, None, caches, meta, plan,  # checks the plan
+                               amx=self.amx)
         check_plan(plan, query, blocks)
         out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
         if plan.decode_seqs:  # decodes

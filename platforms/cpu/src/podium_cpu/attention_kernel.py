@@ -27,22 +27,25 @@ from .native_kernels import NativeKernels, Shape, Step
 
 def call_kernel(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec, query: torch.Tensor,
                 new_rows: tuple[torch.Tensor, torch.Tensor] | None, caches: tuple[int, int, int, int],
-                meta: AttentionMetadata, plan: StepPlan, rotary: RotaryInputs | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, plan: StepPlan, rotary: RotaryInputs | None = None,
+                amx: bool = True) -> torch.Tensor:
     """out [T, H, D], every sequence's rows attended.
 
     ``caches``: (key cache address, value cache address, blocks, block size); ``new_rows``: the
     step's (key, value) [T, Hkv, D], written first, or None. ``rotary`` (with ``new_rows``): query
-    and key come unrotated; the kernel rotates them (``rotary_fits`` checked it applies). The
-    caller checked ``kernel_inputs_fit``.
+    and key come unrotated; the kernel rotates them (``rotary_fits`` checked it applies). ``amx``:
+    bf16 prefill tiles may run on AMX tiles (where the process can). The caller checked
+    ``kernel_inputs_fit``.
     """
     _, _, blocks, block_size = caches
     check_plan(plan, query, blocks)
     step = _step(plan, meta, blocks * block_size, new_rows is not None, rotary, layer.num_heads // layer.num_kv_heads)
-    return launch(kernels, shapes, layer, query, new_rows, caches, step)
+    return launch(kernels, shapes, layer, query, new_rows, caches, step, amx)
 
 
 def launch(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec, query: torch.Tensor,
-           new_rows: tuple[torch.Tensor, torch.Tensor] | None, caches: tuple[int, int, int, int], step: Step) -> torch.Tensor:
+           new_rows: tuple[torch.Tensor, torch.Tensor] | None, caches: tuple[int, int, int, int], step: Step,
+           amx: bool = True) -> torch.Tensor:
     """One kernel call over ``step``'s tokens: out [T, H, D] (rows of other tokens uninitialised)."""
     key_ptr, value_ptr, _, block_size = caches
     out = torch.empty(query.shape, dtype=query.dtype)  # [T, H, D]
@@ -52,10 +55,10 @@ def launch(kernels: NativeKernels, shapes: dict, layer: AttentionLayerSpec, quer
     else:
         key, value = new_rows
         k_stride, v_stride = key.stride(0), value.stride(0)
-    shape_key = (id(layer), query.stride(0), k_stride, v_stride, block_size)
+    shape_key = (id(layer), query.stride(0), k_stride, v_stride, block_size, amx)
     entry = shapes.get(shape_key)
     if entry is None or entry[0] is not layer:
-        entry = shapes[shape_key] = (layer, _shape(layer, query, k_stride, v_stride, block_size))
+        entry = shapes[shape_key] = (layer, _shape(layer, query, k_stride, v_stride, block_size, amx))
     rc = kernels.paged_attention[query.dtype](
         query.data_ptr(), None if key is None else key.data_ptr(), None if value is None else value.data_ptr(),
         key_ptr, value_ptr, out.data_ptr(), step, entry[1], torch.get_num_threads(),
@@ -87,13 +90,14 @@ def token_rows(t: torch.Tensor, heads: int, d: int) -> bool:
             and t.stride(0) >= heads * d)
 
 
-def _shape(layer: AttentionLayerSpec, query: torch.Tensor, k_stride: int, v_stride: int, block_size: int) -> Shape:
+def _shape(layer: AttentionLayerSpec, query: torch.Tensor, k_stride: int, v_stride: int, block_size: int,
+           amx: bool) -> Shape:
     return Shape(
         q_token_stride=query.stride(0), o_token_stride=layer.num_heads * layer.head_size,
         k_token_stride=k_stride, v_token_stride=v_stride,
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
         block_size=block_size, window=layer.sliding_window or 0,
-        scale=layer.scale, soft_cap=layer.soft_cap or 0.0,
+        scale=layer.scale, soft_cap=layer.soft_cap or 0.0, amx_tiles=int(amx),
     )
 
 

@@ -28,6 +28,10 @@ against oneDNN's packed matmul at SmolLM2's shapes and 1-512 rows):
 
 Nothing here depends on a layer's shape: every shape measured alike. ``choose`` takes the shape
 anyway, so a rule that does needs no new callers, and names it in its answer.
+
+The platform option ``linears`` (``forced_rules``) replaces the rule of every dtype a named kernel
+computes: to measure one kernel against another in whole runs, or to run this CPU as a kind without
+AMX (``avx512-bf16``) as far as the linears go.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .onednn_linear import packing_unavailable
 
 AMX_MAX_ROWS = 256  # AMX's kernel up to this many rows, oneDNN above (measured alike at 256-512)
 NATIVE = ("amx", "avx512-bf16", "fma")
+LINEAR_CHOICES = ("auto", *NATIVE, "onednn")  # the platform option ``linears``
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,35 @@ def runnable_native_kernels(kernels: NativeKernels) -> list[NativeKernel]:
             if dtype in getattr(kernels, f"{prefix}_linear")]
 
 
+def forced_rules(rules: dict[torch.dtype, LinearRule], forced: str, kernels: NativeKernels | None,
+                 why_not: str = "") -> dict[torch.dtype, LinearRule]:
+    """``rules`` with the kernel ``forced`` (one of ``LINEAR_CHOICES``) for every dtype it computes
+    here: ``amx`` and ``avx512-bf16`` bf16, ``fma`` bf16 and float32, ``onednn`` both where it packs;
+    the other dtypes keep their rule. ``auto``: ``rules`` as they are. ValueError when the kernel
+    computes no dtype on this CPU (a forced choice is never silently another kernel)."""
+    if forced == "auto":
+        return rules
+    if forced not in LINEAR_CHOICES:
+        raise ValueError(f"unknown linear kernel {forced!r}; choose one of {', '.join(LINEAR_CHOICES)}")
+    reason = f"forced by the linears option ({forced})"
+    changed = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        fallback = "onednn" if not packing_unavailable(dtype) else "torch"
+        if forced == "onednn":
+            if fallback == "onednn":
+                changed[dtype] = LinearRule("onednn", f"{reason}; decode steps are not captured")
+            continue
+        prefix, layouts = _KERNELS[forced]
+        if kernels is not None and dtype in layouts and dtype in getattr(kernels, f"{prefix}_linear"):
+            changed[dtype] = LinearRule(fallback, reason, _native(kernels, forced, dtype))
+    if not changed:
+        why = why_not or ("oneDNN cannot pack a matmul in this torch build" if forced == "onednn"
+                          else "this CPU or build lacks its instructions")
+        raise ValueError(f"the cpu platform's linears option is {forced}, which runs no dtype here ({why}); "
+                         f"choose auto or one of {', '.join(c for c in LINEAR_CHOICES if c not in ('auto', forced))}")
+    return {**rules, **changed}
+
+
 def _bf16_rule(kernels: NativeKernels | None, why_not: str) -> LinearRule:
     bf16 = torch.bfloat16
     onednn_why = packing_unavailable(bf16)
@@ -157,13 +191,19 @@ def _f32_rule(kernels: NativeKernels | None, why_not: str) -> LinearRule:
 _INVARIANT = {torch.bfloat16: ("amx", "avx512-bf16", "fma"), torch.float32: ("fma",)}
 
 
-def batch_invariant_rules(kernels: NativeKernels | None, why_not: str = "") -> dict[torch.dtype, LinearRule]:
+def batch_invariant_rules(kernels: NativeKernels | None, why_not: str = "",
+                          forced: str = "auto") -> dict[torch.dtype, LinearRule]:
     """The batch-invariant mode's rule of each dtype that has a native kernel here (a dtype missing
-    from the answer cannot run in the mode)."""
+    from the answer cannot run in the mode). ``forced``: the linears option; a native kernel named
+    there comes first for the dtypes it computes, oneDNN is refused (its blocking follows M)."""
+    if forced == "onednn":
+        raise ValueError("the cpu platform's batch-invariant mode runs native linears only; the linears option "
+                         "onednn cannot be used with it")
     if kernels is None:
         return {}
     rules = {}
     for dtype, names in _INVARIANT.items():
+        names = ((forced,) if forced in names else ()) + names
         for name in names:
             prefix, _ = _KERNELS[name]
             if dtype in getattr(kernels, f"{prefix}_linear"):

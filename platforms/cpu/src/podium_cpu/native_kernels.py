@@ -58,7 +58,7 @@ class Shape(ctypes.Structure):
             "q_token_stride", "o_token_stride", "k_token_stride", "v_token_stride",
             "num_heads", "num_kv_heads", "head_size", "block_size", "window",
         )
-    ] + [("scale", ctypes.c_float), ("soft_cap", ctypes.c_float)]
+    ] + [("scale", ctypes.c_float), ("soft_cap", ctypes.c_float), ("amx_tiles", ctypes.c_int64)]
 
 
 class Step(ctypes.Structure):
@@ -95,10 +95,14 @@ class NativeKernels:
     dpbf16_fused_linear: dict = field(default_factory=dict)
     embed_rows: dict = field(default_factory=dict)  # the embedding lookup
     token_bitmask: dict = field(default_factory=dict)  # structured output's mask, in place
+    argmax: dict = field(default_factory=dict)  # greedy sampling's first index of each row's maximum
     # GGUF blocks kept quantized (gguf_linear.c): {ggml type id: {dtype: entry}}
     gguf_linear: dict = field(default_factory=dict)
     gguf_embed: dict = field(default_factory=dict)
     replay: ctypes._CFuncPtr | None = None  # graph_replay.c: a captured step's calls (graphs.py)
+    # paged_attention.c's podium_attention_amx(on) -> on: bf16 prefill tiles on AMX tiles (set at load
+    # where AMX runs; the tests turn it off to compare with the AVX512-BF16 tiles)
+    attention_amx: ctypes._CFuncPtr | None = None
 
 
 def cache_dir() -> Path:
@@ -234,6 +238,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_fma_fused_linear": (_FUSED_LINEAR, ("f32", "bf16")),
     "podium_embed_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16")),
     "podium_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT], ("f32", "bf16")),
+    "podium_argmax": ([_PTR, _I64, _I64, _I64, _PTR, _INT], ("f32", "bf16")),
     **{f"podium_gguf_{name}_linear": (_LINEAR, ("f32", "bf16")) for name in GGUF_TYPES.values()},
     **{f"podium_gguf_{name}_embed": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16"))
        for name in GGUF_TYPES.values()},
@@ -299,6 +304,8 @@ def _load() -> tuple[NativeKernels | None, str]:
         libs = [ctypes.CDLL(str(p)) for p in paths]
         entries = _bind(libs)
         amx_ready = _amx_ready(libs)
+        attention_amx = _attention_amx_entry(libs)
+        attention_amx(1 if amx_ready else 0)  # bf16 prefill tiles on AMX where the process may use it
         fma_ready = _ready(libs, "podium_fma_ready") == 1
         dpbf16_ready = _ready(libs, "podium_dpbf16_ready") == 1
         replay = _replay_entry(libs)
@@ -321,9 +328,11 @@ def _load() -> tuple[NativeKernels | None, str]:
         dpbf16_fused_linear=entries["podium_dpbf16_fused_linear"] if dpbf16_ready else {},
         embed_rows=entries["podium_embed_rows"],
         token_bitmask=entries["podium_token_bitmask"],
+        argmax=entries["podium_argmax"],
         gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},
         gguf_embed={t: entries[f"podium_gguf_{name}_embed"] for t, name in GGUF_TYPES.items()},
         replay=replay,
+        attention_amx=attention_amx,
     ), ""
 
 
@@ -338,6 +347,15 @@ def _replay_entry(libs: list[ctypes.CDLL]):
     if fn is None:
         raise AttributeError("native library lacks podium_replay")
     fn.argtypes, fn.restype = [_PTR, _I64], ctypes.c_int
+    return fn
+
+
+def _attention_amx_entry(libs: list[ctypes.CDLL]):
+    """paged_attention.c's ``int podium_attention_amx(int on)``."""
+    fn = _symbol(libs, "podium_attention_amx")
+    if fn is None:
+        raise AttributeError("native library lacks podium_attention_amx")
+    fn.argtypes, fn.restype = [_INT], ctypes.c_int
     return fn
 
 

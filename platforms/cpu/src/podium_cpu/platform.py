@@ -7,7 +7,9 @@ Choices made here, from what the machine offers (``cpu_info``):
   (affinity and cgroup quota), never raising a count the user lowered.
 - linears: a native kernel (AMX, AVX512-BF16 or FMA) or oneDNN's packed matmul per dtype and batch
   size, by the rule in ``linear_choice``; ``linear_kernel`` says which runs for a shape and why,
-  ``podium platforms --verbose`` shows each dtype's rule.
+  ``podium platforms --verbose`` shows each dtype's rule. The platform option ``linears`` forces
+  one kernel for the dtypes it computes (``linear_choice.forced_rules``); the option ``amx`` off runs
+  the CPU as one without AMX (linears and attention), to measure that kind on an AMX machine.
 - graphs: decode steps captured as their native kernel calls and replayed from C (graphs.py), where
   the attention is the native kernel's; a model with an op outside the native kernels (a oneDNN
   linear, say) stays eager.
@@ -27,6 +29,7 @@ Choices made here, from what the machine offers (``cpu_info``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from functools import partial
@@ -45,7 +48,15 @@ from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
 from .host_memory import zeroed_host_tensor
 from .ipex_support import ipex_status
-from .linear_choice import LinearChoice, LinearRule, batch_invariant_rules, choose, linear_rules
+from .linear_choice import (
+    LINEAR_CHOICES,
+    LinearChoice,
+    LinearRule,
+    batch_invariant_rules,
+    choose,
+    forced_rules,
+    linear_rules,
+)
 from .linear_packing import pack_linear_layers
 from .moe import pack_experts
 from .native_kernels import compiler_found, load_kernels
@@ -63,6 +74,15 @@ KV_COMMIT_OPTION = PlatformOption(
     "is the full cache from the start and a host that cannot hold it fails at startup, for about 0.5 s "
     "of startup per GiB; off: pages fault in as blocks are first used, so RSS rises to the cache's size "
     "over the first minutes of serving (a plateau, not a leak)")
+AMX_OPTION = PlatformOption(
+    "amx", bool, True, "use AMX tiles where the CPU has them (bf16 linears up to 256 rows, bf16 prefill "
+    "attention); off: the CPU runs as one with AVX512-BF16 and no AMX (the avx512-bf16 linear kernel for every "
+    "batch, AVX512-BF16 attention tiles), to measure that kind on an AMX machine")
+LINEARS_OPTION = PlatformOption(
+    "linears", str, "auto", "the kernel of the linear layers (auto: the rule per dtype and batch, see `podium "
+    "platforms --verbose`); a named kernel replaces the rule of every dtype it computes (amx, avx512-bf16: "
+    "bfloat16; fma, onednn: bfloat16 and float32); one that runs no dtype here is an error",
+    choices=LINEAR_CHOICES)
 
 
 class CpuPlatform(Platform):
@@ -73,6 +93,8 @@ class CpuPlatform(Platform):
     def __init__(self) -> None:
         self._attention = "auto"  # the attention option; activate() sets it
         self._commit_kv = False  # the kv_cache_commit option
+        self._linears = "auto"  # the linears option
+        self._amx = True  # the amx option
         self._backend: AttentionBackend | None = None
         self._backend_note = ""
         self._capabilities: Capabilities | None = None
@@ -80,14 +102,16 @@ class CpuPlatform(Platform):
         self._invariant = False  # the batch-invariant mode (use_batch_invariant_kernels)
 
     def options(self) -> tuple[PlatformOption, ...]:
-        return (ATTENTION_OPTION, KV_COMMIT_OPTION)
+        return (ATTENTION_OPTION, KV_COMMIT_OPTION, LINEARS_OPTION, AMX_OPTION)
 
     def activate(self, options: Mapping[str, Any]) -> None:
-        """Take the attention choice and the KV commit (nothing process-wide to set: threads are
-        sized in set_device)."""
+        """Take the attention choice, the KV commit and the linears' kernel (nothing process-wide to
+        set: threads are sized in set_device)."""
         self._attention = options["attention"]
         self._commit_kv = options["kv_cache_commit"]
-        self._backend, self._capabilities = None, None
+        self._linears = options["linears"]
+        self._amx = options["amx"]
+        self._backend, self._capabilities, self._linear_rules = None, None, None
 
     def capabilities(self) -> Capabilities:
         """Worked out once (the runner asks every step): reads /proc and /sys."""
@@ -134,7 +158,7 @@ class CpuPlatform(Platform):
 
     def attention_backend(self) -> AttentionBackend:
         if self._backend is None:
-            self._backend, self._backend_note = _make_backend(self._attention, self._invariant)
+            self._backend, self._backend_note = _make_backend(self._attention, self._invariant, self._amx)
         return self._backend
 
     @property
@@ -161,8 +185,14 @@ class CpuPlatform(Platform):
     def linear_rules(self) -> dict[torch.dtype, LinearRule]:
         """Each dtype's linear kernels here (``linear_choice``); builds the native kernels on first use."""
         if self._linear_rules is None:
-            rules = batch_invariant_rules if self._invariant else linear_rules
-            self._linear_rules = rules(*load_kernels())
+            kernels, why_not = load_kernels()
+            if kernels is not None and not self._amx:  # the amx option off: as a CPU without AMX
+                kernels = dataclasses.replace(kernels, amx_linear={}, amx_fused_linear={})
+                why_not = why_not or "AMX is off (the amx option)"
+            if self._invariant:
+                self._linear_rules = batch_invariant_rules(kernels, why_not, self._linears)
+            else:
+                self._linear_rules = forced_rules(linear_rules(kernels, why_not), self._linears, kernels, why_not)
         return self._linear_rules
 
     def linear_kernel(self, dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> LinearChoice:
@@ -222,7 +252,7 @@ def _check_invariant_dtypes(model: nn.Module, rules: dict[torch.dtype, LinearRul
                          f"on this CPU (it has: {have}); choose another --dtype or run without --batch-invariant")
 
 
-def _make_backend(choice: str = "auto", invariant: bool = False) -> tuple[AttentionBackend, str]:
+def _make_backend(choice: str = "auto", invariant: bool = False, amx: bool = True) -> tuple[AttentionBackend, str]:
     """(backend, note) for ``choice``; auto: the native kernel when it builds, else IPEX's, else torch.
 
     The native kernel comes first because it measured faster here: 32 bf16 decodes over ~100
@@ -237,7 +267,7 @@ def _make_backend(choice: str = "auto", invariant: bool = False) -> tuple[Attent
         kernels, reason = load_kernels()
         if kernels is not None:
             tile_min_query = EVERY_TOKEN_ALONE if invariant else TILE_MIN_QUERY
-            return CpuAttentionBackend(kernels, tile_min_query), forced if choice == "native" else ""
+            return CpuAttentionBackend(kernels, tile_min_query, amx), forced if choice == "native" else ""
         if choice == "native":
             raise RuntimeError(f"the cpu platform's attention option is native, but the native kernels did not "
                                f"load: {reason}")

@@ -130,15 +130,29 @@ static void store_block(float *restrict c, int64_t rows, int64_t n0, int64_t N, 
     }
 }
 
-/* One chunk of up to 32 rows (a, row stride a_stride bytes) times one column-block pair */
+/* Ask for the weight tiles WEIGHTS_AHEAD bytes past tile k of both column blocks (into L2): the
+ * weights stream from memory once per call, and the hardware prefetcher alone kept too few of
+ * their lines in flight for one core's share of the read bandwidth */
+#define WEIGHTS_AHEAD 8192
+static inline void prefetch_weights(const bf16_t *b0, const bf16_t *b1, int64_t k) {
+    const char *p0 = (const char *)(b0 + k * 512) + WEIGHTS_AHEAD, *p1 = (const char *)(b1 + k * 512) + WEIGHTS_AHEAD;
+    for (int l = 0; l < 1024; l += 64) {
+        _mm_prefetch(p0 + l, _MM_HINT_T1);
+        _mm_prefetch(p1 + l, _MM_HINT_T1);
+    }
+}
+
+/* One chunk of up to 32 rows (a, row stride a_stride bytes) times one column-block pair; `ahead`:
+ * prefetch the weights ahead (the first chunk of a pair, which reads them from memory) */
 static inline void chunk_pair(const bf16_t *a, int64_t a_stride, int64_t rows, const bf16_t *b0,
-                              const bf16_t *b1, int64_t kb) {
+                              const bf16_t *b1, int64_t kb, int ahead) {
     _tile_zero(0);
     _tile_zero(1);
     if (rows > 16) {
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t k = 0; k < kb; k++) {
+            if (ahead) prefetch_weights(b0, b1, k);
             _tile_loadd(4, a + k * 32, a_stride);
             _tile_loadd(5, (const char *)(a + k * 32) + 16 * a_stride, a_stride);
             _tile_loadd(6, b0 + k * 512, 64);
@@ -150,6 +164,7 @@ static inline void chunk_pair(const bf16_t *a, int64_t a_stride, int64_t rows, c
         }
     } else {
         for (int64_t k = 0; k < kb; k++) {
+            if (ahead) prefetch_weights(b0, b1, k);
             _tile_loadd(4, a + k * 32, a_stride);
             _tile_loadd(6, b0 + k * 512, 64);
             _tile_loadd(7, b1 + k * 512, 64);
@@ -196,9 +211,9 @@ int podium_amx_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
             for (int64_t ch = 0; ch < chunks; ch++) {
                 const int64_t m0 = ch * 32, rows = M - m0 < 32 ? M - m0 : 32;
                 if (ch < full)
-                    chunk_pair(x + m0 * x_stride, x_stride * 2, rows, b0, b1, kb);
+                    chunk_pair(x + m0 * x_stride, x_stride * 2, rows, b0, b1, kb, ch == 0);
                 else
-                    chunk_pair(pad + (m0 - full * 32) * kp, kp * 2, rows, b0, b1, kb);
+                    chunk_pair(pad + (m0 - full * 32) * kp, kp * 2, rows, b0, b1, kb, ch == 0);
                 store_block(c, rows, 32 * p, N, bias, out + m0 * out_stride, out_stride);
             }
         }

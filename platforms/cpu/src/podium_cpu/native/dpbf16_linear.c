@@ -63,16 +63,37 @@ static inline __attribute__((always_inline)) void store_block(__m512 a[ROWS][GRO
         }
 }
 
+/* Prefetch of the weights a thread's next item reads (fma_linear.c's, the same reasoning): its
+ * first row block waits on memory for them, the others find them in L2 while the dot products are
+ * the bound; each row block asks for its share of the next item's lines into L2 (`lines` from
+ * `pf`, `per_p` a pair) */
+typedef struct {
+    const char *pf;
+    int64_t lines;
+    int per_p;
+} Ahead;
+
+static inline Ahead ahead_of(const void *next, int64_t bytes, int64_t b, int64_t count, int64_t pairs) {
+    const int64_t lines = (bytes + 63) / 64, share = (lines + count - 1) / count, first = b * share;
+    Ahead ahead = {(const char *)next + 64 * first, first >= lines ? 0 : lines - first < share ? lines - first : share, 0};
+    ahead.per_p = (int)((ahead.lines + pairs - 1) / pairs);
+    return ahead;
+}
+
 /* R rows of x (row stride xs) x C column blocks from w (block stride bs elements), all pairs;
  * R and C are constants after inlining: the sums stay in registers */
 static inline __attribute__((always_inline)) void row_block(const bf16_t *restrict x, int64_t xs, int64_t pairs,
                                                             const bf16_t *restrict w, int64_t bs, const int R,
                                                             const int C, int64_t n0, int64_t N, const float *bias,
-                                                            bf16_t *out, int64_t out_stride) {
+                                                            bf16_t *out, int64_t out_stride, const Ahead ahead) {
     __m512 a[ROWS][GROUP];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) a[r][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
+        for (int j = 0; j < ahead.per_p; j++) {
+            const int64_t line = p * ahead.per_p + j;
+            if (line < ahead.lines) _mm_prefetch(ahead.pf + 64 * line, _MM_HINT_T1);
+        }
         __m512bh wv[GROUP];
         for (int j = 0; j < C; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * bs + p * 32);
         for (int r = 0; r < R; r++) {
@@ -89,20 +110,21 @@ static inline __attribute__((always_inline)) void row_block(const bf16_t *restri
 static inline __attribute__((always_inline)) void item_rows(const bf16_t *x, int64_t xs, int64_t rows, int64_t pairs,
                                                             const bf16_t *w, int64_t bs, const int C, int64_t n0,
                                                             int64_t N, const float *bias, bf16_t *out,
-                                                            int64_t out_stride) {
+                                                            int64_t out_stride, const void *next, int64_t next_bytes) {
     const int64_t count = (rows + ROWS - 1) / ROWS;
     for (int64_t b = 0, r0 = 0; b < count; b++) {
         const int64_t rb = rows / count + (b < rows % count);
         const bf16_t *xr = x + r0 * xs;
         bf16_t *o = out + r0 * out_stride;
+        const Ahead ahead = ahead_of(next, next ? next_bytes : 0, b, count, pairs);
         r0 += rb;
         switch (rb) {
-            case 6: row_block(xr, xs, pairs, w, bs, 6, C, n0, N, bias, o, out_stride); break;
-            case 5: row_block(xr, xs, pairs, w, bs, 5, C, n0, N, bias, o, out_stride); break;
-            case 4: row_block(xr, xs, pairs, w, bs, 4, C, n0, N, bias, o, out_stride); break;
-            case 3: row_block(xr, xs, pairs, w, bs, 3, C, n0, N, bias, o, out_stride); break;
-            case 2: row_block(xr, xs, pairs, w, bs, 2, C, n0, N, bias, o, out_stride); break;
-            default: row_block(xr, xs, pairs, w, bs, 1, C, n0, N, bias, o, out_stride); break;
+            case 6: row_block(xr, xs, pairs, w, bs, 6, C, n0, N, bias, o, out_stride, ahead); break;
+            case 5: row_block(xr, xs, pairs, w, bs, 5, C, n0, N, bias, o, out_stride, ahead); break;
+            case 4: row_block(xr, xs, pairs, w, bs, 4, C, n0, N, bias, o, out_stride, ahead); break;
+            case 3: row_block(xr, xs, pairs, w, bs, 3, C, n0, N, bias, o, out_stride, ahead); break;
+            case 2: row_block(xr, xs, pairs, w, bs, 2, C, n0, N, bias, o, out_stride, ahead); break;
+            default: row_block(xr, xs, pairs, w, bs, 1, C, n0, N, bias, o, out_stride, ahead); break;
         }
     }
 }
@@ -135,10 +157,14 @@ int podium_dpbf16_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
             const int64_t rows = M - m0 < CHUNK ? M - m0 : CHUNK, first = g * GROUP;
             const bf16_t *w = packed + first * bs, *xr = xin + m0 * xs;
             bf16_t *o = out + m0 * out_stride;
+            /* the weights of this thread's next item: the next group's (a new chunk starts at group 0) */
+            const int64_t next_blocks = g + 1 < groups ? (blocks - first - GROUP < GROUP ? blocks - first - GROUP : GROUP) : 0;
+            const bf16_t *next = next_blocks > 0 ? w + GROUP * bs : NULL;
+            const int64_t next_bytes = next_blocks * bs * (int64_t)sizeof(bf16_t);
             if (blocks - first >= GROUP)
-                item_rows(xr, xs, rows, pairs, w, bs, GROUP, 16 * first, N, bias, o, out_stride);
+                item_rows(xr, xs, rows, pairs, w, bs, GROUP, 16 * first, N, bias, o, out_stride, next, next_bytes);
             else /* blocks come in pairs: a last group of 2 */
-                item_rows(xr, xs, rows, pairs, w, bs, 2, 16 * first, N, bias, o, out_stride);
+                item_rows(xr, xs, rows, pairs, w, bs, 2, 16 * first, N, bias, o, out_stride, next, next_bytes);
         }
     }
     return 0;

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_attention.h"
 #include "attention_math.h"
 #include "bf16.h"
 #include "rotary.h"
@@ -43,6 +44,7 @@ typedef struct { /* one layer's call: its strides (elements) and attention param
     int64_t num_heads, num_kv_heads, head_size, block_size;
     int64_t window;        /* <= 0: no sliding window */
     float scale, soft_cap; /* soft_cap <= 0: none */
+    int64_t amx_tiles;     /* 0: bf16 prefill tiles never on AMX tiles (the platform's amx option) */
 } Shape;
 
 typedef struct { /* one step's batch, the same for every layer */
@@ -170,6 +172,52 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
 DEFINE_TILE(tile_f32, float, SCORES_F32, weigh_values_f32, load_f32, store_f32)
 DEFINE_TILE(tile_bf16, bf16_t, SCORES_BF16, weigh_values_bf16, bf16_to_f32, f32_to_bf16)
 
+/* Whether bf16 prefill tiles run on AMX tiles (amx_attention.h): set by podium_attention_amx once the
+ * process holds AMX permission (native_kernels.py, after amx_linear.c's podium_amx_init) */
+static int amx_tiles_on;
+
+/* Use AMX tiles for bf16 prefill tiles (on != 0) or not; returns whether they now are (0 where this
+ * build has no AMX) */
+int podium_attention_amx(int on) {
+    amx_tiles_on = HAVE_AMX_ATTENTION && on;
+    return amx_tiles_on;
+}
+
+/* the floats of scratch a bf16 call's AMX tiles need, for tiles of up to R rows (0: none run) */
+static size_t amx_floats(int64_t R, const Shape *s, const Step *st) {
+#if HAVE_AMX_ATTENTION
+    if (!amx_tiles_on || !s->amx_tiles || !amx_tile_fits(s->head_size, s->block_size)) return 0;
+    int64_t blocks = 1; /* the most key blocks one tile reads */
+    for (int64_t i = 0; i < st->num_tiles; i++) {
+        const int64_t pos0 = st->tiles[4 * i + 2], last = (pos0 + st->tiles[4 * i + 3] - 1) / s->block_size;
+        const int64_t lo = s->window > 0 && pos0 - s->window + 1 > 0 ? pos0 - s->window + 1 : 0;
+        blocks = last - lo / s->block_size + 1 > blocks ? last - lo / s->block_size + 1 : blocks;
+    }
+    return amx_tile_floats(R, blocks);
+#else
+    (void)R, (void)s, (void)st;
+    return 0;
+#endif
+}
+
+/* a bf16 prefill tile: on AMX tiles where they run this shape, else DEFINE_TILE's */
+static void tile_bf16_any(const bf16_t *query, const bf16_t *kc, const bf16_t *vc, bf16_t *out, const int32_t *table,
+                          int64_t tok0, int64_t pos0, int64_t count, int64_t h, const Shape *s, float *scratch) {
+#if HAVE_AMX_ATTENTION
+    if (amx_tiles_on && s->amx_tiles && amx_tile_fits(s->head_size, s->block_size)) {
+        amx_tile(query, kc, vc, out, table, tok0, pos0, count, h, s->num_heads / s->num_kv_heads, s->num_kv_heads,
+                 s->q_token_stride, s->o_token_stride, s->window, s->scale, s->soft_cap, scratch);
+        return;
+    }
+#endif
+    tile_bf16(query, kc, vc, out, table, tok0, pos0, count, h, s, scratch);
+}
+/* float32 tiles have no AMX form */
+static size_t no_amx_floats(int64_t R, const Shape *s, const Step *st) {
+    (void)R, (void)s, (void)st;
+    return 0;
+}
+
 /* Store one new token's key and value rows [H_kv, D] (heads contiguous) at cache slot
  * block * B + offset in the layout above. KEY_AT(d, offset) is the key element's index in its tile. */
 #define KEY_AT_F32(d, offset, B) ((d) * (B) + (offset))
@@ -193,7 +241,7 @@ DEFINE_WRITE_TOKEN(write_token_bf16, bf16_t, KEY_AT_PAIRS)
  * cos_sin, each new token's key is rotated on its way into the cache and its query rotated into
  * out's row, which the attention then reads as its query (a work item reads its query heads before
  * writing the same heads' output). Returns 0, or -1 when scratch memory could not be allocated. */
-#define DEFINE_ENTRY(NAME, ITEM, TILE, WRITE, ROTATE, T)                                              \
+#define DEFINE_ENTRY(NAME, ITEM, TILE, TILE_EXTRA, WRITE, ROTATE, T)                                  \
 int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, const Step *st,          \
          const Shape *s, int num_threads) {                                                           \
     const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
@@ -203,7 +251,9 @@ int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, con
     const size_t item_floats = items ? (size_t)(2 * G * D + B * D + G * B + G * span) : 0;            \
     const size_t tile_floats = tiles ? (size_t)(2 * R * D + 2 * B * D + R * B + VL + 2 * R) +         \
                                        (sizeof(T) * R * D + sizeof(float) - 1) / sizeof(float) : 0;   \
-    const size_t floats = item_floats > tile_floats ? item_floats : tile_floats;                      \
+    const size_t extra = tiles ? TILE_EXTRA(R, s, st) : 0;                                            \
+    const size_t most = item_floats > tile_floats ? item_floats : tile_floats;                        \
+    const size_t floats = most > extra ? most : extra;                                                \
     const int rope = key && st->cos_sin;                                                              \
     Shape sq = *s; /* the query's rows: out's once rotated into it */                                 \
     if (rope) sq.q_token_stride = s->o_token_stride;                                                  \
@@ -250,8 +300,8 @@ int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, con
     return failed ? -1 : 0;                                                                           \
 }
 
-DEFINE_ENTRY(podium_paged_attention_f32, item_f32, tile_f32, write_token_f32, rotate_f32, float)
-DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, tile_bf16, write_token_bf16, rotate_bf16, bf16_t)
+DEFINE_ENTRY(podium_paged_attention_f32, item_f32, tile_f32, no_amx_floats, write_token_f32, rotate_f32, float)
+DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, tile_bf16_any, amx_floats, write_token_bf16, rotate_bf16, bf16_t)
 
 /* Only the writes: new rows [T, H_kv, D] (token strides k_stride / v_stride) at slots (negative: skip) */
 #define DEFINE_WRITE(NAME, T, WRITE)                                                                  \

@@ -74,7 +74,36 @@ static void NAME(const T *x, T *o, int64_t I) {                                 
         memcpy(o + i, h, (size_t)(I - i) * sizeof(T));                                                   \
     }                                                                                                    \
 }
-DEFINE_SILU_MUL_ROW(silu_mul_row, bf16_t, loadv_bf16, storev_bf16, roundv_bf16)
 DEFINE_SILU_MUL_ROW(silu_mul_row_f32, float, loadv, storev, roundv_f32)
+
+#if VL == 16
+/* bf16 rows on AVX-512: a bf16 gate has 65536 values, so T(silu(g)) of every one is computed once (at
+ * load, by the vector code above: the same e^x, division and rounding) into this table, and a row
+ * gathers it 16 gates at a time: the row's result is bit for bit the computed one, without an e^x
+ * and a division per 16 values (about 60 cycles of a prefill's ~1.2 ms SiLU-mul a layer, 2048
+ * tokens x 1536). 256 KiB, in each library that includes this. */
+static float silu_bf16_table[65536] __attribute__((unused));
+
+__attribute__((constructor, unused)) static void build_silu_bf16_table(void) {
+    for (int i = 0; i < 65536; i += VL) {
+        vf g;
+        for (int k = 0; k < VL; k++) g[k] = bf16_to_f32((bf16_t)(i + k));
+        const vf s = roundv_bf16(g / (1.f + expv(-g)));
+        memcpy(silu_bf16_table + i, &s, sizeof s);
+    }
+}
+
+static __attribute__((unused)) void silu_mul_row(const bf16_t *x, bf16_t *o, int64_t I) {
+    const bf16_t *gate = x, *up = x + I;
+    int64_t i = 0;
+    for (; i + VL <= I; i += VL) {
+        const __m512i g = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
+        storev_bf16(o + i, (vf)_mm512_i32gather_ps(g, silu_bf16_table, 4) * loadv_bf16(up + i));
+    }
+    for (; i < I; i++) o[i] = f32_to_bf16(silu_bf16_table[gate[i]] * bf16_to_f32(up[i]));
+}
+#else
+DEFINE_SILU_MUL_ROW(silu_mul_row, bf16_t, loadv_bf16, storev_bf16, roundv_bf16)
+#endif
 
 #endif
