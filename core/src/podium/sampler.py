@@ -228,6 +228,14 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     @torch.inference_mode()
+    def greedy_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int] | None:
+        """Every row's argmax (rows of the ``seqs`` in any number each) when all of them are plain
+        greedy, whose token depends on nothing but the row's logits; else None."""
+        if not all(self._state(s).plain for s in seqs):
+            return None
+        return self._argmax(logits).tolist()
+
+    @torch.inference_mode()
     def sample_device(self, logits: torch.Tensor, seqs: list[Sequence],
                       pending: PendingTokens | None = None) -> torch.Tensor:
         """The tokens [N] (long, on the logits' device) without waiting for them: no host sync
