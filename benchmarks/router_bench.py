@@ -99,8 +99,9 @@ def replicas(args, log_dir: Path, count: int, extra: str = ""):
     return processes([serve_command(args, extra)] * count, log_dir)
 
 
-def router(urls: list[str], policy: str, log_dir: Path):
-    command = [PODIUM, "router", "--policy", policy, "--log-level", "warning", "--poll-interval", "0.25"]
+def router(urls: list[str], policy: str, log_dir: Path, extra: str = ""):
+    command = [PODIUM, "router", "--policy", policy, "--log-level", "warning", "--poll-interval", "0.25",
+               *shlex.split(extra)]
     for url in urls:
         command += ["--replica", url]
     return processes([command], log_dir)
@@ -168,23 +169,24 @@ def run_prefix(args, log_dir: Path) -> None:
     kv = lambda count: "" if not blocks else f"--num-kv-blocks {blocks * count}" + (  # noqa: E731
         "" if context else f" --max-model-len {blocks * BLOCK_SIZE}")
     rows = Rows("policy", "replicas", "kv_blocks", "hit_rate", "mean_ttft_ms", "p99_ttft_ms", "ok", "failed")
-    groups = (("ttft", args.replicas, kv(1)), ("round-robin", args.replicas, kv(1)),
-              ("single replica", 1, kv(args.replicas)))
+    groups = tuple(group for group in (("ttft", args.replicas, kv(1)), ("round-robin", args.replicas, kv(1)),
+                                       ("single", 1, kv(args.replicas))) if group[0] in args.groups.split(","))
     commands = [serve_command(args, extra) for _, count, extra in groups for _ in range(count)]
     # every policy gets replicas of its own (fresh caches), all started at once: the starts overlap
     with processes(commands, log_dir) as every_url:
         for policy, count, _ in groups:
             urls, every_url = every_url[:count], every_url[count:]
-            if policy == "single replica":
+            if policy == "single":
                 result = bench(urls[0], workload, log_dir)
             else:
-                with router(urls, policy, log_dir) as (router_url,):
+                with router(urls, policy, log_dir, args.router_args) as (router_url,):
                     result = bench(router_url, workload, log_dir)
             hits, queries = prefix_hits(urls)
-            rows.append([policy, count, blocks * (args.replicas if policy == "single replica" else 1) or "-",
+            rows.append([policy, count, blocks * (args.replicas if policy == "single" else 1) or "-",
                          f"{hits / max(queries, 1):.3f}", f"{result['mean_ttft_ms']:.1f}",
                          f"{result['p99_ttft_ms']:.1f}", result["completed"], result["failed"]])
-    ratio = float(rows[1][4]) / max(float(rows[0][4]), 1e-9)
+    mean_ttft = {row[0]: float(row[4]) for row in rows}
+    ratio = mean_ttft.get("round-robin", 0.0) / max(mean_ttft.get("ttft", 0.0), 1e-9)
     room = (f"KV blocks per replica: {blocks} (room for {args.cache_prefixes:g} of the 10 prefixes; the single "
             f"replica {blocks * args.replicas}, the {args.replicas} replicas' total)") if blocks else \
         "KV blocks as --serve-args size them"
@@ -246,6 +248,9 @@ def main() -> int:
     parser.add_argument("--cache-prefixes", type=float, default=4.5,
                         help="prefix: KV blocks per replica for this many of the 10 prefixes (--num-kv-blocks; "
                              "the single replica gets the replicas' total); 0: --serve-args size the cache")
+    parser.add_argument("--groups", default="ttft,round-robin,single",
+                        help="prefix: which of ttft, round-robin, single (one replica alone) to run")
+    parser.add_argument("--router-args", default="", help="more podium router options (e.g. --log-level debug)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--request-rate", default=None, help="requests/s (Poisson) or inf")
     parser.add_argument("--output-len", type=int, default=None)
@@ -263,6 +268,9 @@ def main() -> int:
     args = parser.parse_args()
     # a time limit's SIGTERM unwinds the with-blocks: every replica and router started is stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unknown = set(args.groups.split(",")) - {"ttft", "round-robin", "single"}
+    if unknown:
+        parser.error(f"--groups takes ttft, round-robin and single; not {', '.join(sorted(unknown))}")
     sized = {"--num-kv-blocks", "--num-gpu-blocks-override"} & set(shlex.split(args.serve_args))
     if args.scenario == "prefix" and args.cache_prefixes and sized:
         parser.error(f"--serve-args give {sized.pop()} and --cache-prefixes {args.cache_prefixes:g} sizes the cache "

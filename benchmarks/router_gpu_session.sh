@@ -19,7 +19,8 @@
 # opentelemetry-api anyio idna uvicorn click h11 httpx httpcore certifi
 #   (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels ...)
 # Tables go to $OUT/summary.txt, each step's log to $OUT/STEP.log, server logs to $OUT/STEP-logs/.
-# Check on a CPU (a few minutes): DEVICE=cpu SMALL=1 TOKENIZER=DIR bash benchmarks/router_gpu_session.sh
+# Check on a CPU (small workloads, each limit LIMIT_SCALE times longer: a few minutes on 2 cores):
+#   DEVICE=cpu SMALL=1 LIMIT_SCALE=3 BUDGET=1600 TOKENIZER=DIR bash benchmarks/router_gpu_session.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
@@ -43,7 +44,7 @@ if [ ! -f "$TOKENIZER/tokenizer.json" ] && [ ! -f "$TOKENIZER/tokenizer_config.j
 fi
 MODEL="smollm2-135m-shape --tokenizer $TOKENIZER"
 run_step() {  # run_step NAME LIMIT ARGS...: router_bench.py ARGS within LIMIT s and what is left of BUDGET
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(( $2 * ${LIMIT_SCALE:-1} )); shift 2
   local left=$(( BUDGET - ($(date +%s) - start) - 10 ))  # 10 s: the stop of an overrunning step
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 30 ]; then
