@@ -3,7 +3,9 @@ and prints the comparison made in the same run.
 
     python benchmarks/router_bench.py prefix    # 3 replicas, 10 prefixes of 1,024 tokens + 256-token
                                                 # suffixes, 200 requests: prefix-aware (ttft) vs
-                                                # round-robin vs one replica alone (the hit-rate ceiling)
+                                                # round-robin vs one replica alone (the hit-rate ceiling),
+                                                # each of the 3 with KV room for 4.5 prefixes, the one
+                                                # alone with the 3's total (--cache-prefixes)
     python benchmarks/router_bench.py overhead  # one replica behind the router vs direct, sharegpt-like,
                                                 # 1,000 requests, alternating rounds
     python benchmarks/router_bench.py mixed --fast-args "--device cuda" --slow-args "--device cpu"
@@ -11,7 +13,7 @@ and prints the comparison made in the same run.
                                                 # p99 TTFT of ttft vs round-robin, and the slow one's share
 
 ``--serve-args`` go to every ``podium serve`` (model, device, memory); ``--small`` shrinks the
-workload to check the script on a CPU. ``--summary FILE`` appends the tables there (the GPU session
+workload to check the script on a CPU. Each table row is printed as it is measured, the table at the end. ``--summary FILE`` appends the tables there (the GPU session
 writes ``$OUT/summary.txt``). Hit rates come from the replicas' own prefix-cache counters.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -34,6 +37,7 @@ from pathlib import Path
 
 BIN = Path(sys.executable).parent
 PODIUM = str(BIN / "podium")
+BLOCK_SIZE = 16  # podium serve's default --block-size: the prefix cache's unit
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -68,7 +72,8 @@ def processes(commands: list[list[str]], log_dir: Path):
     try:
         for i, command in enumerate(commands):
             port = free_port()
-            log = (log_dir / f"{Path(command[1]).name}-{i}-{port}.log").open("w")
+            kind = next(Path(word).name for word in command if word in ("serve", "router"))
+            log = (log_dir / f"{kind}-{i}-{port}.log").open("w")
             proc = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
             started.append((proc, f"http://127.0.0.1:{port}"))
         for proc, url in started:
@@ -84,16 +89,19 @@ def processes(commands: list[list[str]], log_dir: Path):
                 proc.kill()
 
 
-def serve_command(args, extra: str = "") -> list[str]:
-    return [PODIUM, "serve", *shlex.split(args.serve_args), *shlex.split(extra), "--log-level", "warning"]
+def serve_command(args, extra: str = "", env: str = "") -> list[str]:
+    """``podium serve`` with the common --serve-args and ``extra``; ``env`` ("NAME=VALUE ...") for it alone."""
+    prefix = ["env", *shlex.split(env)] if env else []
+    return [*prefix, PODIUM, "serve", *shlex.split(args.serve_args), *shlex.split(extra), "--log-level", "warning"]
 
 
 def replicas(args, log_dir: Path, count: int, extra: str = ""):
     return processes([serve_command(args, extra)] * count, log_dir)
 
 
-def router(urls: list[str], policy: str, log_dir: Path):
-    command = [PODIUM, "router", "--policy", policy, "--log-level", "warning", "--poll-interval", "0.25"]
+def router(urls: list[str], policy: str, log_dir: Path, extra: str = ""):
+    command = [PODIUM, "router", "--policy", policy, "--log-level", "warning", "--poll-interval", "0.25",
+               *shlex.split(extra)]
     for url in urls:
         command += ["--replica", url]
     return processes([command], log_dir)
@@ -120,7 +128,21 @@ def prefix_hits(urls: list[str]) -> tuple[float, float]:
             sum(counter(t, "podium:prefix_cache_queries") for t in texts))
 
 
-def report(title: str, header: list[str], rows: list[list], summary: Path | None) -> None:
+class Rows(list):
+    """A table's rows, each printed as it is measured: a step cut off by its time limit still shows
+    what it measured."""
+
+    def __init__(self, *header: str) -> None:
+        super().__init__()
+        self.header = list(header)
+
+    def append(self, row: list) -> None:
+        super().append(row)
+        print("measured: " + ", ".join(f"{h} {x}" for h, x in zip(self.header, row)), flush=True)
+
+
+def report(title: str, rows: Rows, summary: Path | None) -> None:
+    header = rows.header
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
@@ -137,24 +159,39 @@ def run_prefix(args, log_dir: Path) -> None:
     workload = ["--dataset", "prefix-repetition", "--num-prefixes", "10", "--prefix-len", str(prefix_len),
                 "--suffix-len", str(suffix_len), "--num-prompts", str(prompts), "--output-len", str(args.output_len),
                 "--request-rate", str(args.request_rate), "--seed", "0"]
-    rows = []
-    groups = (("ttft", args.replicas), ("round-robin", args.replicas), ("single replica", 1))
+    # Cache pressure: each replica has KV room for only ``cache_prefixes`` of the ten prefixes, so
+    # round-robin keeps evicting prefixes its replicas will need again, while prefix-aware routing
+    # can keep each prefix on one replica. The single replica (the hit-rate ceiling) gets the three's
+    # total, so the comparison is at equal cache. 0: the --serve-args' own sizing.
+    blocks = math.ceil(args.cache_prefixes * prefix_len / BLOCK_SIZE) if args.cache_prefixes else 0
+    # (such a cache holds fewer tokens than the model's context: the context shrinks to the cache)
+    context = "--max-model-len" in args.serve_args
+    kv = lambda count: "" if not blocks else f"--num-kv-blocks {blocks * count}" + (  # noqa: E731
+        "" if context else f" --max-model-len {blocks * BLOCK_SIZE}")
+    rows = Rows("policy", "replicas", "kv_blocks", "hit_rate", "mean_ttft_ms", "p99_ttft_ms", "ok", "failed")
+    groups = tuple(group for group in (("ttft", args.replicas, kv(1)), ("round-robin", args.replicas, kv(1)),
+                                       ("single", 1, kv(args.replicas))) if group[0] in args.groups.split(","))
+    commands = [serve_command(args, extra) for _, count, extra in groups for _ in range(count)]
     # every policy gets replicas of its own (fresh caches), all started at once: the starts overlap
-    with replicas(args, log_dir, sum(count for _, count in groups)) as every_url:
-        for policy, count in groups:
+    with processes(commands, log_dir) as every_url:
+        for policy, count, _ in groups:
             urls, every_url = every_url[:count], every_url[count:]
-            if policy == "single replica":
+            if policy == "single":
                 result = bench(urls[0], workload, log_dir)
             else:
-                with router(urls, policy, log_dir) as (router_url,):
+                with router(urls, policy, log_dir, args.router_args) as (router_url,):
                     result = bench(router_url, workload, log_dir)
             hits, queries = prefix_hits(urls)
-            rows.append([policy, count, f"{hits / max(queries, 1):.3f}", f"{result['mean_ttft_ms']:.1f}",
+            rows.append([policy, count, blocks * (args.replicas if policy == "single" else 1) or "-",
+                         f"{hits / max(queries, 1):.3f}", f"{result['mean_ttft_ms']:.1f}",
                          f"{result['p99_ttft_ms']:.1f}", result["completed"], result["failed"]])
-    ratio = float(rows[1][3]) / max(float(rows[0][3]), 1e-9)
-    report(f"prefix repetition (10 x {prefix_len} + {suffix_len}, {prompts} requests, "
-           f"{args.request_rate} req/s): round-robin / ttft mean TTFT = {ratio:.2f}x",
-           ["policy", "replicas", "hit_rate", "mean_ttft_ms", "p99_ttft_ms", "ok", "failed"], rows, args.summary)
+    mean_ttft = {row[0]: float(row[4]) for row in rows}
+    ratio = mean_ttft.get("round-robin", 0.0) / max(mean_ttft.get("ttft", 0.0), 1e-9)
+    room = (f"KV blocks per replica: {blocks} (room for {args.cache_prefixes:g} of the 10 prefixes; the single "
+            f"replica {blocks * args.replicas}, the {args.replicas} replicas' total)") if blocks else \
+        "KV blocks as --serve-args size them"
+    report(f"prefix repetition (10 x {prefix_len} + {suffix_len}, {prompts} requests, {args.request_rate} req/s, "
+           f"output {args.output_len}); {room}: round-robin / ttft mean TTFT = {ratio:.2f}x", rows, args.summary)
 
 
 def run_overhead(args, log_dir: Path) -> None:
@@ -162,7 +199,7 @@ def run_overhead(args, log_dir: Path) -> None:
     dataset = ["--dataset", "random", "--input-len", "32", "--output-len", "8"] if args.small else \
         ["--dataset", "sharegpt-like"]
     workload = [*dataset, "--num-prompts", str(prompts), "--request-rate", str(args.request_rate), "--seed", "0"]
-    rows, direct, routed = [], [], []
+    rows, direct, routed = Rows("round", "path", "output_tok_s", "p50_ttft_ms", "p99_ttft_ms", "failed"), [], []
     with replicas(args, log_dir, 1) as urls, router(urls, "ttft", log_dir) as (router_url,):
         bench(urls[0], workload, log_dir)  # untimed: every timed run then meets the same prefix cache
         for round_ in range(args.rounds):
@@ -176,16 +213,16 @@ def run_overhead(args, log_dir: Path) -> None:
     throughput = mean(routed, "output_throughput") / mean(direct, "output_throughput")
     added_p50 = mean(routed, "median_ttft_ms") - mean(direct, "median_ttft_ms")
     report(f"router overhead ({dataset[1]}, {prompts} requests, rate {args.request_rate}): router/direct output "
-           f"throughput = {throughput:.3f}, added p50 TTFT = {added_p50:.2f} ms",
-           ["round", "path", "output_tok_s", "p50_ttft_ms", "p99_ttft_ms", "failed"], rows, args.summary)
+           f"throughput = {throughput:.3f}, added p50 TTFT = {added_p50:.2f} ms", rows, args.summary)
 
 
 def run_mixed(args, log_dir: Path) -> None:
     prompts = 6 if args.small else args.num_prompts
     input_len, output_len = (64, 8) if args.small else (args.input_len, args.output_len)
     rates = [float(r) for r in args.rates.split(",")]
-    rows = []
-    with processes([serve_command(args, args.fast_args), serve_command(args, args.slow_args)], log_dir) as (fast, slow):
+    rows = Rows("rate", "policy", "p99_ttft_ms", "mean_ttft_ms", "slow_share", "failed")
+    commands = [serve_command(args, args.fast_args), serve_command(args, args.slow_args, args.slow_env)]
+    with processes(commands, log_dir) as (fast, slow):
         for rate in rates:
             for policy in ("ttft", "round-robin"):
                 with router([fast, slow], policy, log_dir) as (router_url,):
@@ -199,8 +236,7 @@ def run_mixed(args, log_dir: Path) -> None:
                 rows.append([rate, policy, f"{result['p99_ttft_ms']:.1f}", f"{result['mean_ttft_ms']:.1f}",
                              f"{slow_share:.2f}", result["failed"]])
     report(f"mixed fleet ({args.fast_args!r} + {args.slow_args!r}; random {input_len}/{output_len}, "
-           f"{prompts} requests per rate)", ["rate", "policy", "p99_ttft_ms", "mean_ttft_ms", "slow_share", "failed"],
-           rows, args.summary)
+           f"{prompts} requests per rate)", rows, args.summary)
 
 
 def main() -> int:
@@ -209,6 +245,12 @@ def main() -> int:
     parser.add_argument("--serve-args", default="--max-num-seqs 64",
                         help="podium serve options for every replica (model, --device, memory, ...)")
     parser.add_argument("--replicas", type=int, default=3, help="prefix: replicas behind the router")
+    parser.add_argument("--cache-prefixes", type=float, default=4.5,
+                        help="prefix: KV blocks per replica for this many of the 10 prefixes (--num-kv-blocks; "
+                             "the single replica gets the replicas' total); 0: --serve-args size the cache")
+    parser.add_argument("--groups", default="ttft,round-robin,single",
+                        help="prefix: which of ttft, round-robin, single (one replica alone) to run")
+    parser.add_argument("--router-args", default="", help="more podium router options (e.g. --log-level debug)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--request-rate", default=None, help="requests/s (Poisson) or inf")
     parser.add_argument("--output-len", type=int, default=None)
@@ -216,12 +258,23 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="overhead: direct/router rounds, order alternating")
     parser.add_argument("--fast-args", default="--device cuda", help="mixed: the fast replica's extra options")
     parser.add_argument("--slow-args", default="--device cpu", help="mixed: the slow replica's extra options")
+    parser.add_argument("--slow-env", default="", help="mixed: environment of the slow replica alone, e.g. "
+                        "OMP_NUM_THREADS=12 (a CPU replica that leaves cores to the fast replica's host side)")
     parser.add_argument("--rates", default="0.5,1,2,4,8,16", help="mixed: request rates, comma-separated")
     parser.add_argument("--small", action="store_true", help="a tiny workload: checks the script on a CPU")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here (default: dropped)")
     parser.add_argument("--summary", type=Path, default=Path(os.environ["OUT"]) / "summary.txt"
                         if os.environ.get("OUT") else None, help="append the tables here (default: $OUT/summary.txt)")
     args = parser.parse_args()
+    # a time limit's SIGTERM unwinds the with-blocks: every replica and router started is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unknown = set(args.groups.split(",")) - {"ttft", "round-robin", "single"}
+    if unknown:
+        parser.error(f"--groups takes ttft, round-robin and single; not {', '.join(sorted(unknown))}")
+    sized = {"--num-kv-blocks", "--num-gpu-blocks-override"} & set(shlex.split(args.serve_args))
+    if args.scenario == "prefix" and args.cache_prefixes and sized:
+        parser.error(f"--serve-args give {sized.pop()} and --cache-prefixes {args.cache_prefixes:g} sizes the cache "
+                     "too; give --cache-prefixes 0 to keep the --serve-args' size")
     defaults = {"prefix": (200, "4", 16), "overhead": (1000, "inf", None), "mixed": (200, None, 64)}[args.scenario]
     args.num_prompts = args.num_prompts or defaults[0]
     args.request_rate = args.request_rate or defaults[1]

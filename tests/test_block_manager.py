@@ -132,6 +132,26 @@ def test_lru_eviction_order_least_recently_freed_first_tail_before_head():
     assert bm.num_free_blocks == 6
 
 
+def test_num_cached_blocks_follows_stores_and_evictions_like_lookup():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    waiting = make_seq([*range(12), 99])  # 3 full blocks that a (below) computes, then its own token
+    assert bm.num_cached_blocks(waiting) == len(bm.lookup(waiting)) == 0
+    a = make_seq(range(8))
+    admit_all(bm, a), compute(bm, a)  # stores 2 of waiting's blocks: found on the next ask
+    assert bm.num_cached_blocks(waiting) == len(bm.lookup(waiting)) == 2
+    grown = make_seq(range(12))
+    admit_all(bm, grown), compute(bm, grown)  # shares a's 2 blocks, stores the 3rd
+    assert bm.num_cached_blocks(waiting) == len(bm.lookup(waiting)) == 3
+    bm.free(a), bm.free(grown)
+    assert bm.evictable_block_ids() == [2, 1, 0]
+    other = make_seq(range(100, 116))  # 4 fresh blocks: the 3 free ones, then evicts block 2
+    admit_all(bm, other)
+    assert bm.num_evictions == 1
+    assert bm.num_cached_blocks(waiting) == len(bm.lookup(waiting)) == 2
+    bm.free(other)
+    assert bm.num_cached_blocks(make_seq(range(3))) == 0  # no full block before its last token
+
+
 def test_admit_counts_revived_blocks_against_the_free_pool():
     bm = BlockManager(num_blocks=3, block_size=4)
     a = make_seq(range(8))

@@ -146,6 +146,14 @@ def test_stats_give_a_router_the_queued_work_and_the_prefill_rate(llm):
     after = engine.stats()
     assert after.prefill_tokens == stats.prefill_tokens and after.prefill_seconds == stats.prefill_seconds
     assert after.queued_tokens == after.running_tokens == 0
+    # a waiting prompt whose leading blocks the prefix cache holds: only the rest is queued work
+    block_size = engine.block_manager.block_size
+    longer = tok.encode(prompts[0]) + tok.encode(" and then some more words", add_special_tokens=False)
+    engine.add_request("router-cached", longer, SamplingParams(max_tokens=1))
+    cached = lens[0] // block_size * block_size  # prompt 0's full blocks, computed above
+    assert cached and engine.stats().queued_tokens == len(longer) - cached
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_company(llm):

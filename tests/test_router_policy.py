@@ -66,6 +66,31 @@ def test_unknown_rates_get_the_mean_of_the_known_ones():
     assert ranked[0].ttft_s == pytest.approx((1000 + len(PROMPT)) / 4000.0)
 
 
+def podium_replica(name: str, platform: str, rate: float, **kwargs) -> Replica:
+    r = replica(name, rate=rate, **kwargs)
+    r.is_podium, r.model = True, "m"
+    r.report = {**r.report, "platform": platform, "device": platform}
+    return r
+
+
+def test_replicas_of_one_hardware_class_share_their_measured_rate():
+    # b holds the prefix but its only rate sample came from a slow moment: its class's mean counts,
+    # so the 480 cached tokens decide, not the samples' noise
+    a, b = podium_replica("a", "cpu", rate=400.0), podium_replica("b", "cpu", rate=100.0, holds=30)
+    ranked = Router().rank([a, b], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    assert [c.replica.name for c in ranked] == ["b", "a"]
+    assert ranked[0].ttft_s == pytest.approx((len(PROMPT) - 480) / 250.0)
+    # another platform is another class: a GPU beside them keeps its own rate, and so do they
+    gpu = podium_replica("gpu", "cuda", rate=20000.0, queued=20000 * 3)  # three seconds of work ahead
+    ranked = Router().rank([a, b, gpu], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    assert [c.replica.name for c in ranked] == ["b", "a", "gpu"]
+    assert ranked[2].ttft_s == pytest.approx((60000 + len(PROMPT)) / 20000.0)
+    # a replica that is not Podium is a class of its own
+    other = replica("other", rate=50.0)
+    assert Router().rank([a, other], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))[1].ttft_s == \
+        pytest.approx(len(PROMPT) / 50.0)
+
+
 def test_replicas_at_their_decode_cap_come_last():
     a, b = replica("a", max_num_seqs=2, holds=40), replica("b")
     a.in_flight = 2

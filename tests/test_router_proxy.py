@@ -24,11 +24,14 @@ pytestmark = pytest.mark.timeout(120)
 
 def fake_replica(behaviour: str, seen: list) -> FastAPI:
     """An OpenAI-ish server: ``ok`` streams five chunks; ``busy`` answers 503; ``cut`` drops the
-    connection after two chunks; ``dead-early`` drops it before the first."""
+    connection after two chunks; ``dead-early`` drops it before the first; ``slow-checks`` streams
+    like ``ok`` but takes 1.5 s to answer a health check."""
     app = FastAPI()
 
     @app.get("/health")
     async def health():
+        if behaviour == "slow-checks":
+            await asyncio.sleep(1.5)
         return {"status": "ok"}
 
     @app.post("/v1/completions")
@@ -110,6 +113,17 @@ def test_a_replica_answering_503_is_retried_on_another(fleet):
         assert "error" not in text
     metrics = httpx.get(router.url + "/metrics").text
     assert re.search(r'^podium_router:retries_total\{replica="ok"\} [1-9]', metrics, re.M), metrics
+
+
+def test_a_replica_slow_to_answer_its_checks_stays_in_routing(fleet):
+    # a busy host delays the answers (or the router's reading of them): slow is not dead
+    router, _ = fleet("slow-checks")
+    deadline = time.monotonic() + 4  # many checks at 0.05 s intervals, each answered after 1.5 s
+    while time.monotonic() < deadline:
+        assert httpx.get(router.url + "/admin/replicas").json()["replicas"][0]["state"] == "healthy"
+        time.sleep(0.2)
+    status, text, headers = _stream(router.url)
+    assert status == 200 and headers["x-podium-replica"] == "slow-checks" and text.endswith("data: [DONE]\n\n")
 
 
 def test_a_connection_dropped_before_the_first_byte_is_retried(fleet):

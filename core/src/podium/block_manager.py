@@ -75,6 +75,7 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from the cache
         self.num_evictions = 0
+        self._removals = 0  # hashes ever dropped from _cached (evictions, recovery): num_cached_blocks' clock
         self._events: list[tuple[str, int]] | None = None  # recorded only after enable_events()
 
     # ---- state -------------------------------------------------------------------------------
@@ -133,13 +134,7 @@ class BlockManager:
     def lookup(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold ``seq``'s leading full blocks, in order; no side effect but
         hashing. Leaves at least the last token uncached (see the module docstring)."""
-        if not self.enable_prefix_caching:
-            return []
-        params = seq.params
-        if params.prompt_logprobs is not None and seq.sample_index == 0 and not seq.num_output_tokens:
-            return []  # its prompt logprobs are owed: every prompt position must be computed (as vLLM does)
-        max_hits = (seq.num_tokens - 1) // self.block_size
-        self._hash_full_blocks(seq, max_hits)
+        max_hits = self._max_hits(seq)
         hits = []
         for block_hash in seq.block_hashes[:max_hits]:
             block_id = self._cached.get(block_hash)
@@ -147,6 +142,31 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def num_cached_blocks(self, seq: Sequence) -> int:
+        """``len(self.lookup(seq))``, cheap when asked again (a waiting sequence's queued work, every
+        step): while no hash has left the cache since the last answer, the blocks found then are
+        still there and only the blocks after them are looked up."""
+        removals, known = seq.cached_probe
+        if removals != self._removals:
+            known = 0
+        max_hits = self._max_hits(seq)
+        hashes, cached = seq.block_hashes, self._cached
+        while known < max_hits and hashes[known] in cached:
+            known += 1
+        seq.cached_probe = (self._removals, known)
+        return known
+
+    def _max_hits(self, seq: Sequence) -> int:
+        """How many leading blocks of ``seq`` a lookup may find (hashed up to there)."""
+        if not self.enable_prefix_caching:
+            return 0
+        params = seq.params
+        if params.prompt_logprobs is not None and seq.sample_index == 0 and not seq.num_output_tokens:
+            return 0  # its prompt logprobs are owed: every prompt position must be computed (as vLLM does)
+        max_hits = (seq.num_tokens - 1) // self.block_size
+        self._hash_full_blocks(seq, max_hits)
+        return max_hits
 
     def admit(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
         """Give a waiting ``seq`` its blocks: share ``cached_blocks`` (from ``lookup``, just before)
@@ -231,6 +251,7 @@ class BlockManager:
         kept = {h: b for h, b in self._cached.items() if 0 <= b < n and self._block_hash[b] == h}
         if self._events is not None:
             self._events.extend(("evicted", h) for h in self._cached if h not in kept)
+        self._removals += len(self._cached) - len(kept)
         self._cached = kept
         self._block_hash = [None] * n
         for block_hash, block_id in kept.items():
@@ -267,6 +288,7 @@ class BlockManager:
         block_id, _ = self._evictable.popitem(last=False)
         block_hash = self._block_hash[block_id]
         del self._cached[block_hash]
+        self._removals += 1
         self._block_hash[block_id] = None
         if self._events is not None:
             self._events.append(("evicted", block_hash))

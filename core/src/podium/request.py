@@ -46,6 +46,7 @@ class Sequence:
     table_row: int = -1  # the scheduler's block-table row for this sequence while it runs (-1: none)
     num_planned_blocks: int = 0  # entries of block_table that step plans already carried
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, in order
+    cached_probe: tuple[int, int] = (-1, 0)  # BlockManager.num_cached_blocks' memo: (its removals then, blocks)
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # trailing placeholders in token_ids: sampled, not yet read back
     # speculative decoding: tokens a proposer drafted to follow token_ids, verified by the next step

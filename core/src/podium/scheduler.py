@@ -157,9 +157,14 @@ class Scheduler:
 
     def queued_tokens(self) -> int:
         """Tokens every unfinished sequence still has to compute: the work ahead of a new request
-        (prompts and chunks not yet prefilled, plus one token per decode)."""
-        seqs = itertools.chain(self._running, self._waiting, *self._held.values())
-        return sum(len(seq.token_ids) - seq.num_computed_tokens for seq in seqs)
+        (prompts and chunks not yet prefilled, plus one token per decode). A waiting sequence's
+        leading blocks that the prefix cache holds now are not counted: its admission will not
+        compute them (a router weighs this against recomputing a prefix elsewhere)."""
+        running = sum(len(seq.token_ids) - seq.num_computed_tokens for seq in self._running)
+        cached = self.block_manager.num_cached_blocks
+        size = self.block_manager.block_size
+        waiting = itertools.chain(self._waiting, *self._held.values())
+        return running + sum(len(seq.token_ids) - max(seq.num_computed_tokens, size * cached(seq)) for seq in waiting)
 
     def running_tokens(self) -> int:
         """Tokens of the running sequences (prompt and output so far): the decode load in KV tokens."""

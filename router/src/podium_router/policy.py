@@ -19,6 +19,13 @@ replica's ``slots`` (its ``max_num_seqs``) are all taken it waits for ``ahead`` 
 to last of its requests, measured by the router). A term not measured yet takes the mean of the
 replicas that have it (the prefill rate: ``default_rate`` if none has).
 
+Replicas of one hardware class (Podium replicas reporting the same model, platform and device) share
+each measured term: the mean of what each of them measured. Their rates differ only by noise and by
+when each was last measured, and the rule must not turn that into routing: a replica whose only
+sample came from a slow moment (its first requests, a neighbour's burst on a shared host) would
+look slow, lose every comparison, and so never be measured again, while the prefix it holds is
+recomputed elsewhere. Between identical replicas only queued work and cached prefixes then decide.
+
 Pick the minimum, among replicas under their decode cap (requests in flight < the replica's
 ``max_num_seqs``, or ``decode_cap`` for replicas that don't report one); only when every replica is
 at its cap are capped ones considered. Ties (equal estimates, e.g. an idle fleet of one speed) go
@@ -69,38 +76,71 @@ class Router:
         if self.policy == "round-robin":
             start = turn % len(healthy)
             return [self._candidate(r, num_tokens, hashes_for, None) for r in healthy[start:] + healthy[:start]]
-        fallback = _Fallbacks(healthy, self.default_rate)
-        candidates = [self._candidate(r, num_tokens, hashes_for, fallback) for r in healthy]
+        terms = _ClassTerms(healthy, self.default_rate)
+        candidates = [self._candidate(r, num_tokens, hashes_for, terms) for r in healthy]
         order = {r.id: (i - turn) % len(healthy) for i, r in enumerate(healthy)}
         return sorted(candidates, key=lambda c: (c.replica.at_decode_cap(self.decode_cap), round(c.ttft_s, 6),
                                                  c.replica.in_flight, order[c.replica.id]))
 
     def _candidate(self, replica: Replica, num_tokens: int, hashes_for: Callable[[int], list[str]],
-                   fallback: _Fallbacks | None) -> Candidate:
+                   terms: _ClassTerms | None) -> Candidate:
         hashes = hashes_for(replica.block_size) if num_tokens else []
         cached = min(replica.cached_blocks(hashes) * replica.block_size, num_tokens)
         uncached = num_tokens - cached
-        ttft = 0.0 if fallback is None else self.estimate(replica, uncached, fallback)
+        ttft = 0.0 if terms is None else self.estimate(replica, uncached, terms)
         return Candidate(replica, ttft, cached, uncached)
 
-    def estimate(self, replica: Replica, uncached_tokens: int, fallback: _Fallbacks) -> float:
+    def estimate(self, replica: Replica, uncached_tokens: int, terms: _ClassTerms) -> float:
         """The rule (module docstring) for one replica, in seconds."""
-        prefill = (replica.queued_tokens + uncached_tokens) / (replica.rate.value or fallback.rate)
+        prefill = (replica.queued_tokens + uncached_tokens) / terms.rate(replica)
         requests = replica.requests
-        decode_step = (replica.step_time.value or fallback.step_time) if requests else 0.0
+        decode_step = terms.step_time(replica) if requests else 0.0
         slots = replica.max_num_seqs or self.decode_cap
         ahead = max(0, requests - slots + 1)
-        return prefill + decode_step + ahead * (replica.decode_time.value or fallback.decode_time) / slots
+        return prefill + decode_step + ahead * terms.decode_time(replica) / slots
 
 
 class _Fallbacks:
     """The fleet's mean of each measured term, for replicas that have not measured it yet."""
 
     def __init__(self, replicas: list[Replica], default_rate: float) -> None:
-        def mean(values: list[float | None], default: float) -> float:
-            known = [v for v in values if v]
-            return sum(known) / len(known) if known else default
+        self.rate = _mean([r.rate.value for r in replicas], default_rate)
+        self.step_time = _mean([r.step_time.value for r in replicas], 0.0)
+        self.decode_time = _mean([r.decode_time.value for r in replicas], 0.0)
 
-        self.rate = mean([r.rate.value for r in replicas], default_rate)
-        self.step_time = mean([r.step_time.value for r in replicas], 0.0)
-        self.decode_time = mean([r.decode_time.value for r in replicas], 0.0)
+
+class _ClassTerms:
+    """Each measured term of one replica as the rule uses it: the mean over the replicas of its
+    hardware class (itself alone if it has none), else the fleet's fallback."""
+
+    def __init__(self, replicas: list[Replica], default_rate: float) -> None:
+        self.fleet = _Fallbacks(replicas, default_rate)
+        self._classes: dict[tuple, list[Replica]] = {}
+        for r in replicas:
+            self._classes.setdefault(hardware_class(r), []).append(r)
+
+    def _peers(self, replica: Replica) -> list[Replica]:
+        return self._classes.get(hardware_class(replica), [replica])
+
+    def rate(self, replica: Replica) -> float:
+        return _mean([r.rate.value for r in self._peers(replica)], self.fleet.rate)
+
+    def step_time(self, replica: Replica) -> float:
+        return _mean([r.step_time.value for r in self._peers(replica)], self.fleet.step_time)
+
+    def decode_time(self, replica: Replica) -> float:
+        return _mean([r.decode_time.value for r in self._peers(replica)], self.fleet.decode_time)
+
+
+def hardware_class(replica: Replica) -> tuple:
+    """What makes two replicas the same hardware for the rule: a Podium replica's model, platform and
+    device as it reports them; any other replica is a class of its own."""
+    if not replica.is_podium:
+        return ("replica", replica.id)
+    report = replica.report
+    return ("podium", replica.model, report.get("platform"), report.get("device"), report.get("device_description"))
+
+
+def _mean(values: list[float | None], default: float) -> float:
+    known = [v for v in values if v]
+    return sum(known) / len(known) if known else default

@@ -25,6 +25,10 @@ from .settings import ReplicaSpec, RouterSettings
 
 logger = logging.getLogger("podium_router")
 KV_POLL_S = 10.0  # the long poll's wait at the replica
+# A check that gets no answer within this fails. Long enough that a replica (or the router itself)
+# stalled by a busy host is not judged dead: a dead one refuses the connection at once anyway,
+# and a hung one is still out of routing after two checks.
+CHECK_TIMEOUT_S = 5.0
 
 
 class ReplicaPool:
@@ -123,7 +127,7 @@ class ReplicaPool:
             replica.forget_server()
 
     async def _check(self, replica: Replica) -> bool:
-        timeout = httpx.Timeout(max(1.0, 4 * self.settings.poll_interval_s))
+        timeout = httpx.Timeout(max(CHECK_TIMEOUT_S, 4 * self.settings.poll_interval_s))
         try:
             response = await self.client.get(f"{replica.url}/podium/v1/replica", headers=self._headers,
                                              timeout=timeout)

@@ -96,6 +96,10 @@ class Proxy:
             self.metrics.no_replica.inc()
             return error_response(503, "no healthy replica to serve this request; try again shortly",
                                   "no_healthy_replica", ids)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s (%d tokens): %s", request_id, prompt.num_tokens, "; ".join(
+                f"{c.replica.name} {1000 * c.ttft_s:.0f} ms, {c.cached_tokens} cached, {c.replica.queued_tokens} "
+                f"queued, {c.replica.in_flight} in flight" for c in candidates))
         headers = {"content-type": "application/json", "x-request-id": request_id}
         if self._replica_auth:
             headers["authorization"] = self._replica_auth

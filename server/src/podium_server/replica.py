@@ -2,7 +2,8 @@
 
 ``GET /podium/v1/replica``: the model, platform and device, the KV cache's capacity in tokens,
 the load in tokens (``queued_tokens``: what every unfinished request still has to compute, the
-work ahead of a new one; ``running_tokens``: the running batch's tokens, its decode load), the
+work ahead of a new one, where a waiting prompt's cached leading blocks do not count;
+``running_tokens``: the running batch's tokens, its decode load), the
 cumulative prompt tokens computed and the step seconds they took (a router derives the prefill
 rate from two reports), and the prefix cache's block hash scheme with the KV-event position.
 
