@@ -4,7 +4,8 @@ saved with ``save_pretrained``, served by the engine; the PEFT model on the same
 Greedy tokens equal PEFT's and each step's logprob of the chosen token is within 1e-4 (float32);
 a batch mixing four adapters and the base model equals each request run alone; with fewer device
 slots than adapters the requests wait for a slot (never more adapters in a step than slots) and
-outputs stay equal; prefix-cache hits never cross adapters (the block manager's hit counter);
+outputs stay equal; an adapter dropped from the host cache (max_cpu_loras) is read again from its
+folder and still equals PEFT; prefix-cache hits never cross adapters (the block manager's hit counter);
 adapters load and unload at run time; what cannot be served is refused naming the numbers.
 """
 
@@ -141,6 +142,32 @@ def test_more_adapters_than_slots_wait_for_one(base, adapters):
         assert out.outputs[0].token_ids == peft_greedy(adapters[index][2], prompt, GREEDY.max_tokens)
     slots = engine.scheduler.lora_slots
     assert slots.num_users == 0 and all(slots.users(s) == 0 for s in range(2))
+
+
+def test_adapters_dropped_from_the_host_cache_are_read_again_from_their_folders(base, adapters, monkeypatch):
+    """max_loras=1, max_cpu_loras=2, three adapters used in turn, then the first two again: the host
+    cache holds the two most recent, so each later use reads its folder again (the LRU's order, counted
+    at ``read_adapter``), and every output still equals PEFT's."""
+    import podium.lora.step as step
+
+    reads = []
+    read_adapter = step.read_adapter
+    monkeypatch.setattr(step, "read_adapter", lambda path: reads.append(str(path)) or read_adapter(path))
+    llm = LLM(str(base), **{**ENGINE, "max_loras": 1, "max_cpu_loras": 2})
+    cache = llm.engine.shard.lora.cache
+    prompt = prompts(1, seed=13)[0]
+    order = [0, 1, 2, 0, 1, 1]
+    held = []
+    for index in order:
+        out = llm.generate(tokens_prompts([prompt]), GREEDY, lora_request=lora(adapters, index), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == peft_greedy(adapters[index][2], prompt, GREEDY.max_tokens), \
+            f"adapter {index} after {len(held)} uses"
+        held.append(sorted(ref.lora_int_id for ref in llm.engine.lora_adapters() if ref.key in cache))
+    folders = [str(adapters[i][1]) for i in range(3)]
+    # registration reads each folder once; then adapter 0 (dropped when 2 came) and 1 (dropped when
+    # 0 came back) are read again; the last use of 1 finds it held
+    assert reads == [folders[0], folders[1], folders[2], folders[0], folders[1]]
+    assert held == [[1], [1, 2], [2, 3], [1, 3], [1, 2], [1, 2]]
 
 
 def test_prefix_cache_hits_never_cross_adapters(base, adapters):

@@ -23,12 +23,12 @@ def replica(name: str, rate: float | None = 1000.0, queued: int = 0, holds: int 
 
 
 def best(router: Router, replicas: list[Replica]) -> str:
-    return router.rank(replicas, len(PROMPT), lambda bs: block_hashes(PROMPT, bs))[0].replica.name
+    return router.rank(replicas, len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))[0].replica.name
 
 
 def test_the_prefix_holder_wins_on_an_idle_fleet():
     fleet = [replica("a"), replica("b", holds=30), replica("c", holds=10)]
-    ranked = Router().rank(fleet, len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    ranked = Router().rank(fleet, len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))
     assert [c.replica.name for c in ranked] == ["b", "c", "a"]
     assert (ranked[0].cached_tokens, ranked[0].uncached_tokens) == (480, len(PROMPT) - 480)
 
@@ -61,7 +61,7 @@ def test_a_slow_replica_takes_work_only_when_it_would_answer_sooner():
 
 def test_unknown_rates_get_the_mean_of_the_known_ones():
     fleet = [replica("fast", rate=4000.0, queued=2000), replica("new", rate=None, queued=1000)]
-    ranked = Router(default_rate=1.0).rank(fleet, len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    ranked = Router(default_rate=1.0).rank(fleet, len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))
     assert [c.replica.name for c in ranked] == ["new", "fast"]
     assert ranked[0].ttft_s == pytest.approx((1000 + len(PROMPT)) / 4000.0)
 
@@ -77,17 +77,17 @@ def test_replicas_of_one_hardware_class_share_their_measured_rate():
     # b holds the prefix but its only rate sample came from a slow moment: its class's mean counts,
     # so the 480 cached tokens decide, not the samples' noise
     a, b = podium_replica("a", "cpu", rate=400.0), podium_replica("b", "cpu", rate=100.0, holds=30)
-    ranked = Router().rank([a, b], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    ranked = Router().rank([a, b], len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))
     assert [c.replica.name for c in ranked] == ["b", "a"]
     assert ranked[0].ttft_s == pytest.approx((len(PROMPT) - 480) / 250.0)
     # another platform is another class: a GPU beside them keeps its own rate, and so do they
     gpu = podium_replica("gpu", "cuda", rate=20000.0, queued=20000 * 3)  # three seconds of work ahead
-    ranked = Router().rank([a, b, gpu], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    ranked = Router().rank([a, b, gpu], len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))
     assert [c.replica.name for c in ranked] == ["b", "a", "gpu"]
     assert ranked[2].ttft_s == pytest.approx((60000 + len(PROMPT)) / 20000.0)
     # a replica that is not Podium is a class of its own
     other = replica("other", rate=50.0)
-    assert Router().rank([a, other], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))[1].ttft_s == \
+    assert Router().rank([a, other], len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))[1].ttft_s == \
         pytest.approx(len(PROMPT) / 50.0)
 
 
@@ -101,8 +101,8 @@ def test_replicas_at_their_decode_cap_come_last():
 
 def test_only_healthy_replicas_are_ranked():
     fleet = [replica("a", state=UNHEALTHY), replica("b", state=DRAINING), replica("c")]
-    assert [c.replica.name for c in Router().rank(fleet, 10, lambda bs: [])] == ["c"]
-    assert Router().rank(fleet[:2], 10, lambda bs: []) == []
+    assert [c.replica.name for c in Router().rank(fleet, 10, lambda r: [])] == ["c"]
+    assert Router().rank(fleet[:2], 10, lambda r: []) == []
 
 
 def test_ties_rotate_over_the_fleet_and_round_robin_ignores_everything():
@@ -132,7 +132,7 @@ def test_running_decodes_and_full_slots_count_against_a_holder():
     holder.report = {"load": {"queued_tokens": 4, "num_running": 4, "num_waiting": 2}}
     holder.step_time.value, holder.decode_time.value = 0.05, 2.0
     router = Router()
-    ranked = router.rank([holder, idle], len(PROMPT), lambda bs: block_hashes(PROMPT, bs))
+    ranked = router.rank([holder, idle], len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))
     # holder: (4 + 5) / 1000 + one decode step + 3 requests to finish first, one every 2.0 / 4 s
     assert ranked[0].replica.name == "idle"
     assert ranked[1].ttft_s == pytest.approx(9 / 1000 + 0.05 + 3 * 2.0 / 4)
@@ -145,3 +145,25 @@ def test_bad_settings_are_refused_with_the_reason():
         Router("random")
     with pytest.raises(ValueError, match="default_rate must be > 0"):
         Router(default_rate=0)
+
+
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_a_replica_without_kv_events_keeps_each_models_prefixes_apart(with_ids):
+    """Not Podium: the router's approximate record of what it routed there. A prompt routed under model
+    ``sql`` counts as held for ``sql`` again, never for ``poet`` or for a request naming no model (such a
+    replica does not say which of its models are LoRA adapters), with token ids or with text only."""
+    from podium_router.proxy import Prompt
+
+    other = Replica("http://other", "other")
+    other.apply_unreported(approx_capacity_tokens=4096)
+
+    def prompt(model):
+        return Prompt(PROMPT, "", model) if with_ids else Prompt(None, "x" * 40 * 64 + "y", model)
+
+    sent = prompt("sql").hashes(other)
+    assert len(sent) == 40
+    other.routed_request(sent, len(PROMPT))
+    other.finished_request(sent)
+    assert other.cached_blocks(prompt("sql").hashes(other)) == 40
+    assert other.cached_blocks(prompt("poet").hashes(other)) == 0
+    assert other.cached_blocks(prompt(None).hashes(other)) == 0

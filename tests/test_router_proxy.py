@@ -1,5 +1,8 @@
 """The router's failover and pass-through against fake OpenAI servers (not Podium: no replica report,
-no KV events), each served by uvicorn on a thread: fast, and each failure made exactly when wanted."""
+no KV events), each served by uvicorn on a thread: fast, and each failure made exactly when wanted.
+Then LoRA adapters over fake Podium replicas (a replica report listing adapters, KV events as resets):
+a request naming an adapter goes only where it is loaded, ``/v1/models`` lists adapters with their
+parent, and prefix-aware routing hashes an adapter request with each replica's own key for it."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from router_fixtures import free_port, wait_for
 
 from podium_router.app import create_app
+from podium_router.hashing import BLOCK_HASH_SCHEME, block_hashes
 from podium_router.settings import ReplicaSpec, RouterSettings
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,3 +180,106 @@ def test_the_api_key_guards_everything_but_health_and_metrics(fleet):
     ok = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sesame"})
     assert ok.status_code == 200
     assert httpx.get(router.url + "/health").status_code == 200 and httpx.get(router.url + "/metrics").status_code == 200
+
+
+# -- LoRA adapters over fake Podium replicas ----------------------------------------------------------
+BASE, BLOCK = "base-model", 4
+
+
+def fake_podium_replica(name: str, state: dict, seen: list) -> FastAPI:
+    """A Podium replica as the router sees it: its report lists ``state["adapters"]`` (name -> its
+    block_hash_extra) and its KV events hold ``state["cached"]`` (as a reset, every poll); each
+    completion is recorded as (replica, model) and answered at once."""
+    app = FastAPI()
+
+    @app.get("/podium/v1/replica")
+    async def report():
+        adapters = [{"name": n, "path": f"/adapters/{n}", "block_hash_extra": extra}
+                    for n, extra in state["adapters"].items()]
+        return {"version": 1, "model": BASE, "aliases": [], "max_model_len": 64, "platform": "fake", "device": "cpu",
+                "kv_capacity_tokens": 4096, "max_num_seqs": 8, "alive": True,
+                "load": {"queued_tokens": 0, "running_tokens": 0, "num_running": 0, "num_waiting": 0},
+                "prefill": {"tokens": 0, "seconds": 0.0}, "decode": {"steps": 0, "seconds": 0.0},
+                "prefix_cache": {"block_hash_scheme": BLOCK_HASH_SCHEME, "block_size": BLOCK, "epoch": name, "seq": 0},
+                "lora": {"enabled": True, "adapters": adapters}}
+
+    @app.get("/podium/v1/kv_events")
+    async def kv_events():
+        await asyncio.sleep(0.05)
+        return {"epoch": name, "seq": 0, "reset": True, "block_hashes": sorted(state["cached"])}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen.append((name, (await request.json()).get("model")))
+        return {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+
+    return app
+
+
+@pytest.fixture
+def podium_fleet():
+    """``podium_fleet(states, **settings)``: a fake Podium replica per state (named a, b, ...) and a router."""
+    started = []
+
+    def make(states: list[dict], **settings):
+        seen: list = []
+        names = "abcdefgh"[:len(states)]
+        replicas = [Served(fake_podium_replica(n, state, seen)) for n, state in zip(names, states)]
+        router = Served(create_app(RouterSettings(replicas=tuple(ReplicaSpec(r.url, n) for r, n in zip(replicas, names)),
+                                                  poll_interval_s=0.05, **settings)))
+        started.extend([router, *replicas])
+        wait_for(lambda: all(r["state"] == "healthy" for r in _known(router).values()) and len(_known(router)) ==
+                 len(states), 20, "healthy replicas")
+        return router, seen
+
+    yield make
+    for served in started:
+        served.stop()
+
+
+def _known(router: Served) -> dict[str, dict]:
+    return {r["name"]: r for r in httpx.get(router.url + "/admin/replicas").json()["replicas"]}
+
+
+def _complete(router: Served, model: str | None, prompt="hi") -> httpx.Response:
+    return httpx.post(router.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1,
+                                                            **({"model": model} if model else {})}, timeout=20)
+
+
+def test_an_adapter_is_routed_only_where_it_is_loaded_and_listed_with_its_parent(podium_fleet):
+    a, b = {"adapters": {"sql": "('lora', 1)"}, "cached": set()}, {"adapters": {"poet": "('lora', 1)"}, "cached": set()}
+    router, seen = podium_fleet([a, b], policy="round-robin")
+    for model in ("sql", "poet") * 3 + (BASE, BASE, None, None):
+        assert _complete(router, model).status_code == 200
+    assert {m: {r for r, asked in seen if asked == m} for m in ("sql", "poet", BASE)} == \
+        {"sql": {"a"}, "poet": {"b"}, BASE: {"a", "b"}}
+    missing = _complete(router, "nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    cards = {c["id"]: c for c in httpx.get(router.url + "/v1/models").json()["data"]}
+    assert set(cards) == {BASE, "sql", "poet"} and "parent" not in cards[BASE]
+    assert (cards["sql"]["parent"], cards["sql"]["root"], cards["poet"]["parent"]) == (BASE, "/adapters/sql", BASE)
+
+    # b loads sql and unloads poet (its report changes): sql goes to both, poet nowhere
+    b["adapters"] = {"sql": "('lora', 2)"}
+    wait_for(lambda: _known(router)["b"]["lora_adapters"] == ["sql"], 10, "b's new report")
+    seen.clear()
+    for _ in range(4):
+        assert _complete(router, "sql").status_code == 200
+    assert {r for r, _ in seen} == {"a", "b"}
+    assert _complete(router, "poet").status_code == 404
+    assert "poet" not in {c["id"] for c in httpx.get(router.url + "/v1/models").json()["data"]}
+
+
+def test_prefix_routing_hashes_an_adapter_request_with_each_replicas_key(podium_fleet):
+    """Both replicas load sql, under their own keys; a cached the prompt's blocks for sql, b for the base
+    model and for poet (whose key on b is sql's key on a). Each request goes where its own blocks are:
+    hashed as the base model, or with the other replica's key, the router would send sql to b."""
+    prompt = list(range(100, 100 + 10 * BLOCK + 1))
+    a = {"adapters": {"sql": "('lora', 1)"}, "cached": set(block_hashes(prompt, BLOCK, "('lora', 1)"))}
+    b = {"adapters": {"poet": "('lora', 1)", "sql": "('lora', 2)"},
+         "cached": set(block_hashes(prompt, BLOCK)) | set(block_hashes(prompt, BLOCK, "('lora', 1)"))}
+    router, seen = podium_fleet([a, b])
+    wait_for(lambda: [r["cached_blocks"] for r in _known(router).values()] == [10, 20], 10, "the KV events")
+    for model in ("sql", BASE, "poet", "sql", BASE):
+        assert _complete(router, model, prompt).status_code == 200
+    assert seen == [("a", "sql"), ("b", BASE), ("b", "poet"), ("a", "sql"), ("b", BASE)]

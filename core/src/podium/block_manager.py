@@ -33,6 +33,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as TokenSequence
 
+from .lora.request import AdapterRef
 from .request import Sequence
 
 # The name and version of ``hash_block_tokens``'s scheme, as a server reports it to a router that
@@ -52,8 +53,21 @@ def hash_block_tokens(parent_hash: int | None, token_ids: TokenSequence[int],
     digest.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little"))
     digest.update(array("q", token_ids).tobytes())
     if extra_keys is not None:
-        digest.update(repr(extra_keys).encode())
+        digest.update(extra_keys_text(extra_keys).encode())
     return int.from_bytes(digest.digest(), "little")
+
+
+def extra_keys_text(extra_keys: tuple) -> str:
+    """The text ``hash_block_tokens`` digests (UTF-8) after a block's token ids for ``extra_keys``; a
+    server reports it per LoRA adapter so that a router appends exactly these bytes (``podium_router.hashing``)."""
+    return repr(extra_keys)
+
+
+def adapter_extra_keys(lora: AdapterRef | None) -> tuple | None:
+    """What besides token ids decides a block's K/V: the LoRA adapter (its registration's key, so
+    blocks never pass between adapters, nor to the base model, nor to a later adapter that reuses a
+    name or id); None for the base model."""
+    return None if lora is None else ("lora", lora.key)
 
 
 class BlockManager:
@@ -298,14 +312,8 @@ class BlockManager:
     def _hash_full_blocks(self, seq: Sequence, num_blocks: int) -> None:
         """Extend ``seq.block_hashes`` to its first ``num_blocks`` blocks (all full)."""
         hashes, tokens, size = seq.block_hashes, seq.token_ids, self.block_size
-        extra_keys = self._extra_keys(seq)
+        extra_keys = adapter_extra_keys(seq.lora)
         for index in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, tokens[index * size:(index + 1) * size], extra_keys))
 
-    @staticmethod
-    def _extra_keys(seq: Sequence) -> tuple | None:
-        """What besides token ids decides a block's K/V: the LoRA adapter (its registration's key,
-        so blocks never pass between adapters, nor to the base model, nor to a later adapter that
-        reuses a name or id)."""
-        return None if seq.lora is None else ("lora", seq.lora.key)

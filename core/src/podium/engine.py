@@ -56,7 +56,7 @@ import torch
 
 from podium_plugin_api import Platform
 
-from .block_manager import BLOCK_HASH_SCHEME, BlockManager
+from .block_manager import BLOCK_HASH_SCHEME, BlockManager, adapter_extra_keys, extra_keys_text
 from .chat_template import ChatPrompt, render_chat
 from .config import EngineConfig
 from .engine_args import engine_config
@@ -775,6 +775,11 @@ class LLMEngine:
     def block_hash_scheme(self) -> str | None:
         """The prefix cache's block hash scheme (None when prefix caching is off)."""
         return BLOCK_HASH_SCHEME if self.block_manager.enable_prefix_caching else None
+
+    def block_hash_extra(self, lora: AdapterRef) -> str:
+        """The text the prefix cache's block hashes digest after the token ids for requests with adapter
+        ``lora`` (a server reports it, so that a router hashes such a request as this engine does)."""
+        return extra_keys_text(adapter_extra_keys(lora))
 
     def enable_kv_events(self) -> list[int]:
         """Start recording the prefix cache's stored/evicted block hashes (``BlockManager``'s chained

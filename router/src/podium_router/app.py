@@ -1,7 +1,8 @@
 """The router's FastAPI app: ``create_app(settings)``; no global state.
 
     POST /v1/chat/completions, /v1/completions   routed (proxy.py)
-    GET  /v1/models                              the models the healthy replicas serve
+    GET  /v1/models                              the models the healthy replicas serve, LoRA adapters
+                                                 too (``parent``: their base model)
     GET  /health                                 200 while some replica is in routing, else 503
     GET  /metrics                                Prometheus (metrics.py)
     GET  /admin/replicas                         the replica set and what the router knows of each
@@ -97,9 +98,12 @@ def _add_routes(app: FastAPI) -> None:
             if not replica.routable:
                 continue
             if replica.is_podium:
-                model = replica.report.get("model")
+                model, max_len = replica.report.get("model"), replica.report.get("max_model_len")
                 cards.setdefault(model, {"id": model, "object": "model", "owned_by": "podium", "root": model,
-                                         "max_model_len": replica.report.get("max_model_len")})
+                                         "max_model_len": max_len})
+                for name, adapter in replica.adapters.items():  # as the replica's own /v1/models lists them
+                    cards.setdefault(name, {"id": name, "object": "model", "owned_by": "podium",
+                                            "root": adapter.get("path"), "parent": model, "max_model_len": max_len})
                 continue
             try:
                 listed = (await pool.client.get(f"{replica.url}/v1/models", timeout=5.0)).json().get("data", [])

@@ -67,8 +67,9 @@ class Router:
         self._turn = itertools.count()
 
     def rank(self, replicas: list[Replica], num_tokens: int,
-             hashes_for: Callable[[int], list[str]]) -> list[Candidate]:
-        """``hashes_for(block_size)``: the request's block hashes for that block size."""
+             hashes_for: Callable[[Replica], list[str]]) -> list[Candidate]:
+        """``hashes_for(replica)``: the request's block hashes as that replica's prefix cache names them
+        (its block size; its own key for the request's LoRA adapter)."""
         healthy = [r for r in replicas if r.routable]
         if not healthy:
             return []
@@ -82,9 +83,9 @@ class Router:
         return sorted(candidates, key=lambda c: (c.replica.at_decode_cap(self.decode_cap), round(c.ttft_s, 6),
                                                  c.replica.in_flight, order[c.replica.id]))
 
-    def _candidate(self, replica: Replica, num_tokens: int, hashes_for: Callable[[int], list[str]],
+    def _candidate(self, replica: Replica, num_tokens: int, hashes_for: Callable[[Replica], list[str]],
                    terms: _ClassTerms | None) -> Candidate:
-        hashes = hashes_for(replica.block_size) if num_tokens else []
+        hashes = hashes_for(replica) if num_tokens else []
         cached = min(replica.cached_blocks(hashes) * replica.block_size, num_tokens)
         uncached = num_tokens - cached
         ttft = 0.0 if terms is None else self.estimate(replica, uncached, terms)

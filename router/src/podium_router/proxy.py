@@ -1,7 +1,9 @@
 """Forwarding one OpenAI request: rank the replicas, try them in order, pass the answer through.
 
-    body ──► prompt tokens (a Podium replica's /tokenize; ids given as such are used as they are)
-         ──► block hashes per block size ──► Router.rank ──► attempt 1, 2, ... (max_attempts)
+    body ──► the replicas serving its ``model`` (the base model, an alias, or a LoRA adapter loaded there)
+         ──► prompt tokens (a Podium replica's /tokenize; ids given as such are used as they are)
+         ──► block hashes per replica (its block size; its key for the adapter) ──► Router.rank
+         ──► attempt 1, 2, ... (max_attempts)
 
 An attempt that fails before the client got a byte (the replica refused the connection, closed it,
 answered 5xx, or its stream ended before its first chunk) moves on to the next replica; a refused
@@ -55,17 +57,22 @@ class Prompt:
 
     token_ids: list[int] | None  # exact, when a replica tokenized it (or the client sent ids)
     text: str  # for approximate prefix keys when there are no token ids
-    _hashes: dict[int, list[str]] = field(default_factory=dict)
+    model: str | None = None  # the request's model: a LoRA adapter's blocks hash differently
+    _hashes: dict[tuple, list[str]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else len(self.text) // _CHARS_PER_TOKEN
 
-    def hashes(self, block_size: int) -> list[str]:
-        if block_size not in self._hashes:
-            self._hashes[block_size] = (block_hashes(self.token_ids, block_size) if self.token_ids is not None
-                                        else text_block_hashes(self.text))
-        return self._hashes[block_size]
+    def hashes(self, replica: Replica) -> list[str]:
+        """The prompt's block hashes as ``replica``'s prefix cache names them: its block size, and its
+        own ``block_hash_extra`` when the request names a LoRA adapter (approximate text keys without ids)."""
+        extra = replica.block_hash_extra(self.model)
+        key = ("text", extra) if self.token_ids is None else (replica.block_size, extra)
+        if key not in self._hashes:
+            self._hashes[key] = (text_block_hashes(self.text, extra=extra) if self.token_ids is None
+                                 else block_hashes(self.token_ids, replica.block_size, extra))
+        return self._hashes[key]
 
 
 class Proxy:
@@ -86,11 +93,11 @@ class Proxy:
             return error_response(400, f"The request body is not valid JSON: {exc}", headers=ids)
         if not isinstance(data, dict):
             return error_response(400, "The request body must be a JSON object", headers=ids)
-        replicas = self._serving(data.get("model"))
+        model = data.get("model") if isinstance(data.get("model"), str) else None  # (else the replica says why)
+        replicas = self._serving(model)
         if replicas is None:
-            return error_response(404, f"The model `{data.get('model')}` does not exist on any replica.",
-                                  "model_not_found", ids)
-        prompt = await self._prompt(endpoint, data, replicas)
+            return error_response(404, f"The model `{model}` does not exist on any replica.", "model_not_found", ids)
+        prompt = await self._prompt(endpoint, data, replicas, model)
         candidates = self.router.rank(replicas, prompt.num_tokens, prompt.hashes)
         if not candidates:
             self.metrics.no_replica.inc()
@@ -118,13 +125,14 @@ class Proxy:
 
     # -- choosing -----------------------------------------------------------------------------------
     def _serving(self, model: str | None) -> list[Replica] | None:
+        """The replicas that may serve ``model``; None (a 404) when healthy replicas exist and none does."""
         replicas = self.pool.replicas
         if not model:
             return replicas
-        serving = [r for r in replicas if not r.model or model == r.model or model in r.report.get("aliases", ())]
+        serving = [r for r in replicas if r.serves(model)]
         return serving if serving or not any(r.routable for r in replicas) else None
 
-    async def _prompt(self, endpoint: str, data: dict, replicas: list[Replica]) -> Prompt:
+    async def _prompt(self, endpoint: str, data: dict, replicas: list[Replica], model: str | None) -> Prompt:
         if endpoint == "chat":
             messages = data.get("messages") or []
             text = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
@@ -134,12 +142,12 @@ class Proxy:
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
                 prompt = prompt[0]  # a batch of prompts: routed by its first
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return Prompt(list(prompt), "")
+                return Prompt(list(prompt), "", model)
             text = prompt if isinstance(prompt, str) else ""
             ask = {"prompt": text}
         if sum(r.routable for r in replicas) < 2 or self.router.policy == "round-robin":
-            return Prompt(None, text)  # nothing to choose between, or no need to know: no tokenizing
-        return Prompt(await self._tokenize(ask, replicas), text)
+            return Prompt(None, text, model)  # nothing to choose between, or no need to know: no tokenizing
+        return Prompt(await self._tokenize(ask, replicas), text, model)
 
     async def _tokenize(self, ask: dict, replicas: list[Replica]) -> list[int] | None:
         """The prompt's token ids from a Podium replica (the one with the least queued work)."""
@@ -162,7 +170,7 @@ class Proxy:
                        stream: bool, ids: dict) -> Response | str:
         """The response to send, or why this replica failed before the client got a byte."""
         replica = candidate.replica
-        hashes = prompt.hashes(replica.block_size) if prompt.num_tokens else []
+        hashes = prompt.hashes(replica) if prompt.num_tokens else []
         replica.routed_request(hashes, candidate.uncached_tokens)
         started = time.perf_counter()
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"

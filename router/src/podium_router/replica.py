@@ -1,6 +1,11 @@
 """What the router knows about one replica: its report, its learned prefill rate, the prefixes it
 holds, and the router's own accounting of the requests it sent there.
 
+Models served. A Podium replica serves its model (and the aliases it reports) and the LoRA adapters
+its report lists now (loaded at startup or through ``/v1/load_lora_adapter``; a report follows loads
+and unloads, so the router's view lags them by at most a poll). A replica that is not Podium reports
+nothing: any model may be sent there, and it answers for itself.
+
 Prefixes held. A Podium replica's KV events give the exact set of block hashes in its prefix cache
 (``cached``). Between routing a request and the events of its blocks there is a gap (the request
 waits, prefills, the event travels), so the blocks of requests routed there and not finished yet
@@ -72,6 +77,7 @@ class Replica:
     is_podium: bool = False  # answers /podium/v1/replica
     report: dict = field(default_factory=dict)
     model: str = ""
+    adapters: dict[str, dict] = field(default_factory=dict)  # LoRA adapters loaded there, by name (its report)
     block_size: int = 16
     max_num_seqs: int = 0  # the decode cap (0: not known)
     kv_capacity_tokens: int = 0
@@ -99,6 +105,8 @@ class Replica:
     def apply_report(self, report: dict, approx_capacity_tokens: int) -> None:
         self.is_podium, self.report = True, report
         self.model = report.get("model", self.model)
+        listed = (report.get("lora") or {}).get("adapters") or ()
+        self.adapters = {a["name"]: a for a in listed if isinstance(a, dict) and isinstance(a.get("name"), str)}
         self.max_num_seqs = int(report.get("max_num_seqs") or 0)
         self.kv_capacity_tokens = int(report.get("kv_capacity_tokens") or 0)
         cache = report.get("prefix_cache") or {}
@@ -137,12 +145,32 @@ class Replica:
     def forget_server(self) -> None:
         """The replica went away: what it cached and reported is gone with it."""
         self.cached.clear()
+        self.adapters = {}
         self.kv_epoch, self.kv_seq, self.last_counters = None, 0, None
 
     # -- what the router sees -----------------------------------------------------------------------
     @property
     def routable(self) -> bool:
         return self.state == HEALTHY
+
+    def serves(self, model: str) -> bool:
+        """Whether a request naming ``model`` may be sent here (see "Models served" above)."""
+        return not self.model or self._is_base(model) or model in self.adapters
+
+    def block_hash_extra(self, model: str | None) -> str | None:
+        """What this replica's block hashes add for a request naming ``model``: on a Podium replica its
+        adapter's ``block_hash_extra`` where ``model`` is an adapter loaded here, else None (the base
+        model). A replica that is not Podium does not say which of its models are adapters, so its
+        approximate record keeps each named model's prefixes apart (the model's name)."""
+        if not model or self._is_base(model):
+            return None
+        if not self.is_podium:
+            return f"model={model}"
+        adapter = self.adapters.get(model)
+        return adapter.get("block_hash_extra") if adapter else None
+
+    def _is_base(self, model: str) -> bool:
+        return model == self.model or model in self.report.get("aliases", ())
 
     @property
     def queued_tokens(self) -> int:
@@ -189,7 +217,8 @@ class Replica:
 
     def describe(self) -> dict:
         return {"id": self.id, "name": self.name, "url": self.url, "source": self.source, "state": self.state,
-                "podium": self.is_podium, "model": self.model, "platform": self.report.get("platform"),
+                "podium": self.is_podium, "model": self.model, "lora_adapters": sorted(self.adapters),
+                "platform": self.report.get("platform"),
                 "device": self.report.get("device_description") or self.report.get("device"),
                 "exact_prefixes": self.exact_prefixes, "cached_blocks": len(self.cached),
                 "prefill_rate": self.rate.value, "decode_step_s": self.step_time.value,

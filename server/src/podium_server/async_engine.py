@@ -34,7 +34,7 @@ from podium.pooling_params import PoolingParams
 from podium.sampling_params import SamplingParams
 from podium.tenant import Tenant
 
-from .engine_loop import Abort, Add, LoRAUpdate, Report
+from .engine_loop import Abort, Add, LoadedAdapter, LoRAUpdate, Report
 
 
 class EngineDeadError(EngineDead, RuntimeError):
@@ -66,12 +66,12 @@ class EngineInfo:
     block_hash_scheme: str | None = None
     pooling: bool = False  # the model computes embeddings (/v1/embeddings), not text
     lora_enabled: bool = False  # the engine serves LoRA adapters (enable_lora)
-    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, folder) of the adapters loaded at startup
+    lora_adapters: tuple[LoadedAdapter, ...] = ()  # the adapters loaded at startup
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
         config, platform = engine.config, getattr(engine, "platform", None)
-        adapters = tuple((ref.name, ref.path) for ref in getattr(engine, "lora_adapters", list)())
+        adapters = tuple(LoadedAdapter.of(engine, ref) for ref in getattr(engine, "lora_adapters", list)())
         return cls(engine.model_name, getattr(config, "model", engine.model_name), engine.max_model_len,
                    engine.platform_name, engine.kv_capacity_tokens, engine.tokenizer,
                    device=str(getattr(engine, "device", "")),
@@ -174,7 +174,8 @@ class AsyncEngine:
     def __init__(self, info: EngineInfo, stats: Any) -> None:
         self.info = info
         self.stats = stats  # the newest snapshot of the engine's stats(), replaced by every report
-        self.lora_adapters: dict[str, str] = dict(info.lora_adapters)  # loaded LoRA adapters: name -> folder
+        # the loaded LoRA adapters by name (the replica report and /v1/models read it)
+        self.lora_adapters: dict[str, LoadedAdapter] = {a.name: a for a in info.lora_adapters}
         self._calls = 0  # LoRA load/unload calls sent (their answer ids)
         self.on_kv_events: Callable[[list[tuple[str, int]]], None] | None = None  # set before start()
         self._listener: OutputListener | None = None
@@ -254,9 +255,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def update_lora(self, name: str, path: str | None) -> tuple[str, str]:
-        """Load adapter ``name`` from folder ``path`` (None: unload it) in the engine; returns (name,
-        path). The engine's typed error (``AdapterNotFound``, ``InvalidParameter``) comes back here."""
+    async def update_lora(self, name: str, path: str | None) -> LoadedAdapter:
+        """Load adapter ``name`` from folder ``path`` (None: unload it) in the engine; returns it. The
+        engine's typed error (``AdapterNotFound``, ``InvalidParameter``) comes back here."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
         self._calls += 1
@@ -264,12 +265,12 @@ class AsyncEngine:
         answered = self._loop.create_future()
         self._pending[call_id] = answered
         self._send(LoRAUpdate(call_id, name, path))
-        result = await answered
+        adapter = await answered
         if path is None:
             self.lora_adapters.pop(name, None)
         else:
-            self.lora_adapters[name] = path
-        return result
+            self.lora_adapters[name] = adapter
+        return adapter
 
     def release(self, stream: RequestStream) -> None:
         """Call when done reading a stream: aborts the request if it has not finished."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from podium.chat_template import ChatPrompt
 from podium.errors import RequestFailed
+from podium.lora.request import AdapterRef
 from podium.outputs import PoolingRequestOutput, RequestOutput
 from podium.pooling_params import PoolingParams
 from podium.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ class Abort:
 
 @dataclass
 class LoRAUpdate:
-    """Load (``path`` given) or unload a LoRA adapter; answered like an add, with (name, path) or the error."""
+    """Load (``path`` given) or unload a LoRA adapter; answered like an add, with its ``LoadedAdapter`` or the error."""
 
     call_id: str
     name: str
@@ -60,6 +61,21 @@ class LoRAUpdate:
 
 class Stop:
     pass
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """A LoRA adapter as the server shows it: its name, its folder, and the text its blocks' hashes
+    digest after the token ids (``LLMEngine.block_hash_extra``: a router that recomputes the hashes
+    of a request naming it needs this)."""
+
+    name: str
+    path: str
+    block_hash_extra: str
+
+    @classmethod
+    def of(cls, engine: Any, ref: AdapterRef) -> LoadedAdapter:
+        return cls(ref.name, ref.path, engine.block_hash_extra(ref))
 
 
 @dataclass
@@ -170,7 +186,7 @@ class EngineLoop:
             return False
         return True
 
-    def _update_lora(self, command: LoRAUpdate) -> tuple[str, str] | BaseException:
+    def _update_lora(self, command: LoRAUpdate) -> LoadedAdapter | BaseException:
         try:
             if command.path is None:
                 ref = self.engine.unload_lora(command.name)
@@ -178,7 +194,7 @@ class EngineLoop:
                 ref = self.engine.load_lora(command.name, command.path)
         except Exception as exc:  # a bad folder or name is that call's problem, never the loop's
             return exc
-        return ref.name, ref.path
+        return LoadedAdapter.of(self.engine, ref)
 
     def _flush(self, outputs: list[RequestOutput | PoolingRequestOutput], idle: bool = False) -> None:
         """Report what happened since the last report (when idle, the stats even if nothing did)."""

@@ -5,7 +5,11 @@ the load in tokens (``queued_tokens``: what every unfinished request still has t
 work ahead of a new one, where a waiting prompt's cached leading blocks do not count;
 ``running_tokens``: the running batch's tokens, its decode load), the
 cumulative prompt tokens computed and the step seconds they took (a router derives the prefill
-rate from two reports), and the prefix cache's block hash scheme with the KV-event position.
+rate from two reports), the prefix cache's block hash scheme with the KV-event position, and the
+LoRA adapters loaded now (``lora.adapters``: each one's name, folder and ``block_hash_extra``, the
+text its blocks' hashes digest after the token ids; it changes with ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``), so a router sends a request naming an adapter only where it is
+loaded and hashes its prompt as that replica's block manager does.
 
 ``GET /podium/v1/kv_events?after=SEQ&epoch=EPOCH&timeout=S``: the prefix cache's block events,
 long-polled. Each event is one run of block hashes stored or evicted, in the engine's order,
@@ -14,7 +18,8 @@ after ``after`` (waiting up to ``timeout`` seconds for one); if the router's pos
 continued (another epoch, events dropped from the bounded log, or a position from the future) it
 is a ``reset``: every hash cached now, and the position to poll on from. Hashes are 32 hex digits
 (the 128-bit chained hash of ``podium.block_manager.hash_block_tokens``; a router recomputes them
-from token ids to know which replica holds a prompt's prefix).
+from token ids to know which replica holds a prompt's prefix; the blocks of a request with a LoRA
+adapter hash that adapter's ``block_hash_extra`` too, which differs between replicas).
 """
 
 from __future__ import annotations
@@ -118,6 +123,11 @@ def replica_report(app: FastAPI) -> dict:
             "block_size": info.block_size,
             "epoch": log.epoch,
             "seq": log.seq,
+        },
+        "lora": {
+            "enabled": info.lora_enabled,
+            "adapters": [{"name": a.name, "path": a.path, "block_hash_extra": a.block_hash_extra}
+                         for a in ctx.engine.lora_adapters.values()],
         },
     }
 

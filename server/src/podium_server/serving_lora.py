@@ -38,8 +38,8 @@ class LoRAAdaptersHandler(ServingBase):
 
     def cards(self) -> list[ModelCard]:
         """One card per loaded adapter, its base model as ``parent``."""
-        return [ModelCard(id=name, root=path, parent=self.ctx.model_name, max_model_len=self.ctx.max_model_len)
-                for name, path in self.ctx.engine.lora_adapters.items()]
+        return [ModelCard(id=a.name, root=a.path, parent=self.ctx.model_name, max_model_len=self.ctx.max_model_len)
+                for a in self.ctx.engine.lora_adapters.values()]
 
     async def _update(self, name: str, path: str | None) -> None:
         try:
