@@ -1,8 +1,9 @@
 """LoRA on a GPU end to end: a tiny random Llama with four random adapters, float32, greedy; the engine
 on ``--device`` (decode graphs captured with the adapters in them, async scheduling as the platform
 chooses) must give the CPU platform's tokens for a batch mixing the adapters and the base model,
-and each request alone the same tokens as in the mix. Prints one line per check and exits non-zero
-on a mismatch (benchmarks/lora_gpu.sh runs it).
+and for the same prompts on the base model alone (steps without adapters: graphs captured without
+them), and each request alone the same tokens as in the mix. Prints one line per check and exits
+non-zero on a mismatch (benchmarks/lora_gpu.sh runs it).
 
     python benchmarks/lora_gpu_check.py --device cuda
 """
@@ -37,20 +38,26 @@ def tiny_model(folder: Path) -> None:
 
 
 def generate(folder: Path, device: str, prompts, loras, eager: bool) -> list[list[int]]:
+    """The mixed batch's tokens, then the same prompts' on the base model alone (steps without any
+    adapter: on a GPU, the decode graphs captured without the adapters' ops)."""
     llm = LLM(str(folder), device=device, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
               max_model_len=256, max_num_seqs=16, enforce_eager=eager)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     mixed = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in mixed]
+    base = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     alone = [llm.generate([{"prompt_token_ids": p}], params, lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
              for p, lora in zip(prompts[:4], loras[:4])]
     if alone != tokens[:4]:
         print(f"FAIL {device}: a request alone differs from the same request in the mixed batch")
         sys.exit(1)
     graphs = sorted(llm.engine.runner.graphs)
-    print(f"{device}: {len(prompts)} requests, graphs {graphs or 'none'}, "
-          f"graphs with adapters: {llm.engine.runner.lora.graphs_have_adapters}")
-    return tokens
+    runner = llm.engine.runner
+    with_adapters = bool(graphs) and runner.lora.graphs_have_adapters
+    base_only = "a second set" if runner.base_graphs is not None else "the same" if graphs else "none"
+    print(f"{device}: {len(prompts)} requests, graphs {graphs or 'none'}, graphs with adapters: {with_adapters}, "
+          f"graphs for steps without adapters: {base_only}")
+    return tokens + [o.outputs[0].token_ids for o in base]
 
 
 def main() -> None:
@@ -74,9 +81,11 @@ def main() -> None:
         got = generate(root / "base", args.device, prompts, which, eager=False)
         bad = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
         if bad:
-            print(f"FAIL: requests {bad} differ between {args.device} and cpu (first: {got[bad[0]]} vs {want[bad[0]]})")
+            print(f"FAIL: requests {bad} differ between {args.device} and cpu (first: {got[bad[0]]} vs {want[bad[0]]}; "
+                  f"past {len(prompts) - 1}: the base-only batch)")
             sys.exit(1)
-        print(f"OK: {args.device} equals cpu for all {len(prompts)} requests (4 adapters over 2 slots, and the base)")
+        print(f"OK: {args.device} equals cpu for all {len(prompts)} requests (4 adapters over 2 slots, and the base), "
+              f"and for the same prompts on the base model alone")
 
 
 if __name__ == "__main__":

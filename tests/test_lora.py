@@ -118,6 +118,72 @@ def test_each_adapter_equals_peft_and_a_mixed_batch_equals_each_alone(base, adap
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+class ReplayingRunner:
+    """A graph runner that "replays" by running the step again with the state its capture saw: the
+    adapted layers then read the graphs' fixed mapping region, or (a capture without the adapters)
+    no mapping, as a captured graph's kernels would. Where a platform can capture the adapters' ops."""
+
+    max_batch_size = None
+
+    def __init__(self, states: list) -> None:
+        self.states = states  # the engine's LoRAState, once built
+
+    def capture(self, fn):
+        state = self.states[-1]
+        adapters = state.capture_adapters
+        fn()
+
+        def replay():
+            saved = state.capturing, state.capture_adapters
+            state.capturing, state.capture_adapters = True, adapters
+            try:
+                return fn()
+            finally:
+                state.capturing, state.capture_adapters = saved
+
+        return replay
+
+
+def test_steps_without_adapters_replay_graphs_captured_without_them(base, adapters, monkeypatch):
+    """Where the adapters' ops are captured, the decode graphs come twice: with them (steps where a
+    row has an adapter) and without (steps where none has: the plain model's kernels only). Tokens
+    equal the eager engine's for a batch mixing adapters and the base, and for the base alone."""
+    from podium.lora.layers import LoRAState
+    from podium_cpu.platform import CpuPlatform
+
+    states, init = [], LoRAState.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        states.append(self)
+
+    monkeypatch.setattr(LoRAState, "__init__", record)
+    monkeypatch.setattr(CpuPlatform, "graph_runner", lambda self: ReplayingRunner(states))
+    eager = LLM(str(base), **{**ENGINE, "max_loras": 2})
+    graphed = LLM(str(base), **{**ENGINE, "max_loras": 2, "enforce_eager": False})
+    runner = graphed.engine.runner
+    assert runner.lora.graphs_have_adapters and runner.base_graphs is not None
+    assert sorted(runner.base_graphs.captured) == sorted(runner.graphs)
+    replays = {"adapters": 0, "base": 0}
+    for name, graphs in (("adapters", runner.decode_graphs), ("base", runner.base_graphs)):
+        def counted(*args, replay=graphs.replay, name=name):
+            replays[name] += 1
+            return replay(*args)
+
+        monkeypatch.setattr(graphs, "replay", counted)
+    ps = prompts(6, seed=5)
+    requests = [lora(adapters, i % 2) if i % 3 else None for i in range(6)]
+    for batch in (requests, [None] * 6):
+        want = eager.generate(tokens_prompts(ps), GREEDY, lora_request=batch, use_tqdm=False)
+        before = dict(replays)
+        got = graphed.generate(tokens_prompts(ps), GREEDY, lora_request=batch, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        if batch[1] is None:  # the base alone: only the graphs without the adapters replay
+            assert replays["adapters"] == before["adapters"] and replays["base"] > before["base"]
+        else:
+            assert replays["adapters"] > before["adapters"]
+
+
 def test_more_adapters_than_slots_wait_for_one(base, adapters):
     """max_loras=2 with four adapters in one call: no step holds more than two adapters, requests
     wait for a slot (admission stops), and every output equals its request alone."""

@@ -73,7 +73,7 @@ def test_state_stages_eager_padded_and_graph_mappings():
     state.stage(np.array([1, -1, 1], dtype=np.int32), None)
     eager = state.mapping_for(3)
     assert eager.token_slots.tolist() == [1, -1, 1] and eager.slot_starts.tolist() == [0, 0, 2]
-    assert eager.max_slot_rows == 2
+    assert eager.max_slot_rows == 2 and eager.num_slotted_rows == 2
     padded = state.mapping_for(5)  # a platform's shaping padded the rows: the extra ones have no slot
     assert padded.token_slots.tolist() == [1, -1, 1, -1, -1] and padded.sorted_rows.tolist()[3:] == [3, 4]
     state.reserve_graphs(4)
@@ -83,7 +83,7 @@ def test_state_stages_eager_padded_and_graph_mappings():
     state.stage(np.array([0, 1], dtype=np.int32), graph_rows=2)
     assert state.current is None
     assert graph.token_slots.tolist() == [0, 1] and graph.slot_starts.tolist() == [0, 1, 2]
-    assert graph.max_slot_rows is None
+    assert graph.max_slot_rows is None and graph.num_slotted_rows is None
     state.stage(None, graph_rows=2)  # a step without adapters replays the same graph: its rows say so
     assert graph.token_slots.tolist() == [-1, -1] and graph.slot_starts.tolist() == [0, 0, 0]
 

@@ -1,9 +1,9 @@
 """The Triton SGMV LoRA kernels against the contract's pure-torch reference (``podium_plugin_api.lora``).
 
-Mixed steps (rows of several slots, rows without one, an unused slot), one slot for every row, no
-adapter at all, inner sizes of one and three slices, split-K and not, the host's row extent known
-(an eager step) and not (a captured graph's mapping), and a CUDA graph replayed for a new mix of
-slots. Under ``TRITON_INTERPRET=1`` (no GPU) the sizes stay small and float32 only.
+Mixed steps (rows of several slots, rows without one, an unused slot, an unused slot between used
+ones: a block of rows meets several slots), one slot for every row, no adapter at all, inner sizes
+of one and three slices, split-K and not, the host's row extent known (an eager step) and not (a
+captured graph's mapping), and a CUDA graph replayed for a new mix of slots. Under ``TRITON_INTERPRET=1`` (no GPU) the sizes stay small and float32 only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ NUM_SLOTS = 4
 def slot_mixes(rows: int, gen: torch.Generator) -> dict[str, list[int]]:
     mixed = torch.randint(-1, NUM_SLOTS - 1, (rows,), generator=gen).tolist()  # slot 3 unused
     mixed[0] = 0
-    return {"mixed": mixed, "one-slot": [2] * rows, "none": [-1] * rows}
+    gap = [(-1, 0, 2)[i] for i in torch.randint(0, 3, (rows,), generator=gen).tolist()]  # slot 1 between used ones
+    gap[-1] = 2
+    return {"mixed": mixed, "gap": gap, "one-slot": [2] * rows, "none": [-1] * rows}
 
 
 def sizes(device: str) -> list[tuple[int, int, int]]:
@@ -44,7 +46,7 @@ def weights(slots: int, inner: int, k: int, n: int, device: str, dtype, gen):
 def mappings(slots: list[int], device: str):
     """The eager mapping (the host's row extent) and a graph's (no extent: every row)."""
     eager = lora_mapping(slots, NUM_SLOTS, device)
-    return {"eager": eager, "graph": dataclasses.replace(eager, max_slot_rows=None)}
+    return {"eager": eager, "graph": dataclasses.replace(eager, max_slot_rows=None, num_slotted_rows=None)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

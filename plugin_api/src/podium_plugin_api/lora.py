@@ -23,7 +23,9 @@ parallel projection keeps its output rows of B (A whole), a row-parallel one its
 
 ``LoRAMapping`` carries the rows both ways: ``token_slots`` per row, and the rows grouped by slot
 (``sorted_rows``, ``slot_starts``), which a kernel that computes a block of same-slot rows together
-reads. It is built once per step on the host (``lora_mapping``) and read by every adapted layer.
+reads. It is built once per step on the host (``lora_mapping``) and read by every adapted layer;
+where the host built it for the step (not a captured graph's fixed memory) it also says how many rows
+any one slot has and how many have a slot, so a kernel's grid can cover only those.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class LoRAMapping:
     slot_starts: torch.Tensor  # [L + 1] slot l's rows are sorted_rows[slot_starts[l] : slot_starts[l + 1]]
     # the most rows any one slot has, where the host knows it (None: up to T, as in a captured graph)
     max_slot_rows: int | None = None
+    # how many rows have a slot (the first ones of sorted_rows), where the host knows it (None: up to T)
+    num_slotted_rows: int | None = None
 
     @property
     def num_slots(self) -> int:
@@ -55,7 +59,7 @@ class LoRAMapping:
 
     def to(self, device: torch.device | str) -> LoRAMapping:
         return LoRAMapping(self.token_slots.to(device), self.sorted_rows.to(device), self.slot_starts.to(device),
-                           self.max_slot_rows)
+                           self.max_slot_rows, self.num_slotted_rows)
 
     def __repr__(self) -> str:
         return f"LoRAMapping(rows={self.num_rows}, slots={self.num_slots})"
@@ -81,7 +85,7 @@ def lora_mapping(token_slots: Sequence[int] | np.ndarray, num_slots: int,
     slots = np.asarray(token_slots, dtype=np.int32)
     order, starts, most = mapping_arrays(slots, num_slots)
     return LoRAMapping(torch.from_numpy(slots).to(device), torch.from_numpy(order).to(device),
-                       torch.from_numpy(starts).to(device), most)
+                       torch.from_numpy(starts).to(device), most, int(starts[-1]))
 
 
 def _slot_rows(mapping: LoRAMapping) -> list[tuple[int, torch.Tensor]]:

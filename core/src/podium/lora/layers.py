@@ -83,8 +83,9 @@ class LoRAState:
         rows = len(token_slots)
         packed = torch.from_numpy(_packed(token_slots.astype(np.int32), self.num_slots))
         region = packed.to(self.device, non_blocking=True)
-        most = int(np.bincount(token_slots[token_slots >= 0], minlength=1).max())
-        return LoRAMapping(region[:rows], region[rows:2 * rows], region[2 * rows:], most)
+        slotted = token_slots[token_slots >= 0]
+        most = int(np.bincount(slotted, minlength=1).max())
+        return LoRAMapping(region[:rows], region[rows:2 * rows], region[2 * rows:], most, len(slotted))
 
     def _graph_mapping(self, rows: int) -> LoRAMapping:
         if self._region is None or rows > self._region_rows:
@@ -106,7 +107,7 @@ def _padded(mapping: LoRAMapping, rows: int) -> LoRAMapping:
     slots = torch.cat([mapping.token_slots, torch.full((extra,), -1, dtype=torch.int32, device=device)])
     order = torch.cat([mapping.sorted_rows,
                        torch.arange(mapping.num_rows, rows, dtype=torch.int32, device=device)])
-    return LoRAMapping(slots, order, mapping.slot_starts, mapping.max_slot_rows)
+    return LoRAMapping(slots, order, mapping.slot_starts, mapping.max_slot_rows, mapping.num_slotted_rows)
 
 
 class LoRALinear(nn.Module):

@@ -1,0 +1,116 @@
+"""The Triton SGMV LoRA kernels' time per decoder layer of the 8B shape, against the layer's base GEMMs.
+
+One layer's four adapted projections (q|k|v, o, gate|up, down; rank 16, 8 slots, bf16), each a
+shrink then an expand, captured in a CUDA graph and replayed (no launch overhead, as in a decode
+graph), for: a decode step of 256 rows as a captured graph maps it (every row may be any slot's)
+with the rows round-robin over 8 adapters, and with no adapter at all (what the base model paid in
+graphs captured with the adapters); a 2048-row prefill (8 sequences of 256 rows, one adapter each)
+mapped eagerly. Each under a few decode tilings (BLOCK_M, BLOCK_N), to tune ``podium_cuda.lora``.
+
+    python benchmarks/lora_kernel_bench.py            (a CUDA GPU; ~30 s)
+    TRITON_INTERPRET=1 python benchmarks/lora_kernel_bench.py --smoke     (a check that it runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+import podium_cuda.lora as kernels
+from podium_plugin_api.lora import lora_mapping
+
+HIDDEN, INTER, HEADS_DIM, KV_DIM = 4096, 14336, 4096, 1024
+SLOTS, RANK = 8, 16
+PROJECTIONS = {  # name: (K, N, slices)
+    "qkv": (HIDDEN, HEADS_DIM + 2 * KV_DIM, 3), "o": (HEADS_DIM, HIDDEN, 1),
+    "gate_up": (HIDDEN, 2 * INTER, 2), "down": (INTER, HIDDEN, 1),
+}
+TILINGS = [(16, 64), (32, 64), (32, 128), (64, 128)]  # decode (BLOCK_M, BLOCK_N) tried
+
+
+def graph_time(fn, iters: int) -> float:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph (on the CPU: called, for --smoke)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e6 / iters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool, iters: int, dev, dtype) -> None:
+    """Print the base GEMMs' and the LoRA ops' microseconds per layer for one step's rows."""
+    mapping = lora_mapping(slots, SLOTS, dev)
+    if graph:  # what a captured graph's fixed memory gives: no host counts
+        mapping = dataclasses.replace(mapping, max_slot_rows=None, num_slotted_rows=None)
+    xs = {name: torch.randn(rows, w.shape[1], device=dev, dtype=dtype) for name, (w, _, _) in layer.items()}
+    ys = {name: torch.zeros(rows, w.shape[0], device=dev, dtype=dtype) for name, (w, _, _) in layer.items()}
+
+    def base():
+        for name, (w, _, _) in layer.items():
+            torch.matmul(xs[name], w.t(), out=ys[name])
+
+    def lora():
+        for name, (_, a, b) in layer.items():
+            kernels.lora_expand(ys[name], kernels.lora_shrink(xs[name], a, mapping), b, mapping)
+
+    base_us = graph_time(base, iters)
+    print(f"{label}: base GEMMs {base_us:.1f} us/layer")
+    default = kernels.DECODE
+    for block_m, block_n in TILINGS if graph else [(None, None)]:
+        if block_m is not None:
+            kernels.DECODE = kernels.LoRATiling(block_m, block_n, 64, 4)
+        lora_us = graph_time(lora, iters)
+        which = "prefill tiling" if block_m is None else f"decode tiling M{block_m} N{block_n}"
+        mark = " (default)" if block_m is not None and kernels.DECODE == default else ""
+        print(f"  {which}{mark}: LoRA {lora_us:.1f} us/layer = {lora_us / base_us:.3f} x the base GEMMs")
+    kernels.DECODE = default
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--smoke", action="store_true", help="shapes / 64, float32, 1 iteration (a CPU under "
+                        "TRITON_INTERPRET=1 can run it)")
+    args = parser.parse_args()
+    scale, dtype = (64, torch.float32) if args.smoke else (1, torch.bfloat16)
+    iters = 1 if args.smoke else args.iters
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    layer = {}
+    for name, (k, n, slices) in PROJECTIONS.items():
+        k, n, inner = k // scale, n // scale, RANK * slices
+        layer[name] = (torch.randn(n, k, generator=gen) / k**0.5, torch.randn(SLOTS, inner, k, generator=gen) / k**0.5,
+                       torch.randn(SLOTS, n, inner, generator=gen) / inner**0.5)
+        layer[name] = tuple(t.to(dev, dtype) for t in layer[name])
+    decode, prefill = 256 // (8 if args.smoke else 1), 2048 // (8 if args.smoke else 1)
+    cases = {
+        f"decode {decode} rows, 8 adapters (graph mapping)": (decode, [i % SLOTS for i in range(decode)], True),
+        f"decode {decode} rows, no adapter (graph mapping)": (decode, [-1] * decode, True),
+        f"prefill {prefill} rows, 8 adapters (eager mapping)": (prefill, [i * SLOTS // prefill for i in range(prefill)],
+                                                                False),
+    }
+    for label, (rows, slots, graph) in cases.items():
+        time_case(label, layer, rows, slots, graph, iters, dev, dtype)
+
+
+if __name__ == "__main__":
+    main()
