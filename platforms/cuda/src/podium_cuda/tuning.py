@@ -141,7 +141,7 @@ class KernelTuning:
     fp8_gemv_dot: bool = False
     # one row on the CUDA cores in packed half precision (fp8_gemv._packed_steps: ~2 instructions a
     # weight byte against ~7; the plain steps are bound by them, ~2 TB/s at one row where bf16's
-    # GEMV reads 4 TB/s). Off until quant_gpu.sh's kernels step has timed it on the device
+    # GEMV reads 4 TB/s). Off until quant_gpu.sh's one_row step has timed it on the device
     fp8_gemv_packed: bool = False
     # one row: fp8_quant's one-program launch quantizes the row (its prologue inside) and the GEMV
     # reads the e4m3 row, instead of every program walking the whole row for its norm and amax
@@ -160,7 +160,7 @@ class KernelTuning:
     # the one-row AWQ GEMV (awq_gemv.py) in packed half precision: two columns an instruction, ~1.6
     # instructions a weight against ~5 in float32, which leave it at ~0.8 TB/s of packed weight on
     # the H200 (qkv / o / gate_up / down 15.4 / 14.5 / 73.8 / 35.9 us against bf16's GEMV 12.3 / 5.6
-    # / 55.2 / 28.1 reading 4x the bytes). Off until quant_gpu.sh's kernels step has timed it
+    # / 55.2 / 28.1 reading 4x the bytes). Off until quant_gpu.sh's one_row step has timed it
     int4_gemv_packed: bool = False
     # the INT4 GEMV's output features a program (a multiple of 64) and K splits a column block
     # (0: int4_gemv.config's rule, about four programs a multiprocessor)
