@@ -17,7 +17,8 @@ decode step, where every layer reads other weights. "layer1" sums a variant over
 (x32: the 8B's decode step in linears).
 
 sweep (not with --no-sweep): the fastest FP8 variant at each global slice width
-(``fp8_gemv_block_k``: fewer columns a program, more splits of K) and the fastest AWQ variant at each
+(``fp8_gemv_block_k``: fewer columns a program, more splits of K), then at the best of those with 2 and
+8 programs a multiprocessor instead of 4 (``fp8_gemv_programs``), and the fastest AWQ variant at each
 column block (``int4_gemv_block_n``) and split count (``int4_gemv_split_k``), summed over a layer.
 The last line, "tuning: PODIUM_CUDA_TUNING=...", is the fastest setting found (a change from the
 default only where it saves at least 1% of a layer). ``--device cpu``: the checks at small shapes
@@ -60,6 +61,8 @@ FP8_VARIANTS = {  # label -> KernelTuning changes; "fp8 default" is the tuning a
 }
 AWQ_VARIANTS = {"awq default": {}, "awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True}}
 FP8_BLOCK_K = (0, 512, 1024, 2048, 4096)  # the sweep's global slice widths (0: fp8_gemv.config's rule)
+FP8_PLAIN_BLOCK_K = (0, 256, 1024)
+FP8_PROGRAMS = (0, 2, 8)  # ... and programs a multiprocessor (0: 4)
 AWQ_BLOCK_N = (0, 128, 512)
 AWQ_SPLITS = (0, 4, 8, 16)
 ROTATION_BYTES = 192 << 20  # weight bytes a timing graph cycles over (> 3x the H200's L2)
@@ -245,10 +248,16 @@ def layer_sum(copies: dict[str, Copies], time_one) -> float | None:
 def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tuple[list[str], dict, dict]:
     """The chosen variants' tiles over a layer: (lines, FP8 changes, AWQ changes) with the fastest tiles."""
     fp8 = {}
-    for block_k in FP8_BLOCK_K:
+    # the plain / tensor-core steps hold [16 or 128, BLOCK_K] tiles: wide slices only for the packed steps
+    for block_k in FP8_BLOCK_K if tuning(**fp8_changes).fp8_gemv_packed else FP8_PLAIN_BLOCK_K:
         changes = dict(fp8_changes, fp8_gemv_block_k=block_k)
         fp8[block_k] = layer_sum(copies, lambda c, prologue: time_fp8(c, prologue, changes))
     best_k = int(fastest({str(k): v for k, v in fp8.items()}, [str(k) for k in fp8], "0"))
+    programs = {0: fp8[best_k]}
+    for count in FP8_PROGRAMS[1:]:
+        changes = dict(fp8_changes, fp8_gemv_block_k=best_k, fp8_gemv_programs=count)
+        programs[count] = layer_sum(copies, lambda c, prologue: time_fp8(c, prologue, changes))
+    best_p = int(fastest({str(n): v for n, v in programs.items()}, [str(n) for n in programs], "0"))
     awq = {}
     for block_n in AWQ_BLOCK_N:
         changes = dict(awq_changes, int4_gemv_block_n=block_n)
@@ -266,16 +275,19 @@ def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tu
 
     lines = [f"sweep fp8 layer by fp8_gemv_block_k (0: the rule), {fp8_changes or 'default'}: "
              f"{shown(fp8)} -> {best_k}",
+             f"sweep fp8 layer by fp8_gemv_programs (0: 4 a multiprocessor) at block_k {best_k}: "
+             f"{shown(programs)} -> {best_p}",
              f"sweep awq layer by int4_gemv_block_n/int4_gemv_split_k (0: the rule), {awq_changes or 'default'}: "
              f"{shown(keyed)} -> {best_n}/{best_s}"]
-    return (lines, dict(fp8_changes, fp8_gemv_block_k=best_k),
+    return (lines, dict(fp8_changes, fp8_gemv_block_k=best_k, fp8_gemv_programs=best_p),
             dict(awq_changes, int4_gemv_block_n=best_n, int4_gemv_split_k=best_s))
 
 
 def setting(changes: dict) -> str:
     """PODIUM_CUDA_TUNING's text for the one-row fields (every one, so the line says the whole choice)."""
     t = tuning(**changes)
-    fields = ONE_ROW_FIELDS + ("fp8_gemv_block_k", "int4_gemv_packed", "int4_gemv_block_n", "int4_gemv_split_k")
+    fields = ONE_ROW_FIELDS + ("fp8_gemv_block_k", "fp8_gemv_programs", "int4_gemv_packed", "int4_gemv_block_n",
+                               "int4_gemv_split_k")
     return ",".join(f"{name}={int(getattr(t, name))}" for name in fields)
 
 

@@ -128,7 +128,8 @@ def test_fp8_gemv_takes_few_rows_and_row_scales_only():
 
 
 ONE_ROW = {"packed": {"fp8_gemv_packed": True}, "quantize-first": {"fp8_gemv_quantize_first": True},
-           "packed-quantize-first": {"fp8_gemv_packed": True, "fp8_gemv_quantize_first": True}}
+           "packed-quantize-first": {"fp8_gemv_packed": True, "fp8_gemv_quantize_first": True},
+           "packed-one-program": {"fp8_gemv_packed": True, "fp8_gemv_programs": 1}}
 
 
 @pytest.mark.parametrize("variant", list(ONE_ROW))
@@ -172,3 +173,5 @@ def test_fp8_gemv_packed_slices():
     assert config(1, 40, 96, 132, tuning)[0] == 512
     assert config(2, 40, 4096, 132, tuning)[0] == 512  # two rows: the plain CUDA-core steps
     assert config(1, 40, 4096, 132, _tuning(True, fp8_gemv_packed=True))[1] == 128  # tensor cores win
+    assert config(1, 28672, 4096, 132, tuning)[2] == 56  # 4 x 132 feature ranges of whole 4-row steps
+    assert config(1, 28672, 4096, 132, _tuning(False, fp8_gemv_packed=True, fp8_gemv_programs=2))[2] == 112

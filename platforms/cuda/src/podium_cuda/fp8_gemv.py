@@ -209,9 +209,10 @@ def config(rows: int, n: int, k: int, multiprocessors: int, tuning: KernelTuning
     compared: ~2 against ~7 on the CUDA cores); CUDA cores: 512 columns (a warp's 16-byte loads span
     one row of it; 256 with more than two input rows, all held in registers) and 16 rows a step;
     packed (``packed``: one row): K up to 4096 a slice (a lane holds 128 of its columns as f16),
-    halved while it does not divide K (8B's 14336: 2048), and one row a warp a step. 4 warps; feature ranges of whole steps, as many as make about four
-    programs a multiprocessor with the slices. ``tuning.fp8_gemv_block_k`` overrides the slice width
-    (packed: a multiple of 512)."""
+    halved while it does not divide K (8B's 14336: 2048), and one row a warp a step. 4 warps; feature
+    ranges of whole steps, as many as make about four programs a multiprocessor with the slices
+    (``tuning.fp8_gemv_programs`` instead of four where set). ``tuning.fp8_gemv_block_k`` overrides
+    the slice width (packed: a multiple of 512)."""
     dot = tuning.fp8_gemv_dot
     if packed(rows, tuning):
         block_k = tuning.fp8_gemv_block_k or min(4096, next_power_of_2(k))
@@ -224,7 +225,7 @@ def config(rows: int, n: int, k: int, multiprocessors: int, tuning: KernelTuning
         block_k = max(32 if dot else 16, min(block_k, next_power_of_2(k)))
         tile = 128 if dot else 16
     splits = triton.cdiv(k, block_k)
-    ranges = max(1, triton.cdiv(4 * multiprocessors, splits))
+    ranges = max(1, triton.cdiv((tuning.fp8_gemv_programs or 4) * multiprocessors, splits))
     features = max(tile, triton.cdiv(triton.cdiv(n, ranges), tile) * tile)
     return block_k, tile, features, 4
 

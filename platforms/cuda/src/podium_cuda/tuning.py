@@ -133,6 +133,10 @@ class KernelTuning:
     fp8_gemv_max_rows: int = 1
     # the FP8 GEMV's slice of K a program (a power of two; packed: a multiple of 512); 0: fp8_gemv.config's rule
     fp8_gemv_block_k: int = 0
+    # the FP8 GEMV's programs a multiprocessor it aims at (feature ranges x slices of K); 0: 4. Fewer make
+    # each program's weight rows more against its per-program work (the row's norm and amax, its slice
+    # quantized); benchmarks/quant_gpu_one_row.py sweeps it
+    fp8_gemv_programs: int = 0
     # the FP8 GEMV multiplies on the tensor cores (an e4m3 MMA of the rows, padded to 16, with 128
     # weight rows a step); False: on the CUDA cores (convert, multiply, sum). Measured on an H200 at
     # one row (benchmarks/quant_gpu.sh): the CUDA-core steps 12.2 / 9.7 / 48.9 / 33.5 us against the
