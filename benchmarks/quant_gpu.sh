@@ -2,7 +2,7 @@
 # Quantized execution on an H200, one device call (from the repo root, nothing to carry). Everything it
 # measures ends up in $OUT/summary.txt; the logs and JSON in $OUT/logs.tar.gz (the device returns 8 files):
 #
-#   bash benchmarks/quant_gpu.sh            full, <= 505 s of its own clock (BUDGET=...)
+#   bash benchmarks/quant_gpu.sh            full, <= 520 s of its own clock (BUDGET=...), ~530 s in all
 #   bash benchmarks/quant_gpu.sh one_row    the one-row GEMV A/B only (<= 200 s)
 #   bash benchmarks/quant_gpu.sh table      benchmarks/quant_gpu_kernels.py's whole kernel table (<= 300 s)
 #
@@ -23,7 +23,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODE=${1:-full}
 case "$MODE" in
-  full) BUDGET=${BUDGET:-505} ;;
+  full) BUDGET=${BUDGET:-520} ;;
   one_row) BUDGET=${BUDGET:-200} ;;
   table) BUDGET=${BUDGET:-300} ;;
   *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table]" >&2; exit 2 ;;
@@ -111,12 +111,12 @@ fi
 
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n 12)
-KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE \
+KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 120 python3 -m pytest -q -p no:cacheprovider -rfE \
   "${XDIST[@]}" platforms/cuda/tests/test_fp8_quant.py platforms/cuda/tests/test_fp8_gemv.py \
   platforms/cuda/tests/test_fp8_kernels.py platforms/cuda/tests/test_int4_gemv.py platforms/cuda/tests/test_int4_kernels.py \
   platforms/cuda/tests/test_gguf_kernels.py platforms/cuda/tests/test_fused_linear.py
 
-KEEP=$FIGURES TAIL=400 run_step one_row 150 python3 benchmarks/quant_gpu_one_row.py
+KEEP=$FIGURES TAIL=400 run_step one_row 170 python3 benchmarks/quant_gpu_one_row.py
 MEASURED=$(grep -oE "PODIUM_CUDA_TUNING=[^ ]+" "$OUT/one_row.log" 2>/dev/null | tail -1 | cut -d= -f2-)
 echo "measured tuning: ${MEASURED:-none (the one_row step gave none: the defaults)}" | tee -a "$SUMMARY"
 
