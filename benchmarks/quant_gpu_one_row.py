@@ -21,7 +21,7 @@ sweep (not with --no-sweep): the fastest FP8 variant at each global slice width
 8 programs a multiprocessor instead of 4 (``fp8_gemv_programs``), and the fastest AWQ variant at each
 column block (``int4_gemv_block_n``) and split count (``int4_gemv_split_k``), summed over a layer.
 The last line, "tuning: PODIUM_CUDA_TUNING=...", is the fastest setting found (a change from the
-default only where it saves at least 1% of a layer). ``--device cpu``: the checks at small shapes
+default only where it saves at least 2% of a layer). ``--device cpu``: the checks at small shapes
 under TRITON_INTERPRET=1 (float32 rows).
 """
 
@@ -229,12 +229,12 @@ def layer_line(what: str, totals: dict, bytes_: dict[str, int]) -> str:
 
 
 def fastest(totals: dict[str, float | None], labels, default: str) -> str:
-    """The label of the smallest total among ``labels``; the default unless another saves >= 1% of it."""
+    """The label of the smallest total among ``labels``; the default unless another saves >= 2% of it."""
     timed = {label: totals[label] for label in labels if totals.get(label) is not None}
     if not timed:
         return default
     best = min(timed, key=timed.get)
-    if timed.get(default) is not None and timed[best] > 0.99 * timed[default]:
+    if timed.get(default) is not None and timed[best] > 0.98 * timed[default]:
         return default
     return best
 
@@ -245,19 +245,28 @@ def layer_sum(copies: dict[str, Copies], time_one) -> float | None:
     return None if None in parts else sum(parts)
 
 
-def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tuple[list[str], dict, dict]:
-    """The chosen variants' tiles over a layer: (lines, FP8 changes, AWQ changes) with the fastest tiles."""
+def shown(results: dict) -> str:
+    return "; ".join(f"{k} {'failed' if v is None else f'{v:.1f} us'}" for k, v in results.items())
+
+
+def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tuple[dict, dict]:
+    """The chosen variants' tiles over a layer, each sweep's line printed as it ends: (FP8 changes, AWQ
+    changes) with the fastest tiles."""
     fp8 = {}
     # the plain / tensor-core steps hold [16 or 128, BLOCK_K] tiles: wide slices only for the packed steps
     for block_k in FP8_BLOCK_K if tuning(**fp8_changes).fp8_gemv_packed else FP8_PLAIN_BLOCK_K:
         changes = dict(fp8_changes, fp8_gemv_block_k=block_k)
         fp8[block_k] = layer_sum(copies, lambda c, prologue: time_fp8(c, prologue, changes))
     best_k = int(fastest({str(k): v for k, v in fp8.items()}, [str(k) for k in fp8], "0"))
+    print(f"sweep fp8 layer by fp8_gemv_block_k (0: the rule), {fp8_changes or 'default'}: {shown(fp8)} -> {best_k}",
+          flush=True)
     programs = {0: fp8[best_k]}
     for count in FP8_PROGRAMS[1:]:
         changes = dict(fp8_changes, fp8_gemv_block_k=best_k, fp8_gemv_programs=count)
         programs[count] = layer_sum(copies, lambda c, prologue: time_fp8(c, prologue, changes))
     best_p = int(fastest({str(n): v for n, v in programs.items()}, [str(n) for n in programs], "0"))
+    print(f"sweep fp8 layer by fp8_gemv_programs (0: 4 a multiprocessor) at block_k {best_k}: {shown(programs)} "
+          f"-> {best_p}", flush=True)
     awq = {}
     for block_n in AWQ_BLOCK_N:
         changes = dict(awq_changes, int4_gemv_block_n=block_n)
@@ -269,17 +278,9 @@ def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tu
     keyed = {f"{n}/{s}": v for (n, s), v in awq.items()}
     best_ns = fastest(keyed, list(keyed), f"{best_n}/0")
     best_n, best_s = map(int, best_ns.split("/"))
-
-    def shown(results: dict) -> str:
-        return "; ".join(f"{k} {'failed' if v is None else f'{v:.1f} us'}" for k, v in results.items())
-
-    lines = [f"sweep fp8 layer by fp8_gemv_block_k (0: the rule), {fp8_changes or 'default'}: "
-             f"{shown(fp8)} -> {best_k}",
-             f"sweep fp8 layer by fp8_gemv_programs (0: 4 a multiprocessor) at block_k {best_k}: "
-             f"{shown(programs)} -> {best_p}",
-             f"sweep awq layer by int4_gemv_block_n/int4_gemv_split_k (0: the rule), {awq_changes or 'default'}: "
-             f"{shown(keyed)} -> {best_n}/{best_s}"]
-    return (lines, dict(fp8_changes, fp8_gemv_block_k=best_k, fp8_gemv_programs=best_p),
+    print(f"sweep awq layer by int4_gemv_block_n/int4_gemv_split_k (0: the rule), {awq_changes or 'default'}: "
+          f"{shown(keyed)} -> {best_n}/{best_s}", flush=True)
+    return (dict(fp8_changes, fp8_gemv_block_k=best_k, fp8_gemv_programs=best_p),
             dict(awq_changes, int4_gemv_block_n=best_n, int4_gemv_split_k=best_s))
 
 
@@ -321,9 +322,7 @@ def main() -> None:
     # the variants' choice now, in case the sweep does not finish; quant_gpu.sh takes the last tuning line
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)
     if not args.no_sweep:
-        lines, fp8_changes, awq_changes = sweep(copies, fp8_changes, awq_changes)
-        for text in lines:
-            print(text, flush=True)
+        fp8_changes, awq_changes = sweep(copies, fp8_changes, awq_changes)
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)
 
 
