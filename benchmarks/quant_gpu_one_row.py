@@ -4,8 +4,9 @@ current default in the same run, and the tuning they imply; ``bash benchmarks/qu
     python benchmarks/quant_gpu_one_row.py [--device cuda|cpu] [--no-sweep]
 
 check (PASS / FAIL, relative max error against float64 references, bf16 rows): every FP8 GEMV variant
-(the default, packed, the row quantized first, both, tensor cores) with each prologue at the qkv shape,
-the default and the packed ones at down's K (14336: several slices) too; the AWQ GEMV in float32 and packed, each prologue.
+(the default, packed, packed converting by integer instructions ("bits"), each with the row quantized
+first, tensor cores) with each prologue at the qkv shape, the default and the packed ones at down's K
+(14336: several slices) too; the AWQ GEMV in float32 and packed, each prologue.
 
 time1: microseconds a call per 8B projection with the prologue the decoder gives it (qkv / gate_up:
 add-RMSNorm, down: SiLU-and-mul, o: none): bf16's fused GEMV, then each FP8 variant with its ratio to
@@ -50,14 +51,22 @@ from quant_gpu_kernels import (
 from podium_plugin_api.fp8 import FP8, quantize_per_token
 from podium_plugin_api.int4 import AWQ, dequantize, random_packed
 
-ONE_ROW_FIELDS = ("fp8_gemv_dot", "fp8_gemv_packed", "fp8_gemv_quantize_first")
+ONE_ROW_FIELDS = ("fp8_gemv_dot", "fp8_gemv_packed", "fp8_gemv_bits", "fp8_gemv_quantize_first")
+
+
+def _fp8(dot=False, packed=False, bits=False, first=False) -> dict:
+    return {"fp8_gemv_dot": dot, "fp8_gemv_packed": packed, "fp8_gemv_bits": bits, "fp8_gemv_quantize_first": first}
+
+
 FP8_VARIANTS = {  # label -> KernelTuning changes; "fp8 default" is the tuning as committed
     "fp8 default": {},
-    "fp8 cuda": {"fp8_gemv_dot": False, "fp8_gemv_packed": False, "fp8_gemv_quantize_first": False},
-    "fp8 packed": {"fp8_gemv_dot": False, "fp8_gemv_packed": True, "fp8_gemv_quantize_first": False},
-    "fp8 quantize-first": {"fp8_gemv_dot": False, "fp8_gemv_packed": False, "fp8_gemv_quantize_first": True},
-    "fp8 packed+first": {"fp8_gemv_dot": False, "fp8_gemv_packed": True, "fp8_gemv_quantize_first": True},
-    "fp8 tensor": {"fp8_gemv_dot": True, "fp8_gemv_quantize_first": False},
+    "fp8 cuda": _fp8(),
+    "fp8 packed": _fp8(packed=True),
+    "fp8 quantize-first": _fp8(first=True),
+    "fp8 packed+first": _fp8(packed=True, first=True),
+    "fp8 packed bits": _fp8(packed=True, bits=True),
+    "fp8 packed bits+first": _fp8(packed=True, bits=True, first=True),
+    "fp8 tensor": _fp8(dot=True),
 }
 AWQ_VARIANTS = {"awq default": {}, "awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True}}
 FP8_BLOCK_K = (0, 512, 1024, 2048, 4096)  # the sweep's global slice widths (0: fp8_gemv.config's rule)

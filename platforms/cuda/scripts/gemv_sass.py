@@ -25,7 +25,8 @@ import torch
 import triton
 from decode_ir import compile_launch as compile_specialized
 
-FP8_VARIANTS = {"cuda cores": {}, "packed": {"fp8_gemv_packed": True}, "tensor cores": {"fp8_gemv_dot": True}}
+FP8_VARIANTS = {"cuda cores": {}, "packed": {"fp8_gemv_packed": True}, "packed bits": {"fp8_gemv_packed": True, "fp8_gemv_bits": True},
+                "tensor cores": {"fp8_gemv_dot": True}}
 AWQ_VARIANTS = {"float32": {}, "packed": {"int4_gemv_packed": True}}
 ON_DEVICE = {"PDL": True, "PREFETCH": True, "launch_pdl": True, "HW_ASM": True, "HW_CAST": True}
 

@@ -129,7 +129,10 @@ def test_fp8_gemv_takes_few_rows_and_row_scales_only():
 
 ONE_ROW = {"packed": {"fp8_gemv_packed": True}, "quantize-first": {"fp8_gemv_quantize_first": True},
            "packed-quantize-first": {"fp8_gemv_packed": True, "fp8_gemv_quantize_first": True},
-           "packed-one-program": {"fp8_gemv_packed": True, "fp8_gemv_programs": 1}}
+           "packed-one-program": {"fp8_gemv_packed": True, "fp8_gemv_programs": 1},
+           "packed-bits": {"fp8_gemv_packed": True, "fp8_gemv_bits": True},
+           "packed-bits-quantize-first": {"fp8_gemv_packed": True, "fp8_gemv_bits": True,
+                                          "fp8_gemv_quantize_first": True}}
 
 
 @pytest.mark.parametrize("variant", list(ONE_ROW))
@@ -165,7 +168,7 @@ def test_fp8_gemv_one_row_variants(variant, dtype, prologue, n, k, block_k, kern
 
 def test_fp8_gemv_packed_slices():
     """The packed steps' slices are whole multiples of 512 dividing K where one does (no column masks)."""
-    from podium_cuda.fp8_gemv import config
+    from podium_cuda.fp8_gemv import bits, config
 
     tuning = _tuning(False, fp8_gemv_packed=True)
     assert config(1, 28672, 4096, 132, tuning)[:2] == (4096, 4)
@@ -174,4 +177,8 @@ def test_fp8_gemv_packed_slices():
     assert config(2, 40, 4096, 132, tuning)[0] == 512  # two rows: the plain CUDA-core steps
     assert config(1, 40, 4096, 132, _tuning(True, fp8_gemv_packed=True))[1] == 128  # tensor cores win
     assert config(1, 28672, 4096, 132, tuning)[2] == 56  # 4 x 132 feature ranges of whole 4-row steps
+    with_bits = _tuning(False, fp8_gemv_packed=True, fp8_gemv_bits=True)
+    assert bits(1, 14336, 2048, with_bits) and bits(1, 1536, 512, with_bits)
+    assert not bits(1, 1100, 512, with_bits)  # a slice past K: the conversion unit's steps, masked
+    assert not bits(1, 4096, 4096, tuning) and not bits(2, 4096, 512, with_bits)
     assert config(1, 28672, 4096, 132, _tuning(False, fp8_gemv_packed=True, fp8_gemv_programs=2))[2] == 112

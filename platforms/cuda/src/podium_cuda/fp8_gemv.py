@@ -55,14 +55,15 @@ def fp8_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TILE: tl.constexpr, NORM_BLOCK: tl.constexpr,
     PROLOGUE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
     XQ_GIVEN: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    PACKED: tl.constexpr, EVEN_K: tl.constexpr,
+    PACKED: tl.constexpr, EVEN_K: tl.constexpr, BITS: tl.constexpr,
 ):
     """out [M, N] = (e4m3(prologue(x) / s_x) . W^T) * s_x * s_w (+ bias); W e4m3 [N, K] row-major, s_w [1] or
     [N]. Grid (cdiv(N, features), splits): program (f, s) takes features [f * features, ...) over
     columns [s * BLOCK_K, ...); partial is float32 [splits, M, N]. TILE weight rows a step, multiplied on
     the CUDA cores (products and a sum over the slice) or, DOT, on the tensor cores as an MMA of the
     slice's rows padded to 16 (one row: broadcast) with the tile. XQ_GIVEN: x holds the rows already
-    quantized (e4m3, no prologue) and r their scales. PACKED (one row, CUDA cores): ``_packed_steps``."""
+    quantized (e4m3, no prologue) and r their scales. PACKED (one row, CUDA cores): ``_packed_steps``, or with
+    BITS (whole slices only) ``_bits_steps``."""
     pid_f, split = tl.program_id(0), tl.program_id(1)
     n_start = pid_f * features
     n_end = tl.minimum(N, n_start + features)
@@ -94,7 +95,9 @@ def fp8_gemv_kernel(
         s_x = rows_scale(x_rows, r_rows, g_ptr, rstd, row_ok, K, PROLOGUE, NORM_BLOCK)  # [BLOCK_M, 1]
         h = input_chunk(x_rows, r_rows, g_ptr, rstd, kx, row_ok & kx_ok, K, PROLOGUE)
         xq = e4m3_values(tl.math.div_rn(h, s_x), HW_CAST)  # this slice, quantized once
-    if PACKED:
+    if PACKED and BITS:
+        _bits_steps(partial_ptr, w_ptr, xq, n_start, n_end, K, N, split, BLOCK_K, TILE, HW_CAST)
+    elif PACKED:
         _packed_steps(partial_ptr, w_ptr, xq, n_start, n_end, kx, kx_ok, K, N, split, BLOCK_K, TILE, EVEN_K)
     elif DOT:
         _dot_steps(partial_ptr, w_ptr, xq, n_start, n_end, k, k_ok, K, M, N, split, BLOCK_M, BLOCK_K, TILE, HW_CAST)
@@ -142,6 +145,95 @@ def _packed_steps(partial_ptr, w_ptr, xq, n_start, n_end, k, k_ok, K, N, split, 
         chunk = tl.sum(w.to(tl.float16) * x16, 3).to(tl.float32)  # [REPS, TILE, 32]: 16 products each
         part = tl.sum(tl.sum(chunk, 0), 1) * 256.0  # [TILE]
         tl.store(part_row + n0 + n_rows, part, mask=n0 + n_rows < n_end)
+
+
+@triton.jit
+def _bits_steps(partial_ptr, w_ptr, xq, n_start, n_end, K, N, split, BLOCK_K: tl.constexpr, TILE: tl.constexpr,
+                HW_ASM: tl.constexpr):
+    """``_packed_steps`` with the e4m3 -> f16 conversion done by integer instructions instead of the
+    conversion unit (``cvt.rn.f16x2.e4m3x2``, one a weight pair), in case that unit is what bounds the
+    one-row GEMV: the slice's words as [BLOCK_K / 512, TILE, 32, 4] int32 (a lane's 16 bytes of every
+    512), each word's four bytes as two f16 pairs by masks and shifts, (b1, b3) = sign | (magnitude >> 1)
+    in place and (b0, b2) the same from the word shifted left by 8: each the e4m3 value times 2^-8 exactly,
+    subnormals too (e4m3's exponent bias 7 against f16's 15), so x is not scaled. A word's four products
+    are two f16 pairs (HMUL2, HFMA2: each half two exact products, rounded once or twice) added in
+    float32: ~3.6 instructions a weight byte in place of ~1.7 (sm90 build), none of them conversions.
+    Whole slices only (K a multiple of BLOCK_K: the launcher takes ``_packed_steps`` otherwise)."""
+    REPS: tl.constexpr = BLOCK_K // 512
+    # x's pairs, [REPS, 1, 32, 4]: column 4j + 2p + q of a lane's 16 at [..., j, p, q]
+    x_even, x_odd = tl.split(tl.reshape(xq, (REPS, 1, 32, 4, 2, 2)))  # q = 0 / 1: [..., j, p]
+    x0, x2 = tl.split(x_even)
+    x1, x3 = tl.split(x_odd)
+    x02, x13 = _f16_bits(x0, x2), _f16_bits(x1, x3)
+    words = (split * (BLOCK_K // 4) + tl.arange(0, REPS)[:, None, None, None] * 128
+             + tl.arange(0, 32)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :])
+    w_words = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    rows = tl.arange(0, TILE)[None, :, None, None]
+    n_rows = tl.arange(0, TILE)
+    part_row = partial_ptr + split.to(tl.int64) * N
+    for n0 in range(n_start, n_end, TILE):
+        n = tl.minimum(n0 + rows, n_end - 1)  # rows past the range load its last row again, not stored
+        w = tl.load(w_words + n.to(tl.int64) * (K // 4) + words)  # [REPS, TILE, 32, 4]
+        dots = _word_dots(w, x0, x1, x2, x3, x02, x13, HW_ASM)
+        part = tl.sum(tl.sum(tl.sum(dots, 3), 0), 1) * 256.0  # [TILE], the 2^-8 undone
+        tl.store(part_row + n0 + n_rows, part, mask=n0 + n_rows < n_end)
+
+
+@triton.jit
+def _f16_bits(lo, hi):
+    """float32 (lo, hi), exact in f16, as an f16 pair's bits (lo in the low half)."""
+    lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo_bits | (hi_bits << 16)
+
+
+@triton.jit
+def _e4m3_pair(v):
+    """The e4m3 bytes 1 and 3 of int32 words v as an f16 pair (their values times 2^-8)."""
+    return ((v & 0x7F007F00) >> 1) | (v & -0x7FFF8000)  # -0x7FFF8000: 0x80008000 as an int32
+
+
+@triton.jit
+def _half(bits, HIGH: tl.constexpr):
+    """The low or high f16 of int32 bits as float32."""
+    h = (bits >> 16) if HIGH else (bits & 0xFFFF)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_dots(w, x0, x1, x2, x3, x02, x13, HW_ASM: tl.constexpr):
+    """x0 e(b0) + x1 e(b1) + x2 e(b2) + x3 e(b3) of each word's bytes b, float32 (the sum times 2^-8):
+    (b1, b3) and (b0, b2) as f16 pairs, HMUL2 by (x1, x3), HFMA2 by (x0, x2), the halves added in
+    float32. Under the interpreter the same in float32 with f16 roundings."""
+    if HW_ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 ra, rb, rt, rp;
+            .reg .b16 hl, hh;
+            .reg .f32 fl, fh;
+            and.b32 rt, $1, 0x7F007F00;
+            shr.b32 rt, rt, 1;
+            and.b32 ra, $1, 0x80008000;
+            or.b32 ra, ra, rt;
+            shl.b32 rb, $1, 8;
+            and.b32 rt, rb, 0x7F007F00;
+            shr.b32 rt, rt, 1;
+            and.b32 rb, rb, 0x80008000;
+            or.b32 rb, rb, rt;
+            mul.rn.f16x2 rp, ra, $3;
+            fma.rn.f16x2 rp, rb, $2, rp;
+            mov.b32 {hl, hh}, rp;
+            cvt.f32.f16 fl, hl;
+            cvt.f32.f16 fh, hh;
+            add.f32 $0, fl, fh;
+            }""",
+            "=f,r,r,r", [w, x02, x13], dtype=tl.float32, is_pure=True, pack=1)
+    a, b = _e4m3_pair(w), _e4m3_pair(w << 8)
+    lo = (_half(a, False) * x1).to(tl.float16).to(tl.float32)  # exact products, as HMUL2's
+    hi = (_half(a, True) * x3).to(tl.float16).to(tl.float32)
+    lo = (_half(b, False) * x0 + lo).to(tl.float16).to(tl.float32)  # one rounding, as HFMA2's
+    hi = (_half(b, True) * x2 + hi).to(tl.float16).to(tl.float32)
+    return lo + hi
 
 
 @triton.jit
@@ -235,6 +327,11 @@ def packed(rows: int, tuning: KernelTuning) -> bool:
     return rows == 1 and tuning.fp8_gemv_packed and not tuning.fp8_gemv_dot
 
 
+def bits(rows: int, k: int, block_k: int, tuning: KernelTuning) -> bool:
+    """Whether the packed steps convert by integer instructions (``_bits_steps``: whole slices only)."""
+    return packed(rows, tuning) and tuning.fp8_gemv_bits and k % block_k == 0
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
              prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
              eps: float = 0.0, tuning: KernelTuning = CUDA_TUNING) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -281,7 +378,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         BLOCK_K=block_k, TILE=tile, NORM_BLOCK=min(2048, next_power_of_2(k)), PROLOGUE=prologue,
         PER_CHANNEL=weight_scale.numel() != 1, HAS_BIAS=bias is not None, DOT=dot, XQ_GIVEN=given,
         HW_CAST=not interpreting(), PDL=pdl, PREFETCH=nvidia_at_least(x.device, (8, 0)),
-        PACKED=packed(rows, tuning), EVEN_K=k % block_k == 0, num_warps=warps, num_stages=3,
+        PACKED=packed(rows, tuning), EVEN_K=k % block_k == 0, BITS=bits(rows, k, block_k, tuning),
+        num_warps=warps, num_stages=3,
         **launch_options(pdl),
     )
     return out, summed

@@ -147,6 +147,10 @@ class KernelTuning:
     # weight byte against ~7; the plain steps are bound by them, ~2 TB/s at one row where bf16's
     # GEMV reads 4 TB/s). Off until quant_gpu.sh's one_row step has timed it on the device
     fp8_gemv_packed: bool = False
+    # the packed steps with e4m3 -> f16 by integer masks and shifts instead of the conversion unit
+    # (fp8_gemv._bits_steps: ~3.6 instructions a weight byte, none a conversion), for slices that are
+    # whole; the A/B of whether that unit bounds the one-row GEMV. Off until timed
+    fp8_gemv_bits: bool = False
     # one row: fp8_quant's one-program launch quantizes the row (its prologue inside) and the GEMV
     # reads the e4m3 row, instead of every program walking the whole row for its norm and amax
     # (down_proj's SiLU-and-mul so: 71 us fused against 33.5 plain on the H200). Off until timed
