@@ -1,87 +1,145 @@
 #!/usr/bin/env bash
-# Quantized execution on an H200, one device call (<= 480 s: every step under its own timeout, cut to
-# what is left of the budget; logs and summary.txt under $OUT):
+# Quantized execution on an H200, one device call (from the repo root, nothing to carry). Everything it
+# measures ends up in $OUT/summary.txt; the logs and JSON in $OUT/logs.tar.gz (the device returns 8 files):
 #
-#   bash benchmarks/quant_gpu.sh            (from the repo root; nothing to carry but the repo)
+#   bash benchmarks/quant_gpu.sh            full, <= 520 s of its own clock (BUDGET=...), ~530 s in all
+#   bash benchmarks/quant_gpu.sh one_row    the one-row GEMV A/B only (<= 200 s)
+#   bash benchmarks/quant_gpu.sh table      benchmarks/quant_gpu_kernels.py's whole kernel table (<= 300 s)
 #
-# Steps, most important first (a step that runs out of time is cut and the next runs):
-#   kernels     benchmarks/quant_gpu_kernels.py: PASS / FAIL of every new kernel against the references
-#               (one-launch FP8 quantization with each prologue, FP8 GEMV on tensor and CUDA cores,
-#               quantize + _scaled_mm, INT4 GEMVs, old INT4); microseconds per 8B projection at
-#               1/4/16/256/4096 rows of bf16 cuBLAS / bf16 GEMV / FP8 old / FP8 new quantize +
-#               _scaled_mm / _scaled_mm alone / FP8 GEMV / INT4 old / INT4 new, then with each
-#               projection's prologue, one decoder layer's linears per path ("layer rows ..."), a tile
-#               sweep at one row, and the KernelTuning values the timings imply ("tuning: ...")
-#   latency_awq     the 8B shape rounded to INT4 AWQ at load (quantization=awq), batch 1, 32 in / 128
-#               out, fp8 KV cache (target <= 2.0 ms a decode token; before: 6.21)
-#   throughput_fp8  the 8B shape quantized at load (quantization=fp8), 256 x 512/256 random prompts
-#               (target >= 15,000 out tok/s; before 9,482, bf16 weights 11,230 with the same fp8 cache)
-#   latency_fp8     the same model at batch 1, as latency_awq (target <= 2.6 ms; bf16 4.30)
-#   adopted     when the kernels step's tuning differs from the defaults where batch 1 or 256 rows
-#               feel it: the latency (and throughput) runs again with PODIUM_CUDA_TUNING set to it
-#   tests       the new kernels' tests on the GPU (bf16 cases and the GPU-only ones), if time is left
+# Full: steps in this order, each under its own timeout cut to what is left of the budget (a step with
+# under 20 s left is skipped and said so):
+#   tests       the CUDA quantization tests on the GPU, every dtype (pytest-xdist where installed):
+#               FP8 quantization / GEMV / GEMM / linear, INT4 GEMV / kernels, GGUF kernels, fused linears:
+#               pytest's "N passed" line, and the FAILED lines if any
+#   one_row     benchmarks/quant_gpu_one_row.py: the one-row FP8 / AWQ GEMV variants checked, timed per
+#               8B projection (with its prologue) against the current default in the same run ("time1",
+#               "layer1"), their tiles swept over a layer, the fastest as "tuning: PODIUM_CUDA_TUNING=..."
+#   latency_fp8, latency_awq   8B shape quantized at load, batch 1, 32 in / 128 out, fp8 KV cache,
+#               under that tuning (targets: FP8 <= 2.6 ms a decode token, AWQ <= 2.0)
+#   throughput_fp8, throughput_bf16   8B shape, 256 x 512/256 random prompts, fp8 KV cache, default tuning:
+#               FP8 W8A8 online against bf16 weights (target: FP8 >= 15,000 out tok/s)
+#   latency_fp8_default, latency_awq_default   where time is left: batch 1 under the default tuning
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+MODE=${1:-full}
+case "$MODE" in
+  full) BUDGET=${BUDGET:-520} ;;
+  one_row) BUDGET=${BUDGET:-200} ;;
+  table) BUDGET=${BUDGET:-300} ;;
+  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/podium_quant_out}
-BUDGET=${BUDGET:-475}
 START=$(date +%s)
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
+SUMMARY="$OUT/summary.txt"
+if COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then
+  git diff --quiet HEAD 2>/dev/null || COMMIT="$COMMIT (+ uncommitted changes)"
+else
+  COMMIT="unknown (no git here)"
+fi
+echo "== quant_gpu.sh $MODE, commit $COMMIT, budget $BUDGET s" | tee -a "$SUMMARY"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$SUMMARY"
 python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cuda \
   -e ./platforms/cpu -e ./bench 2>&1 | grep -v -i warning | tail -3
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$SUMMARY"
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 
-run_step() {  # run_step NAME TIMEOUT COMMAND...: run (cut to the budget left), log, keep going
+run_step() {  # run_step NAME TIMEOUT COMMAND...: run (cut to the budget left), log, its KEEP lines to the summary
   local name=$1 limit=$2; shift 2
-  local remaining=$(left)
+  local remaining
+  remaining=$(left)
   if [ "$remaining" -lt 20 ]; then
-    echo "== $name: skipped, ${remaining} s of the budget left" | tee -a "$OUT/summary.txt"
+    echo "== $name: skipped, ${remaining} s of the budget left" | tee -a "$SUMMARY"
     return
   fi
   [ "$limit" -gt "$remaining" ] && limit=$remaining
-  echo "== $name: $*" >> "$OUT/summary.txt"
-  local start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: $*" >> "$SUMMARY"
+  local start
+  start=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "== $name: rc $rc, $(( $(date +%s) - start )) s (limit $limit s)" | tee -a "$OUT/summary.txt"
-  grep -E "${KEEP:-.}" "$OUT/$name.log" | tail -n "${TAIL:-40}" | tee -a "$OUT/summary.txt"
+  echo "== $name: rc $rc$({ [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo ' (timed out)'), $(( $(date +%s) - start )) s (limit $limit s)" \
+    | tee -a "$SUMMARY"
+  grep -E "${KEEP:-.}" "$OUT/$name.log" | tail -n "${TAIL:-40}" | tee -a "$SUMMARY"
 }
+
+finish() {  # every run's figures from its JSON into the summary, then the logs and JSON into one archive
+  python3 - "$OUT" <<'EOF' | tee -a "$SUMMARY"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+decode, tput = {}, {}
+for path in sorted(out.glob("*.json")):
+    r = json.loads(path.read_text()).get("results", {})
+    if "decode_per_token_s_median" in r:
+        decode[path.stem] = 1000 * r["decode_per_token_s_median"]
+        print(f"figure {path.stem}: decode {decode[path.stem]:.2f} ms a token, prefill "
+              f"{1000 * r['prefill_s_median']:.2f} ms, {r['decode_tokens_per_s']:.1f} decode tok/s")
+    for backend, t in r.items():  # throughput: {backend: ThroughputResult.as_dict()}
+        if isinstance(t, dict) and "output_tokens_per_s" in t:
+            tput[path.stem] = t["output_tokens_per_s"]
+            print(f"figure {path.stem} ({backend}): {t['output_tokens_per_s']:.0f} out tok/s, "
+                  f"{t['total_tokens_per_s']:.0f} total tok/s, {t['requests_per_s']:.2f} req/s, {t['elapsed_s']:.1f} s")
+if "throughput_fp8" in tput and "throughput_bf16" in tput:
+    print(f"ratio throughput fp8 / bf16 (same call): {tput['throughput_fp8'] / tput['throughput_bf16']:.3f} "
+          f"({tput['throughput_fp8']:.0f} / {tput['throughput_bf16']:.0f} out tok/s; target fp8 >= 15000)")
+for fmt, target in (("fp8", 2.6), ("awq", 2.0)):
+    best, default = decode.get(f"latency_{fmt}"), decode.get(f"latency_{fmt}_default")
+    if best is not None:
+        print(f"ratio latency {fmt} measured tuning / default: "
+              + (f"{best / default:.3f} ({best:.2f} / {default:.2f} ms)" if default else f"{best:.2f} ms (default not run)")
+              + f"; target <= {target} ms")
+EOF
+  echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
+  local files
+  files=$(cd "$OUT" && ls -- *.log *.json 2>/dev/null)
+  [ -n "$files" ] && (cd "$OUT" && tar czf logs.tar.gz $files && rm -f $files)
+  ls "$OUT"
+}
+
+FIGURES="^check|^default|^time|^layer|^sweep|rule|^tuning|^failed|rror|Traceback"
+if [ "$MODE" = one_row ]; then
+  KEEP=$FIGURES TAIL=400 run_step one_row "$BUDGET" python3 benchmarks/quant_gpu_one_row.py
+  finish
+  exit 0
+fi
+if [ "$MODE" = table ]; then
+  KEEP=$FIGURES TAIL=400 run_step kernels "$BUDGET" python3 benchmarks/quant_gpu_kernels.py
+  finish
+  exit 0
+fi
+
+XDIST=()
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 12)
+KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 120 python3 -m pytest -q -p no:cacheprovider -rfE \
+  "${XDIST[@]}" platforms/cuda/tests/test_fp8_quant.py platforms/cuda/tests/test_fp8_gemv.py \
+  platforms/cuda/tests/test_fp8_kernels.py platforms/cuda/tests/test_int4_gemv.py platforms/cuda/tests/test_int4_kernels.py \
+  platforms/cuda/tests/test_gguf_kernels.py platforms/cuda/tests/test_fused_linear.py
+
+KEEP=$FIGURES TAIL=400 run_step one_row 170 python3 benchmarks/quant_gpu_one_row.py
+MEASURED=$(grep -oE "PODIUM_CUDA_TUNING=[^ ]+" "$OUT/one_row.log" 2>/dev/null | tail -1 | cut -d= -f2-)
+echo "measured tuning: ${MEASURED:-none (the one_row step gave none: the defaults)}" | tee -a "$SUMMARY"
 
 MODEL=(--model llama-3.1-8b-shape --max-model-len 1024 --kv-cache-dtype fp8 --no-progress)
 THROUGHPUT=(--dataset random --input-len 512 --output-len 256 --num-prompts 256)
-LATENCY=(--batch-size 1 --input-len 32 --output-len 128 --num-iters 3)
-KEEP_T="tok/s|Throughput|output|rror"
-KEEP_L="Decode per token|Prefill|rror"
+LATENCY=(--max-num-seqs 1 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3)
+KEEP_T="Output tokens/s|rror"
+KEEP_L="Decode per token|rror"
 
-KEEP="check|layer|sweep|rule|tuning|rror|Traceback" TAIL=80 run_step kernels 200 \
-  python3 benchmarks/quant_gpu_kernels.py
-grep -E "^time" "$OUT/kernels.log" > "$OUT/kernel_times.txt" 2>/dev/null
-KEEP=$KEEP_L TAIL=6 run_step latency_awq 75 podium bench latency "${MODEL[@]}" --quantization awq "${LATENCY[@]}" \
-  --json-out "$OUT/latency_awq.json"
-KEEP=$KEEP_T TAIL=6 run_step throughput_fp8 130 podium bench throughput "${MODEL[@]}" --quantization fp8 \
+KEEP=$KEEP_L TAIL=4 run_step latency_fp8 70 env PODIUM_CUDA_TUNING="$MEASURED" podium bench latency "${MODEL[@]}" \
+  --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/latency_fp8.json"
+KEEP=$KEEP_L TAIL=4 run_step latency_awq 80 env PODIUM_CUDA_TUNING="$MEASURED" podium bench latency "${MODEL[@]}" \
+  --quantization awq "${LATENCY[@]}" --json-out "$OUT/latency_awq.json"
+KEEP=$KEEP_T TAIL=4 run_step throughput_fp8 100 podium bench throughput "${MODEL[@]}" --quantization fp8 \
   "${THROUGHPUT[@]}" --json-out "$OUT/throughput_fp8.json"
-KEEP=$KEEP_L TAIL=6 run_step latency_fp8 65 podium bench latency "${MODEL[@]}" --quantization fp8 "${LATENCY[@]}" \
-  --json-out "$OUT/latency_fp8.json"
-
-# The measured tuning, where it changes what batch 1 (one-row GEMVs) or 256 rows (the fused
-# quantization) run: fp8_gemv_dot, fp8_fused_quant, or a GEMV threshold of 0.
-MEASURED=$(grep -oE "PODIUM_CUDA_TUNING=[^ ]+" "$OUT/kernels.log" | tail -1 | cut -d= -f2-)
-if [ -n "$MEASURED" ]; then
-  echo "measured tuning: $MEASURED" | tee -a "$OUT/summary.txt"
-  if echo "$MEASURED" | grep -qE "fp8_gemv_max_rows=0|fp8_gemv_dot=0|int4_gemv_max_rows=0"; then
-    KEEP=$KEEP_L TAIL=6 run_step adopted_latency_awq 75 env PODIUM_CUDA_TUNING="$MEASURED" podium bench latency \
-      "${MODEL[@]}" --quantization awq "${LATENCY[@]}" --json-out "$OUT/adopted_latency_awq.json"
-    KEEP=$KEEP_L TAIL=6 run_step adopted_latency_fp8 65 env PODIUM_CUDA_TUNING="$MEASURED" podium bench latency \
-      "${MODEL[@]}" --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/adopted_latency_fp8.json"
-  fi
-  if echo "$MEASURED" | grep -q "fp8_fused_quant=0"; then
-    KEEP=$KEEP_T TAIL=6 run_step adopted_throughput_fp8 130 env PODIUM_CUDA_TUNING="$MEASURED" podium bench \
-      throughput "${MODEL[@]}" --quantization fp8 "${THROUGHPUT[@]}" --json-out "$OUT/adopted_throughput_fp8.json"
-  fi
+KEEP=$KEEP_T TAIL=4 run_step throughput_bf16 90 podium bench throughput "${MODEL[@]}" "${THROUGHPUT[@]}" \
+  --json-out "$OUT/throughput_bf16.json"
+if [ -n "$MEASURED" ] && [ "$(left)" -gt 50 ]; then
+  KEEP=$KEEP_L TAIL=4 run_step latency_fp8_default 60 podium bench latency "${MODEL[@]}" --quantization fp8 \
+    "${LATENCY[@]}" --json-out "$OUT/latency_fp8_default.json"
 fi
-TAIL=6 run_step tests 90 python3 -m pytest -q -p no:cacheprovider platforms/cuda/tests/test_fp8_quant.py \
-  platforms/cuda/tests/test_fp8_gemv.py platforms/cuda/tests/test_int4_gemv.py platforms/cuda/tests/test_fused_linear.py \
-  platforms/cuda/tests/test_fp8_kernels.py -k "bfloat16 or scaled_mm or either_path"
-echo "== total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
+if [ -n "$MEASURED" ] && [ "$(left)" -gt 50 ]; then
+  KEEP=$KEEP_L TAIL=4 run_step latency_awq_default 60 podium bench latency "${MODEL[@]}" --quantization awq \
+    "${LATENCY[@]}" --json-out "$OUT/latency_awq_default.json"
+fi
+finish

@@ -35,10 +35,10 @@ def _close(got, want, dtype, what):
     assert err <= bound, f"{what}: relative max error {err:.2e} (bound {bound:.0e})"
 
 
-def _tuning(dot: bool, block_k: int = 0):
+def _tuning(dot: bool, block_k: int = 0, **changes):
     from podium_cuda.tuning import CUDA_TUNING
 
-    return dataclasses.replace(CUDA_TUNING, fp8_gemv_dot=dot, fp8_gemv_block_k=block_k)
+    return dataclasses.replace(CUDA_TUNING, fp8_gemv_dot=dot, fp8_gemv_block_k=block_k, **changes)
 
 
 @pytest.mark.parametrize("dot", [True, False], ids=["tensor-cores", "cuda-cores"])
@@ -125,3 +125,60 @@ def test_fp8_gemv_takes_few_rows_and_row_scales_only():
     assert not takes(x, weight, channel, 3)
     assert not takes(x, weight, block.to(x.device), 16)
     assert not takes(torch.zeros(MAX_ROWS + 1, 64, device=x.device), weight, channel, 64)
+
+
+ONE_ROW = {"packed": {"fp8_gemv_packed": True}, "quantize-first": {"fp8_gemv_quantize_first": True},
+           "packed-quantize-first": {"fp8_gemv_packed": True, "fp8_gemv_quantize_first": True},
+           "packed-one-program": {"fp8_gemv_packed": True, "fp8_gemv_programs": 1},
+           "packed-bits": {"fp8_gemv_packed": True, "fp8_gemv_bits": True},
+           "packed-bits-quantize-first": {"fp8_gemv_packed": True, "fp8_gemv_bits": True,
+                                          "fp8_gemv_quantize_first": True}}
+
+
+@pytest.mark.parametrize("variant", list(ONE_ROW))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prologue", ["plain", "add_rms_norm", "silu_and_mul"])
+@pytest.mark.parametrize("n,k,block_k", [(40, 96, 0), (136, 2048, 0), (72, 1536, 0), (52, 1100, 512)])
+def test_fp8_gemv_one_row_variants(variant, dtype, prologue, n, k, block_k, kernel_device, check_dtype):
+    """The one-row variants the tuning selects: packed half-precision products (K a whole slice, several
+    slices, a slice partly past K), the row quantized first by fp8_quant's launch, both. Packed sums
+    round 16 products at a time to f16 (11 bits): bound 2e-3 of the max for float32 rows too."""
+    check_dtype(dtype)
+    from podium_cuda import fused_ops
+    from podium_cuda.fp8_gemv import ADD_RMSNORM, PLAIN, SILU, fp8_gemv
+
+    gen = torch.Generator().manual_seed(n + k)
+    dev = kernel_device
+    weight, scale = _weight(n, k, "channel", gen)
+    x = torch.randn(1, 2 * k if prologue == "silu_and_mul" else k, generator=gen).to(dtype).to(dev)
+    residual = torch.randn(1, k, generator=gen).to(dtype).to(dev)
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(dev)
+    tuning = _tuning(False, block_k, **ONE_ROW[variant])
+    code = {"plain": PLAIN, "add_rms_norm": ADD_RMSNORM, "silu_and_mul": SILU}[prologue]
+    out, summed = fp8_gemv(x, weight.to(dev), scale.to(dev), None, code, residual, g, 1e-5, tuning)
+    if prologue == "add_rms_norm":
+        separate, want_sum = fused_ops.fused_add_rms_norm(x, residual, g, 1e-5)
+        assert torch.equal(summed, want_sum)
+    else:
+        separate = fused_ops.silu_and_mul(x) if prologue == "silu_and_mul" else x
+    want = _want(separate, weight, scale)
+    coarser = dtype if dtype == torch.bfloat16 or "packed" not in variant else torch.float16
+    _close(out, want, coarser, f"{variant} {prologue} {k} -> {n} {dtype}")
+
+
+def test_fp8_gemv_packed_slices():
+    """The packed steps' slices are whole multiples of 512 dividing K where one does (no column masks)."""
+    from podium_cuda.fp8_gemv import bits, config
+
+    tuning = _tuning(False, fp8_gemv_packed=True)
+    assert config(1, 28672, 4096, 132, tuning)[:2] == (4096, 4)
+    assert config(1, 4096, 14336, 132, tuning)[0] == 2048
+    assert config(1, 40, 96, 132, tuning)[0] == 512
+    assert config(2, 40, 4096, 132, tuning)[0] == 512  # two rows: the plain CUDA-core steps
+    assert config(1, 40, 4096, 132, _tuning(True, fp8_gemv_packed=True))[1] == 128  # tensor cores win
+    assert config(1, 28672, 4096, 132, tuning)[2] == 56  # 4 x 132 feature ranges of whole 4-row steps
+    with_bits = _tuning(False, fp8_gemv_packed=True, fp8_gemv_bits=True)
+    assert bits(1, 14336, 2048, with_bits) and bits(1, 1536, 512, with_bits)
+    assert not bits(1, 1100, 512, with_bits)  # a slice past K: the conversion unit's steps, masked
+    assert not bits(1, 4096, 4096, tuning) and not bits(2, 4096, 512, with_bits)
+    assert config(1, 28672, 4096, 132, _tuning(False, fp8_gemv_packed=True, fp8_gemv_programs=2))[2] == 112

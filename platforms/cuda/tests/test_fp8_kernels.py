@@ -36,6 +36,10 @@ def case(granularity: str, rows: int, dtype: torch.dtype, gen: torch.Generator):
     shape = {"tensor": (1,), "channel": (n, 1), "block": (n // 128, k // 128)}[granularity]
     scale = torch.rand(shape, generator=gen) / 1000 + 1e-4
     x = torch.randn(rows, k, generator=gen)
+    # row 0's amax 2.625 = 21/8: 448 x / amax = 512 x / 3 lands exactly on e4m3 ties for many bf16 x, which a
+    # scale or quotient a last bit off (a reciprocal's product, not IEEE division) rounds one way
+    x[0] = x[0].clamp(-2.5, 2.5)
+    x[0, 9] = 2.625
     x[0, 5] = 0.0001  # a value that rounds to an e4m3 subnormal
     x = x.to(dtype)
     return x, weight, scale, quantized_rows(x) @ weight_values(weight, scale, granularity).t()
@@ -43,7 +47,7 @@ def case(granularity: str, rows: int, dtype: torch.dtype, gen: torch.Generator):
 
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("rows", [1, 37])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_triton_fp8_gemm(granularity, rows, dtype, kernel_device, check_dtype):
     check_dtype(dtype)
     from podium_cuda import fp8_gemm

@@ -17,10 +17,11 @@ pytestmark = pytest.mark.cuda
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _tuning(block_n: int = 0, splits: int = 0):
+def _tuning(block_n: int = 0, splits: int = 0, packed: bool = False):
     from podium_cuda.tuning import CUDA_TUNING
 
-    return dataclasses.replace(CUDA_TUNING, int4_gemv_block_n=block_n, int4_gemv_split_k=splits)
+    return dataclasses.replace(CUDA_TUNING, int4_gemv_block_n=block_n, int4_gemv_split_k=splits,
+                               int4_gemv_packed=packed)
 
 
 def _close(got, want, dtype, what):
@@ -93,6 +94,49 @@ def test_int4_gemv_prologues(dtype, fmt, prologue, rows, kernel_device, check_dt
         out, _ = int4_gemv(x, *args, SILU, tuning=tuning)
         separate = fused_ops.silu_and_mul(x)
     _close(out, separate.double().cpu() @ w, dtype, f"{fmt} {prologue} {rows} rows")
+    _counts_zero(dev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prologue", ["plain", "add_rms_norm", "silu_and_mul"])
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 20.0])  # (SiLU-and-mul of 20s and its product: within f16)
+@pytest.mark.parametrize("k,n,group,block_n,splits", [
+    (512, 200, 128, 64, 3),   # N not whole blocks, groups split unevenly
+    (384, 256, 128, 256, 0),  # the rule's split
+    (256, 64, 64, 64, 1),     # one split
+    (512, 128, 256, 128, 2),  # 32 rows a group a thread: x scaled to 2^3
+])
+def test_awq_gemv_packed(dtype, prologue, magnitude, k, n, group, block_n, splits, kernel_device, check_dtype):
+    """The one-row AWQ GEMV in packed half precision (``int4_gemv_packed``; the interpreter runs its float32
+    model of the PTX): x of any magnitude is scaled by a power of two so that the f16 group sums neither
+    overflow nor lose their low bits. Only the group sums (8 to 32 terms) round to f16 (11 bits): bound 5e-3
+    of the max for float32 and float16 rows, bf16's 1e-2 for bf16."""
+    check_dtype(dtype)
+    from podium_cuda import fused_ops
+    from podium_cuda.int4_gemv import ADD_RMSNORM, PLAIN, SILU, int4_gemv
+
+    gen = torch.Generator().manual_seed(k + n + group)
+    dev = kernel_device
+    packed = random_packed(AWQ, k, n, group, False, gen)
+    w = dequantize(packed["qweight"], packed["qzeros"], packed["scales"], None, group, AWQ).double()
+    on = {name: t.to(dev) for name, t in packed.items()}
+    width = 2 * k if prologue == "silu_and_mul" else k
+    x = (torch.randn(1, width, generator=gen) * magnitude).to(dtype).to(dev)
+    residual = (torch.randn(1, k, generator=gen) * magnitude).to(dtype).to(dev)
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(dev)
+    bias = torch.randn(n, generator=gen).to(dtype).to(dev) * magnitude
+    code = {"plain": PLAIN, "add_rms_norm": ADD_RMSNORM, "silu_and_mul": SILU}[prologue]
+    out, summed = int4_gemv(x, on["qweight"], on["qzeros"], on["scales"], group, AWQ, bias, code, residual, g,
+                            1e-5, _tuning(block_n, splits, packed=True))
+    if prologue == "add_rms_norm":
+        separate, want_sum = fused_ops.fused_add_rms_norm(x, residual, g, 1e-5)
+        assert torch.equal(summed, want_sum)
+    else:
+        separate = fused_ops.silu_and_mul(x) if prologue == "silu_and_mul" else x
+    want = separate.double().cpu() @ w + bias.double().cpu()
+    err = ((out.double().cpu() - want).abs().max() / want.abs().max()).item()
+    bound = 1e-2 if dtype == torch.bfloat16 else 5e-3
+    assert err <= bound, f"packed {prologue} {k} -> {n} g{group} {dtype}: relative max error {err:.2e} (bound {bound})"
     _counts_zero(dev)
 
 

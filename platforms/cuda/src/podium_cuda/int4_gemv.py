@@ -233,7 +233,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         partial = torch.empty((splits, n), dtype=torch.float32, device=x.device)
         awq_gemv.launch(x, qweight, qzeros, scales, group_size, bias, prologue, residual, norm_weight, eps, summed,
                         out, partial, counters(x.device, blocks) if splits > 1 else out, block_n, splits, pdl,
-                        launch_options(pdl))
+                        launch_options(pdl), packed=tuning.int4_gemv_packed)
         return out, summed
     per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, per_split)

@@ -122,27 +122,54 @@ class KernelTuning:
     # GEMM, which quantizes the activations inside it, instead of the per-token quantization's
     # launches plus torch._scaled_mm; block scales always take it. benchmarks/quant_gpu.sh times
     # both per 8B shape at 1 / 16 / 256 / 4096 rows and prints the threshold they imply: on an H200
-    # (2026-12-03) _scaled_mm won at every shape and row count (the Triton GEMM 1.1-3x its time), so 0
+    # _scaled_mm won at every shape and row count (the Triton GEMM 1.1-3x its time), so 0
     fp8_triton_max_rows: int = 0
     # fp8_linear calls (and an RMSNorm / SiLU-and-mul before one, through rms_norm_linear /
     # silu_and_mul_linear) of at most this many rows (per-tensor / per-channel scales) take the FP8
     # GEMV (fp8_gemv.py: the e4m3 weight read once, the rows' prologue and quantization inside);
     # 0: never. benchmarks/quant_gpu.sh prints the row count up to which it beats quantize +
-    # _scaled_mm at every 8B shape ("fp8 gemv rule")
+    # _scaled_mm summed over the 8B shapes ("fp8 gemv rule"): measured on an H200, 1 (at 4 rows the
+    # tensor-core GEMV's 150 us for a layer's four projections against quantize + _scaled_mm's 134)
     fp8_gemv_max_rows: int = 1
-    # the FP8 GEMV's slice of K a program (a power of two); 0: fp8_gemv.config's rule
+    # the FP8 GEMV's slice of K a program (a power of two; packed: a multiple of 512); 0: fp8_gemv.config's rule
     fp8_gemv_block_k: int = 0
-    # the FP8 GEMV multiplies on the tensor cores (an e4m3 MMA of the rows, padded to 16, with 64
-    # weight rows a step); False: on the CUDA cores (convert, multiply, sum). quant_gpu.sh times both
-    fp8_gemv_dot: bool = True
+    # the FP8 GEMV's programs a multiprocessor it aims at (feature ranges x slices of K); 0: 4. Fewer make
+    # each program's weight rows more against its per-program work (the row's norm and amax, its slice
+    # quantized); benchmarks/quant_gpu_one_row.py sweeps it
+    fp8_gemv_programs: int = 0
+    # the FP8 GEMV multiplies on the tensor cores (an e4m3 MMA of the rows, padded to 16, with 128
+    # weight rows a step); False: on the CUDA cores (convert, multiply, sum). Measured on an H200 at
+    # one row (benchmarks/quant_gpu.sh): the CUDA-core steps 12.2 / 9.7 / 48.9 / 33.5 us against the
+    # tensor cores' 17.0 / 12.0 / 48.5 / 42.0 (qkv / o / gate_up / down), batch-1 FP8 decode 4.13 ms a
+    # token against 6.02, so False
+    fp8_gemv_dot: bool = False
+    # one row on the CUDA cores in packed half precision (fp8_gemv._packed_steps: ~2 instructions a
+    # weight byte against ~7; the plain steps are bound by them, ~2 TB/s at one row where bf16's
+    # GEMV reads 4 TB/s). Off until quant_gpu.sh's one_row step has timed it on the device
+    fp8_gemv_packed: bool = False
+    # the packed steps with e4m3 -> f16 by integer masks and shifts instead of the conversion unit
+    # (fp8_gemv._bits_steps: ~3.6 instructions a weight byte, none a conversion), for slices that are
+    # whole; the A/B of whether that unit bounds the one-row GEMV. Off until timed
+    fp8_gemv_bits: bool = False
+    # one row: fp8_quant's one-program launch quantizes the row (its prologue inside) and the GEMV
+    # reads the e4m3 row, instead of every program walking the whole row for its norm and amax
+    # (down_proj's SiLU-and-mul so: 71 us fused against 33.5 plain on the H200). Off until timed
+    fp8_gemv_quantize_first: bool = False
     # FP8 calls that take _scaled_mm quantize their rows in one Triton launch (fp8_quant.py), the
     # RMSNorm / add-RMSNorm / SiLU-and-mul before them inside it; False: the contract's torch
     # quantize_per_token after the separate norm / SiLU kernel (for A/B runs)
     fp8_fused_quant: bool = True
     # int4_linear calls (and the RMSNorm / SiLU-and-mul before one) of at most this many rows take
     # the INT4 GEMV (int4_gemv.py: split K, prologue inside); others the Triton dequant-GEMM.
-    # benchmarks/quant_gpu.sh prints the row count up to which it wins ("int4 gemv rule")
-    int4_gemv_max_rows: int = 1
+    # benchmarks/quant_gpu.sh prints the row count up to which it wins ("int4 gemv rule"): measured
+    # on an H200, 4 (one decoder layer's linears at 4 rows 375 us against int4.py's 401; at 16 rows
+    # the GEMV is 2.6-11x slower)
+    int4_gemv_max_rows: int = 4
+    # the one-row AWQ GEMV (awq_gemv.py) in packed half precision: two columns an instruction, ~1.6
+    # instructions a weight against ~5 in float32, which leave it at ~0.8 TB/s of packed weight on
+    # the H200 (qkv / o / gate_up / down 15.4 / 14.5 / 73.8 / 35.9 us against bf16's GEMV 12.3 / 5.6
+    # / 55.2 / 28.1 reading 4x the bytes). Off until quant_gpu.sh's one_row step has timed it
+    int4_gemv_packed: bool = False
     # the INT4 GEMV's output features a program (a multiple of 64) and K splits a column block
     # (0: int4_gemv.config's rule, about four programs a multiprocessor)
     int4_gemv_block_n: int = 0

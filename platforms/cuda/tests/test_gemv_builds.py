@@ -1,0 +1,44 @@
+"""The packed one-row GEMVs built for sm90 on any machine (Triton's compiler and the wheel's ptxas /
+nvdisasm, no GPU): the inline-PTX AWQ kernel assembles, and both main loops stay at the instruction
+counts that make them candidates for bandwidth-bound decode (platforms/cuda/scripts/gemv_sass.py
+prints them all; the float32 / plain loops take ~4.7 / ~6.2 a weight). Triton's interpreter replaces
+the JIT functions, so these run without it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def gemv_sass():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("Triton's interpreter replaces the JIT functions this compiles")
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("needs triton with its NVIDIA backend")
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import gemv_sass
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return gemv_sass
+
+
+def test_packed_fp8_gemv_loop(gemv_sass):
+    figure, ops = gemv_sass.per_weight(*gemv_sass.fp8_build(28672, 4096, {"fp8_gemv_packed": True}))
+    assert figure < 2.5, f"{figure:.2f} instructions a weight: {dict(ops.most_common(8))}"
+    assert ops["HFMA2"] + ops["HMUL2"] > 0 and ops["FFMA"] == 0, "the products are not packed f16"
+
+
+def test_packed_awq_gemv_loop(gemv_sass):
+    compiled, weights = gemv_sass.awq_build(28672, 4096, {"int4_gemv_packed": True})
+    assert "fma.rn.f16x2" in compiled.asm["ptx"] and "lop3.b32" in compiled.asm["ptx"]
+    figure, ops = gemv_sass.per_weight(compiled, weights)
+    assert figure < 3.0, f"{figure:.2f} instructions a weight: {dict(ops.most_common(8))}"
