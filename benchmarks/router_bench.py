@@ -245,18 +245,22 @@ def run_prefix(args, log_dir: Path) -> None:
                          f"{hits / max(queries, 1):.3f}", f"{result['mean_ttft_ms']:.1f}",
                          f"{result['p99_ttft_ms']:.1f}", *device_columns(load), result["completed"], result["failed"]])
 
-    def warm_up(urls: list[str]) -> None:
-        """Untimed: each replica prefills whole prompts and prefix hits once, so kernels built or
-        tuned on first use are not timed; these prefixes (another seed) never come back."""
+    def warm_up(urls: list[str]) -> str:
+        """Untimed: each replica prefills whole prompts, then prompts whose prefix it holds (at 4/s
+        the earlier ones have finished), so kernels built on first use are not timed; these
+        prefixes (another seed) never come back."""
         if args.warmup:
-            bench_all(urls, prefix_workload(args, "inf", 1000, args.warmup, prefixes=2), log_dir)
+            bench_all(urls, prefix_workload(args, "4", 1000, args.warmup, prefixes=2), log_dir)
+            hits, queries = prefix_hits(urls)
+            return f" (hit rate {hits / max(queries, 1):.2f})"
+        return ""
 
     def run_group(policy: str, urls: list[str], began: float) -> None:
         ready = time.time()
-        warm_up(urls)
+        warmed = warm_up(urls)
         warm = time.time()
         measure(policy, urls)
-        notes.append(f"{policy}: replicas ready in {ready - began:.0f} s, warm-up {warm - ready:.0f} s, "
+        notes.append(f"{policy}: replicas ready in {ready - began:.0f} s, warm-up {warm - ready:.0f} s{warmed}, "
                      f"runs {time.time() - warm:.0f} s")
         print(notes[-1], flush=True)
 

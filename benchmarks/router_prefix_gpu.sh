@@ -17,22 +17,24 @@
 #   - One group's replicas at a time (--one-group-at-a-time): 3 x 16 GB, never all 7 at once; each
 #     group starts fresh, is warmed (untimed, other prefixes) and then runs every rate.
 #   - Rates, not a burst: 200 requests at once measure how long a queue takes to drain, not what a
-#     cache hit saves; a trickle measures an idle device. Like vLLM's and llm-d's router benchmarks
-#     (TTFT against request rate, Poisson arrivals) the rates span light to heavy load: at the lowest
-#     TTFT is about the prefill alone, at the highest round-robin's fleet is close to busy all the
-#     time. The 3 replicas share one device, so each rate's gpu_busy column (nvidia-smi) says how
-#     loaded it was.
+#     cache hit saves (the field's headline router figures, SGLang's 1.9x throughput or llm-d's 512
+#     concurrent streams, come from saturated fleets); a trickle measures an idle device. As with
+#     `vllm bench serve` (Poisson arrivals at a set rate) swept from light to heavy load: a miss
+#     prefills 1,280 tokens (~28 ms at the ~770 TFLOP/s cuBLAS reaches at 2,048 rows), a hit 256
+#     (~9 ms), so round-robin's fleet (about 2 in 3 requests miss) needs ~38 ms of the device a
+#     request with its 3 decode steps: 6 to 24 requests/s should keep it ~20% to ~90% busy. The 3
+#     replicas share one device; each row's gpu_busy (nvidia-smi) says how loaded it really was.
 #   - Output 4 tokens: the replicas time-share one device, so every decode step of one delays the
 #     others' prefills (replicas on devices of their own would not); short outputs keep TTFT about
 #     prefill work while still streaming.
 #   - No tokenizer: the client sends token ids below the model's vocabulary, the replicas answer ids
 #     with empty text (SmolLM2's tokenizer would fail on the ids >= 49,152 random weights pick).
-#   bash benchmarks/router_prefix_gpu.sh                 (from the repo root; RATES=6,12,18 by default)
+#   bash benchmarks/router_prefix_gpu.sh                 (from the repo root; RATES=6,12,18,24 by default)
 # The image has torch, triton, transformers, numpy and prometheus-client; wheels/ (and .whl/, when
 # carried) bring fastapi, uvicorn, pydantic and the rest the server and router import (Python 3.12;
 # router_gpu_session.sh's header lists them).
 # $OUT: summary.txt (the table, ratios per rate), prefix.log (rows as measured), logs.tar.gz (servers').
-# Check on a CPU (a tiny model of the same architecture, the small workload; ~2-3 min on 2 cores):
+# Check on a CPU (a tiny model of the same architecture, the small workload; ~4 min on 2 shared cores):
 #   DEVICE=cpu bash benchmarks/router_prefix_gpu.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -52,8 +54,8 @@ if [ "$DEVICE" = cuda ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu \
     -e ./platforms/cuda -e ./server -e ./bench -e ./router 2>&1 | grep -v -i warning | tail -3
   MODEL=${MODEL:-llama-3.1-8b-shape}
-  RATES=${RATES:-6,12,18}
-  extra="--dtype bfloat16 --gpu-busy --warmup 4"
+  RATES=${RATES:-6,12,18,24}
+  extra="--dtype bfloat16 --gpu-busy --warmup 6"
 else
   # Llama 3.1 8B's architecture and vocabulary at a tiny width: the same code paths, CPU-sized
   MODEL=${MODEL:-$logs/tiny-llama/config.json}
@@ -62,7 +64,7 @@ else
     'hidden_size': 64, 'intermediate_size': 128, 'num_hidden_layers': 2, 'num_attention_heads': 4,
     'num_key_value_heads': 2, 'head_dim': 16}, open(sys.argv[1], 'w'))" "$MODEL" || exit 1
   RATES=${RATES:-2,4}
-  extra="--small --warmup 2"
+  extra="--small --warmup 4"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 left=$(( BUDGET - ($(date +%s) - start) - 20 ))  # 20 s: stopping the last replicas, the archive
