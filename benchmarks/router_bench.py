@@ -5,7 +5,8 @@ and prints the comparison made in the same run.
                                                 # suffixes, 200 requests: prefix-aware (ttft) vs
                                                 # round-robin vs one replica alone (the hit-rate ceiling),
                                                 # each of the 3 with KV room for 4.5 prefixes, the one
-                                                # alone with the 3's total (--cache-prefixes)
+                                                # alone with the 3's total (--cache-prefixes);
+                                                # --rates 6,12,18: each rate's workload its own seed
     python benchmarks/router_bench.py overhead  # one replica behind the router vs direct, sharegpt-like,
                                                 # 1,000 requests, alternating rounds
     python benchmarks/router_bench.py mixed --fast-args "--device cuda" --slow-args "--device cpu"
@@ -13,8 +14,9 @@ and prints the comparison made in the same run.
                                                 # p99 TTFT of ttft vs round-robin, and the slow one's share
 
 ``--serve-args`` go to every ``podium serve`` (model, device, memory); ``--small`` shrinks the
-workload to check the script on a CPU. Each table row is printed as it is measured, the table at the end. ``--summary FILE`` appends the tables there (the GPU session
-writes ``$OUT/summary.txt``). Hit rates come from the replicas' own prefix-cache counters.
+workload to check the script on a CPU. Each table row is printed as it is measured, the table at the
+end. ``--summary FILE`` appends the tables there (the GPU sessions write ``$OUT/summary.txt``). Hit
+rates come from the replicas' own prefix-cache counters, counted over each run alone.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -109,11 +111,19 @@ def router(urls: list[str], policy: str, log_dir: Path, extra: str = ""):
 
 # -- measuring ---------------------------------------------------------------------------------------
 def bench(url: str, bench_args: list[str], log_dir: Path) -> dict:
-    out = Path(tempfile.mkstemp(suffix=".json", dir=log_dir)[1])
-    command = [PODIUM, "bench", "serve", "--base-url", url, "--no-progress", "--percentiles", "50,99",
-               "--json-out", str(out), *bench_args]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())["results"]
+    return bench_all([url], bench_args, log_dir)[0]
+
+
+def bench_all(urls: list[str], bench_args: list[str], log_dir: Path) -> list[dict]:
+    """The same workload against each URL at once (one client process each)."""
+    outs = [Path(tempfile.mkstemp(suffix=".json", dir=log_dir)[1]) for _ in urls]
+    procs = [subprocess.Popen([PODIUM, "bench", "serve", "--base-url", url, "--no-progress", "--percentiles", "50,99",
+                               "--json-out", str(out), *bench_args], stdout=subprocess.DEVNULL)
+             for url, out in zip(urls, outs)]
+    failed = [proc.args for proc in procs if proc.wait() != 0]
+    if failed:
+        raise subprocess.CalledProcessError(1, failed[0])
+    return [json.loads(out.read_text())["results"] for out in outs]
 
 
 def counter(metrics: str, name: str, label: str = "") -> float:
@@ -141,11 +151,12 @@ class Rows(list):
         print("measured: " + ", ".join(f"{h} {x}" for h, x in zip(self.header, row)), flush=True)
 
 
-def report(title: str, rows: Rows, summary: Path | None) -> None:
+def report(title: str, rows: Rows, summary: Path | None, notes: list[str] = ()) -> None:
     header = rows.header
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
+    lines += list(notes)
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     if summary is not None:
@@ -153,12 +164,50 @@ def report(title: str, rows: Rows, summary: Path | None) -> None:
             f.write(text + "\n")
 
 
-# -- the scenarios -----------------------------------------------------------------------------------
+# -- the prefix scenario -----------------------------------------------------------------------------
+class DeviceLoad:
+    """What the device did while a run lasted, from ``nvidia-smi`` sampled every 200 ms: ``busy``, the
+    mean share of time a kernel ran, and ``peak_gib``, the most memory in use (both None without it)."""
+
+    def __enter__(self):
+        query = ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+                 "-i", "0", "-lms", "200"]
+        try:
+            self.proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        self.busy = self.peak_gib = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        samples = [line.split(",") for line in self.proc.communicate()[0].splitlines()]
+        samples = [(float(busy), float(used)) for busy, used in (s for s in samples if len(s) == 2)
+                   if busy.strip().isdigit() and used.strip().isdigit()]
+        if samples:
+            self.busy = sum(busy for busy, _ in samples) / len(samples) / 100
+            self.peak_gib = max(used for _, used in samples) / 1024
+
+
+def device_columns(load: DeviceLoad | None) -> list[str]:
+    if load is None or load.busy is None:
+        return ["-", "-"]
+    return [f"{load.busy:.2f}", f"{load.peak_gib:.1f}"]
+
+
+def prefix_workload(args, rate: str, seed: int, prompts: int, prefixes: int = 10) -> list[str]:
+    prefix_len, suffix_len = (64, 16) if args.small else (1024, 256)
+    return ["--dataset", "prefix-repetition", "--num-prefixes", str(prefixes), "--prefix-len", str(prefix_len),
+            "--suffix-len", str(suffix_len), "--num-prompts", str(prompts), "--output-len", str(args.output_len),
+            "--request-rate", rate, "--seed", str(seed)]
+
+
 def run_prefix(args, log_dir: Path) -> None:
     prefix_len, suffix_len, prompts = (64, 16, 20) if args.small else (1024, 256, args.num_prompts)
-    workload = ["--dataset", "prefix-repetition", "--num-prefixes", "10", "--prefix-len", str(prefix_len),
-                "--suffix-len", str(suffix_len), "--num-prompts", str(prompts), "--output-len", str(args.output_len),
-                "--request-rate", str(args.request_rate), "--seed", "0"]
+    rates = args.rates.split(",") if args.rates else [args.request_rate]
+    deadline = time.time() + args.time_limit if args.time_limit else math.inf
     # Cache pressure: each replica has KV room for only ``cache_prefixes`` of the ten prefixes, so
     # round-robin keeps evicting prefixes its replicas will need again, while prefix-aware routing
     # can keep each prefix on one replica. The single replica (the hit-rate ceiling) gets the three's
@@ -168,32 +217,96 @@ def run_prefix(args, log_dir: Path) -> None:
     context = "--max-model-len" in args.serve_args
     kv = lambda count: "" if not blocks else f"--num-kv-blocks {blocks * count}" + (  # noqa: E731
         "" if context else f" --max-model-len {blocks * BLOCK_SIZE}")
-    rows = Rows("policy", "replicas", "kv_blocks", "hit_rate", "mean_ttft_ms", "p99_ttft_ms", "ok", "failed")
-    groups = tuple(group for group in (("ttft", args.replicas, kv(1)), ("round-robin", args.replicas, kv(1)),
-                                       ("single", 1, kv(args.replicas))) if group[0] in args.groups.split(","))
-    commands = [serve_command(args, extra) for _, count, extra in groups for _ in range(count)]
-    # every policy gets replicas of its own (fresh caches), all started at once: the starts overlap
-    with processes(commands, log_dir) as every_url:
-        for policy, count, _ in groups:
-            urls, every_url = every_url[:count], every_url[count:]
-            if policy == "single":
-                result = bench(urls[0], workload, log_dir)
-            else:
-                with router(urls, policy, log_dir, args.router_args) as (router_url,):
-                    result = bench(router_url, workload, log_dir)
+    rows = Rows("rate", "policy", "replicas", "kv_blocks", "hit_rate", "mean_ttft_ms", "p99_ttft_ms", "gpu_busy",
+                "gpu_gib", "ok", "failed")
+    groups = [group for group in (("ttft", args.replicas, kv(1)), ("round-robin", args.replicas, kv(1)),
+                                  ("single", 1, kv(args.replicas))) if group[0] in args.groups.split(",")]
+    notes = []
+
+    def measure(policy: str, urls: list[str]) -> None:
+        """Every rate on these replicas. Rate i's workload has seed i, the same for every group, so
+        each policy meets the same requests at the same moments; its ten prefixes are new to the
+        replicas, whose earlier blocks are evicted first (least recently used): a fresh cache."""
+        for seed, rate in enumerate(rates):
+            left = deadline - time.time()
+            if left < prompts / float(rate) + 20:
+                notes.append(f"{policy} at {rate}/s skipped: {left:.0f} s left of --time-limit")
+                print(notes[-1], flush=True)
+                continue
             hits, queries = prefix_hits(urls)
-            rows.append([policy, count, blocks * (args.replicas if policy == "single" else 1) or "-",
+            with DeviceLoad() if args.gpu_busy else nullcontext() as load:
+                if policy == "single":
+                    result = bench(urls[0], prefix_workload(args, rate, seed, prompts), log_dir)
+                else:
+                    with router(urls, policy, log_dir, args.router_args) as (router_url,):
+                        result = bench(router_url, prefix_workload(args, rate, seed, prompts), log_dir)
+            hits, queries = (now - before for now, before in zip(prefix_hits(urls), (hits, queries)))
+            rows.append([rate, policy, len(urls), blocks * (args.replicas if policy == "single" else 1) or "-",
                          f"{hits / max(queries, 1):.3f}", f"{result['mean_ttft_ms']:.1f}",
-                         f"{result['p99_ttft_ms']:.1f}", result["completed"], result["failed"]])
-    mean_ttft = {row[0]: float(row[4]) for row in rows}
-    ratio = mean_ttft.get("round-robin", 0.0) / max(mean_ttft.get("ttft", 0.0), 1e-9)
+                         f"{result['p99_ttft_ms']:.1f}", *device_columns(load), result["completed"], result["failed"]])
+
+    def warm_up(urls: list[str]) -> str:
+        """Untimed: each replica prefills whole prompts, then prompts whose prefix it holds (at 4/s
+        the earlier ones have finished), so kernels built on first use are not timed; these
+        prefixes (another seed) never come back."""
+        if args.warmup:
+            bench_all(urls, prefix_workload(args, "4", 1000, args.warmup, prefixes=2), log_dir)
+            hits, queries = prefix_hits(urls)
+            return f" (hit rate {hits / max(queries, 1):.2f})"
+        return ""
+
+    def run_group(policy: str, urls: list[str], began: float) -> None:
+        ready = time.time()
+        warmed = warm_up(urls)
+        warm = time.time()
+        measure(policy, urls)
+        notes.append(f"{policy}: replicas ready in {ready - began:.0f} s, warm-up {warm - ready:.0f} s{warmed}, "
+                     f"runs {time.time() - warm:.0f} s")
+        print(notes[-1], flush=True)
+
+    commands = lambda group: [serve_command(args, group[2])] * group[1]  # noqa: E731
+    if args.one_group_at_a_time:  # only one group's replicas exist at a time (a device that holds one group)
+        for group in groups:
+            if deadline - time.time() < 60:
+                notes.append(f"{group[0]} skipped: {deadline - time.time():.0f} s left of --time-limit")
+                continue
+            began = time.time()
+            with processes(commands(group), log_dir) as urls:
+                run_group(group[0], urls, began)
+    else:  # every group's replicas (fresh caches each) started at once: the starts overlap
+        began = time.time()
+        with processes([c for group in groups for c in commands(group)], log_dir) as every_url:
+            for group in groups:
+                urls, every_url = every_url[:group[1]], every_url[group[1]:]
+                run_group(group[0], urls, began)
+                began = time.time()
     room = (f"KV blocks per replica: {blocks} (room for {args.cache_prefixes:g} of the 10 prefixes; the single "
             f"replica {blocks * args.replicas}, the {args.replicas} replicas' total)") if blocks else \
         "KV blocks as --serve-args size them"
-    report(f"prefix repetition (10 x {prefix_len} + {suffix_len}, {prompts} requests, {args.request_rate} req/s, "
-           f"output {args.output_len}); {room}: round-robin / ttft mean TTFT = {ratio:.2f}x", rows, args.summary)
+    title = (f"prefix repetition (10 x {prefix_len} + {suffix_len}, {prompts} requests, Poisson arrivals, output "
+             f"{args.output_len}); {room}")
+    report(title, rows, args.summary, notes + prefix_ratios(rows))
 
 
+def prefix_ratios(rows: Rows) -> list[str]:
+    """Per rate: round-robin's mean and p99 TTFT over prefix-aware routing's, and the latter's hit
+    rate against the single replica's (the issue's two goals: >= 2x, within 10%)."""
+    lines = []
+    for rate in dict.fromkeys(row[0] for row in rows):
+        by_policy = {row[1]: row for row in rows if row[0] == rate}
+        ttft, rr, single = (by_policy.get(name) for name in ("ttft", "round-robin", "single"))
+        parts = []
+        if ttft and rr:
+            parts.append(f"round-robin / ttft TTFT: mean {float(rr[5]) / float(ttft[5]):.2f}x, "
+                         f"p99 {float(rr[6]) / float(ttft[6]):.2f}x")
+        if ttft and single:
+            parts.append(f"ttft hit rate {float(ttft[4]) / max(float(single[4]), 1e-9):.1%} of single's")
+        if parts:
+            lines.append(f"rate {rate}/s: " + "; ".join(parts))
+    return lines
+
+
+# -- the other scenarios -----------------------------------------------------------------------------
 def run_overhead(args, log_dir: Path) -> None:
     prompts = 8 if args.small else args.num_prompts
     dataset = ["--dataset", "random", "--input-len", "32", "--output-len", "8"] if args.small else \
@@ -260,7 +373,17 @@ def main() -> int:
     parser.add_argument("--slow-args", default="--device cpu", help="mixed: the slow replica's extra options")
     parser.add_argument("--slow-env", default="", help="mixed: environment of the slow replica alone, e.g. "
                         "OMP_NUM_THREADS=12 (a CPU replica that leaves cores to the fast replica's host side)")
-    parser.add_argument("--rates", default="0.5,1,2,4,8,16", help="mixed: request rates, comma-separated")
+    parser.add_argument("--rates", default=None, help="mixed, prefix: request rates, comma-separated (mixed's "
+                        "default 0.5,1,2,4,8,16; prefix's: --request-rate alone)")
+    parser.add_argument("--one-group-at-a-time", action="store_true",
+                        help="prefix: start each group's replicas when its turn comes (a device that holds "
+                             "one group's replicas, not all seven at once)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="prefix: untimed requests to each replica before its group's timed runs")
+    parser.add_argument("--gpu-busy", action="store_true",
+                        help="prefix: the device's busy share and peak memory during each run (nvidia-smi)")
+    parser.add_argument("--time-limit", type=float, default=0,
+                        help="prefix: seconds for the whole scenario; runs that would not finish are skipped")
     parser.add_argument("--small", action="store_true", help="a tiny workload: checks the script on a CPU")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here (default: dropped)")
     parser.add_argument("--summary", type=Path, default=Path(os.environ["OUT"]) / "summary.txt"
@@ -276,6 +399,8 @@ def main() -> int:
         parser.error(f"--serve-args give {sized.pop()} and --cache-prefixes {args.cache_prefixes:g} sizes the cache "
                      "too; give --cache-prefixes 0 to keep the --serve-args' size")
     defaults = {"prefix": (200, "4", 16), "overhead": (1000, "inf", None), "mixed": (200, None, 64)}[args.scenario]
+    if args.scenario == "mixed":
+        args.rates = args.rates or "0.5,1,2,4,8,16"
     args.num_prompts = args.num_prompts or defaults[0]
     args.request_rate = args.request_rate or defaults[1]
     args.output_len = args.output_len or defaults[2] or 16
