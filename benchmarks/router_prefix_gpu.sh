@@ -55,7 +55,8 @@ if [ "$DEVICE" = cuda ]; then
     -e ./platforms/cuda -e ./server -e ./bench -e ./router 2>&1 | grep -v -i warning | tail -3
   MODEL=${MODEL:-llama-3.1-8b-shape}
   RATES=${RATES:-6,12,18,24}
-  extra="--dtype bfloat16 --gpu-busy --warmup 6"
+  extra="--gpu-busy --warmup 6"
+  serve_extra="--dtype bfloat16"
 else
   # Llama 3.1 8B's architecture and vocabulary at a tiny width: the same code paths, CPU-sized
   MODEL=${MODEL:-$logs/tiny-llama/config.json}
@@ -65,12 +66,13 @@ else
     'num_key_value_heads': 2, 'head_dim': 16}, open(sys.argv[1], 'w'))" "$MODEL" || exit 1
   RATES=${RATES:-2,4}
   extra="--small --warmup 4"
+  serve_extra=""
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 left=$(( BUDGET - ($(date +%s) - start) - 20 ))  # 20 s: stopping the last replicas, the archive
 echo "== prefix: $MODEL on $DEVICE, rates $RATES, output ${OUTPUT_LEN:-4}, $left s for the runs" | tee -a "$OUT/summary.txt"
 timeout -k 10 "$(( left + 10 ))" python3 benchmarks/router_bench.py prefix --serve-args "$MODEL --device $DEVICE \
-  --max-num-seqs 32" --one-group-at-a-time --rates "$RATES" --num-prompts 200 --output-len "${OUTPUT_LEN:-4}" \
+  --max-num-seqs 32 $serve_extra" --one-group-at-a-time --rates "$RATES" --num-prompts 200 --output-len "${OUTPUT_LEN:-4}" \
   --time-limit "$left" $extra --log-dir "$logs/prefix-logs" --summary "$OUT/summary.txt" > "$OUT/prefix.log" 2>&1
 rc=$?
 echo "== prefix: rc $rc, $(( $(date +%s) - start )) s in all" | tee -a "$OUT/summary.txt"
