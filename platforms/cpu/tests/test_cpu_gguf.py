@@ -113,14 +113,14 @@ def gguf_py_weights(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_amx_batches_equal_the_vector_path(amx, ggml_type, dtype):
     """AMX-INT8 tiles sum the same integers and scale them in the same float order as the AVX2 / VNNI
-    batch path, so the results agree bit for bit: 4 rows (the smallest AMX call), 16, and 50 (a short
+    batch path, so the results agree bit for bit: 8 rows (the smallest AMX call), 16, and 50 (a short
     last tile of x rows); 61 output columns (a short last group of 16 weight rows); K of an odd number
     of chunks, so the last step of sums is short."""
     gen = torch.Generator().manual_seed(100 + ggml_type)
     k = columns_for(ggml_type) + (BLOCKS[ggml_type][0] if BLOCKS[ggml_type][0] == 256 else 0)
     weight = random_rows(ggml_type, 61, k, gen)
     bias = torch.randn(61, generator=gen)
-    for rows in (4, 16, 50):
+    for rows in (8, 16, 50):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         amx.gguf_amx(1)
         tiles = gguf_ops.gguf_linear(amx, x, weight, ggml_type, bias)

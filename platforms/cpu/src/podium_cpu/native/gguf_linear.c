@@ -40,7 +40,8 @@
 #define DIRECT_ROWS 2  /* calls of at most this many rows unpack weights into registers */
 #define BATCH_ROWS 4   /* x rows a batch's pass multiplies */
 #define PARALLEL_MIN_GROUPS 2
-#define AMX_MIN_ROWS 4  /* calls of at least this many rows run on AMX tiles where on (gguf_amx.h) */
+#define AMX_MIN_ROWS 8  /* calls of at least this many rows run on AMX tiles where on (gguf_amx.h): below, a
+                           * tile of 16 x rows is mostly padding, and the VNNI path was as fast or faster */
 #define INLINE static inline __attribute__((always_inline))
 
 /* Whether batches run on AMX tiles: set by podium_gguf_amx once the process holds AMX permission
