@@ -2,6 +2,7 @@
 
     python benchmarks/quant_cpu.py [--decode-tokens 128] [--batch 32] [--batch-tokens 128] [--trials 3]
                                    [--dtypes float32 bfloat16] [--llama-python /tmp/llamacpp/bin/python]
+                                   [--formats Q4_1 Q8_0 Q4_K] [--vector-path]
 
 decode: batch-1 greedy decode, tokens/s (prompt included, as for llama.cpp), of the embedded GGUF kept
 in its blocks (``quantization="gguf"``), of the same file dequantized at load (``quantization="none"``,
@@ -10,7 +11,10 @@ run by ``--llama-python`` (an interpreter of a virtual environment that has it: 
 dependency, ``python3 -m venv /tmp/llamacpp && /tmp/llamacpp/bin/pip install llama-cpp-python``; it
 compiles for ~11 minutes), or imported here where installed.
 batch: ``--batch`` prompts x ``--batch-tokens`` output tokens, output tokens/s, the same variants.
-Ratios are against the fastest dequantized variant; trials interleave every variant (llama.cpp too)
+--formats: the kept variants' files, Q4_1 the embedded one, the others written from it by
+benchmarks/gguf_requantize.py (gguf-py; Q4_K only where rows are whole 256-weight blocks, SmolLM2's
+down projections). --vector-path: each kept variant also with the GGUF batches off AMX-INT8 tiles (the
+AVX2 / VNNI kernels), where AMX runs. Ratios are against the fastest dequantized variant; trials interleave every variant (llama.cpp too)
 so that a busy machine slows them alike, and the best trial counts. Leave OMP_WAIT_POLICY unset, as
 for any benchmark.
 """
@@ -22,7 +26,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from podium import LLM, SamplingParams
 from podium.loader import embedded_gguf_path
@@ -72,6 +78,22 @@ def llama_cpp_rate(python: str | None, tokens: int, threads: int) -> float | Non
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def kept_files(formats: list[str], folder: Path) -> dict[str, str]:
+    """{format: model argument}: the embedded file for Q4_1, else a re-quantized copy in ``folder``."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_requantize import requantize
+
+    files = {}
+    for fmt in formats:
+        if fmt == "Q4_1":
+            files[fmt] = "smollm2-135m-instruct"
+            continue
+        target = folder / f"smollm2-135m-{fmt}.gguf"
+        print(f"{fmt}: {requantize(embedded_gguf_path(), target, fmt)}", flush=True)
+        files[fmt] = str(target)
+    return files
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -80,25 +102,43 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--llama-python", default=None, help="a python with llama-cpp-python installed")
+    parser.add_argument("--formats", nargs="+", default=["Q4_1"], choices=["Q4_1", "Q8_0", "Q4_K"])
+    parser.add_argument("--vector-path", action="store_true", help="kept variants also off AMX tiles")
     args = parser.parse_args()
     threads = len(os.sched_getaffinity(0))
-    engines = {f"{quant} {dtype}": LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, quantization=quant)
-               for quant in ("gguf", "none") for dtype in args.dtypes}
+    from podium_cpu.native_kernels import load_kernels
+
+    kernels, _ = load_kernels()
+    amx = kernels is not None and bool(kernels.amx_linear) and bool(kernels.gguf_amx(1))
+    folder = tempfile.TemporaryDirectory()
+    engines = {f"none {dtype}": (LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, quantization="none"), True)
+               for dtype in args.dtypes}
+    for fmt, model in kept_files(args.formats, Path(folder.name)).items():
+        for dtype in args.dtypes:
+            llm = LLM(model, device="cpu", dtype=dtype, quantization="gguf")
+            engines[f"gguf {fmt} {dtype}"] = (llm, True)
+            if args.vector_path and amx:
+                engines[f"gguf {fmt} {dtype} vectors"] = (llm, False)
     rates: dict[str, list[float]] = {}
     for _ in range(args.trials):
-        for name, llm in engines.items():
+        for name, (llm, tiles) in engines.items():
+            if amx:
+                kernels.gguf_amx(1 if tiles else 0)
             rates.setdefault(f"decode {name}", []).append(podium_rate(llm, 1, args.decode_tokens))
             rates.setdefault(f"batch {name}", []).append(podium_rate(llm, args.batch, args.batch_tokens))
+        if amx:
+            kernels.gguf_amx(1)
         cpp = llama_cpp_rate(args.llama_python, args.decode_tokens, threads)
         if cpp is not None:
             rates.setdefault("decode llama.cpp", []).append(cpp)
     best = {name: max(values) for name, values in rates.items()}
-    print(f"SmolLM2-135M Q4_1, {threads} threads, best of {args.trials}; ratios against the fastest dequantized path")
+    print(f"SmolLM2-135M (kept: {' '.join(args.formats)}), {threads} threads, best of {args.trials}, "
+          f"GGUF batches on AMX tiles: {'yes' if amx else 'no'}; ratios against the fastest dequantized path")
     for kind in ("decode", "batch"):
         base = max(rate for name, rate in best.items() if name.startswith(f"{kind} none"))
         for name, rate in best.items():
             if name.startswith(kind):
-                print(f"{name:24s} {rate:9.1f} tok/s   x{rate / base:.2f}")
+                print(f"{name:32s} {rate:9.1f} tok/s   x{rate / base:.2f}")
     kept = max(rate for name, rate in best.items() if name.startswith("decode gguf"))
     if "decode llama.cpp" in best:
         print(f"kept quantized / llama.cpp, batch-1 decode: x{kept / best['decode llama.cpp']:.2f}")

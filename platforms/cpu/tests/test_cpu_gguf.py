@@ -1,8 +1,10 @@
 """The CPU GGUF kernels (native/gguf_linear.c) against a reference written here: activations quantized
 to int8 per 32 values as llama.cpp does (d = max|x| / 127, q = round(x / d), to nearest even), times
 the weights as the contract dequantizes them (``dequantize_rows``, itself bit-exact with gguf-py's
-``dequantize``, tests/test_gguf_blocks.py), summed in float64. Needs no gguf-py, so it also runs on
-the GPU machine's CPU (benchmarks/quant_gpu.sh), whose VNNI instructions this one lacks."""
+``dequantize``, tests/test_gguf_blocks.py), summed in float64. Needs no gguf-py (only the AMX check
+against it skips without), so it also runs on the GPU machine's CPU (benchmarks/quant_gpu.sh), whose
+VNNI instructions this one lacks. Where AMX-INT8 runs, batches go to its tiles: checked bit for bit
+against the AVX2 / VNNI path they replace."""
 
 from __future__ import annotations
 
@@ -85,3 +87,59 @@ def test_zero_and_large_activations(kernels):
     want = quantized_activations(x) @ dequantize_rows(weight, 3, torch.float64).t()
     assert torch.isfinite(got).all()
     assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.fixture
+def amx(kernels):
+    """The AMX-INT8 batch path on (skipped where this CPU, build or process has none); on again afterwards."""
+    if not kernels.amx_linear or not kernels.gguf_amx(1):  # amx_linear: the OS granted this process AMX
+        pytest.skip("no AMX-INT8 tiles here")
+    yield kernels
+    kernels.gguf_amx(1)
+
+
+def gguf_py_weights(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The rows as gguf-py's ``dequantize`` gives them, float64."""
+    import numpy as np
+
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    values = gguf_quants.dequantize(weight.numpy(), GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[NAMES[t] for t in TYPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_batches_equal_the_vector_path(amx, ggml_type, dtype):
+    """AMX-INT8 tiles sum the same integers and scale them in the same float order as the AVX2 / VNNI
+    batch path, so the results agree bit for bit: 8 rows (the smallest AMX call), 16, and 50 (a short
+    last tile of x rows); 61 output columns (a short last group of 16 weight rows); K of an odd number
+    of chunks, so the last step of sums is short."""
+    gen = torch.Generator().manual_seed(100 + ggml_type)
+    k = columns_for(ggml_type) + (BLOCKS[ggml_type][0] if BLOCKS[ggml_type][0] == 256 else 0)
+    weight = random_rows(ggml_type, 61, k, gen)
+    bias = torch.randn(61, generator=gen)
+    for rows in (8, 16, 50):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        amx.gguf_amx(1)
+        tiles = gguf_ops.gguf_linear(amx, x, weight, ggml_type, bias)
+        amx.gguf_amx(0)
+        vectors = gguf_ops.gguf_linear(amx, x, weight, ggml_type, bias)
+        assert torch.equal(tiles, vectors), (rows, (tiles.double() - vectors.double()).abs().max().item())
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=[NAMES[t] for t in TYPES])
+def test_amx_batches_against_gguf_py(amx, ggml_type):
+    """32 rows on AMX tiles (strided x, as a model's slices give) against x's int8-per-32 approximation
+    times gguf-py's dequantized weights in float64, and against the unquantized float product."""
+    gen = torch.Generator().manual_seed(200 + ggml_type)
+    k = columns_for(ggml_type)
+    weight = random_rows(ggml_type, 96, k, gen)
+    x = torch.randn(32, k + 64, generator=gen)[:, 16:16 + k]
+    got = gguf_ops.gguf_linear(amx, x, weight, ggml_type)
+    dense = gguf_py_weights(weight, ggml_type)
+    want = quantized_activations(x) @ dense.t()
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 1e-5 * scale
+    assert (got.double() - x.double() @ dense.t()).abs().max().item() <= 2e-2 * scale

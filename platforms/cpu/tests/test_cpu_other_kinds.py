@@ -83,3 +83,34 @@ def test_attention_of_the_build_matches_the_reference(kernels, dtype):
                                      RotaryInputs(positions, table, None))
         query, key = ops.rotary_embedding(positions, plain.query, plain.key, table)
         assert torch.equal(got, backend.forward(case.layer(), query, key, plain.value, plain.kv_cache, plain.meta))
+
+
+@pytest.mark.slow
+def test_gguf_linears_of_the_build(kernels):
+    """The GGUF kernels of the build: AVX2's integer sums and float order are the native build's (AMX
+    tiles or VNNI where this CPU has them), so x86-64-v3 agrees with it bit for bit, batches and decode
+    rows alike; the plain C of x86-64-v2 orders its float sums otherwise and matches the int8-activation
+    product within float32 rounding."""
+    from podium_cpu import gguf_ops
+    from podium_plugin_api.gguf_blocks import BLOCKS, dequantize_rows, random_rows
+
+    march, loaded = kernels
+    native, why = native_kernels.load_kernels()
+    assert native is not None, why
+    gen = torch.Generator().manual_seed(5)
+    for ggml_type, (weights, _) in sorted(BLOCKS.items()):
+        k = 512 if weights == 256 else 544
+        weight = random_rows(ggml_type, 37, k, gen)
+        bias = torch.randn(37, generator=gen)
+        for rows in (1, 2, 5, 33):
+            x = torch.randn(rows, k, generator=gen)
+            got = gguf_ops.gguf_linear(loaded, x, weight, ggml_type, bias)
+            if march == "x86-64-v3":
+                assert torch.equal(got, gguf_ops.gguf_linear(native, x, weight, ggml_type, bias)), (ggml_type, rows)
+                continue
+            blocks = x.reshape(rows, -1, 32)
+            d = blocks.abs().amax(-1, keepdim=True) / 127
+            q = torch.round(blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d)))
+            want = (q.double() * d.double()).reshape(rows, k) @ dequantize_rows(weight, ggml_type, torch.float64).t()
+            want += bias.double()
+            assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (ggml_type, rows)

@@ -103,6 +103,9 @@ class NativeKernels:
     # paged_attention.c's podium_attention_amx(on) -> on: bf16 prefill tiles on AMX tiles (set at load
     # where AMX runs; the tests turn it off to compare with the AVX512-BF16 tiles)
     attention_amx: ctypes._CFuncPtr | None = None
+    # gguf_linear.c's podium_gguf_amx(on) -> on: GGUF batches on AMX-INT8 tiles (set at load where AMX
+    # runs; the tests turn it off to compare with the AVX2 / VNNI paths)
+    gguf_amx: ctypes._CFuncPtr | None = None
 
 
 def cache_dir() -> Path:
@@ -304,8 +307,10 @@ def _load() -> tuple[NativeKernels | None, str]:
         libs = [ctypes.CDLL(str(p)) for p in paths]
         entries = _bind(libs)
         amx_ready = _amx_ready(libs)
-        attention_amx = _attention_amx_entry(libs)
+        attention_amx = _switch_entry(libs, "podium_attention_amx")
         attention_amx(1 if amx_ready else 0)  # bf16 prefill tiles on AMX where the process may use it
+        gguf_amx = _switch_entry(libs, "podium_gguf_amx")
+        gguf_amx(1 if amx_ready else 0)  # GGUF batches on AMX-INT8 tiles likewise (the build must have them)
         fma_ready = _ready(libs, "podium_fma_ready") == 1
         dpbf16_ready = _ready(libs, "podium_dpbf16_ready") == 1
         replay = _replay_entry(libs)
@@ -333,6 +338,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         gguf_embed={t: entries[f"podium_gguf_{name}_embed"] for t, name in GGUF_TYPES.items()},
         replay=replay,
         attention_amx=attention_amx,
+        gguf_amx=gguf_amx,
     ), ""
 
 
@@ -350,11 +356,12 @@ def _replay_entry(libs: list[ctypes.CDLL]):
     return fn
 
 
-def _attention_amx_entry(libs: list[ctypes.CDLL]):
-    """paged_attention.c's ``int podium_attention_amx(int on)``."""
-    fn = _symbol(libs, "podium_attention_amx")
+def _switch_entry(libs: list[ctypes.CDLL], name: str):
+    """A kernel's ``int name(int on)`` switch (paged_attention.c's podium_attention_amx, gguf_linear.c's
+    podium_gguf_amx): it answers whether the kernel is on."""
+    fn = _symbol(libs, name)
     if fn is None:
-        raise AttributeError("native library lacks podium_attention_amx")
+        raise AttributeError(f"native library lacks {name}")
     fn.argtypes, fn.restype = [_INT], ctypes.c_int
     return fn
 

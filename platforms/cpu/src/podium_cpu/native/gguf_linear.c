@@ -30,83 +30,29 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf_amx.h"
 #include "gguf_dequant.h"
 #include "gguf_unpack.h"
+#include "gguf_xquant.h"
 #include "scratch.h"
 
 #define NB 8           /* output columns (weight rows) a thread takes at a time: a vector's lanes */
 #define DIRECT_ROWS 2  /* calls of at most this many rows unpack weights into registers */
 #define BATCH_ROWS 4   /* x rows a batch's pass multiplies */
 #define PARALLEL_MIN_GROUPS 2
+#define AMX_MIN_ROWS 8  /* calls of at least this many rows run on AMX tiles where on (gguf_amx.h): below, a
+                           * tile of 16 x rows is mostly padding, and the VNNI path was as fast or faster */
 #define INLINE static inline __attribute__((always_inline))
 
-/* x quantized: q int8 [M][K]; d and s = d * sum(q), float32 [M][Cp] (padded_chunks: the missing
- * chunks' values 0) */
-typedef struct {
-    int8_t *q;
-    float *d, *s;
-} xquant;
+/* Whether batches run on AMX tiles: set by podium_gguf_amx once the process holds AMX permission
+ * (native_kernels.py, after amx_linear.c's podium_amx_init); the tests turn it off to compare */
+static int amx_on;
 
-/* chunks of a row rounded up to whole groups of 8 (the scales' vectors) */
-static inline int64_t padded_chunks(int64_t K) { return (K / 32 + 7) / 8 * 8; }
-
-/* A second per-thread buffer for the quantized x rows: the calling thread is also one of the team
- * whose thread_scratch holds a batch's unpacked weights. */
-DEFINE_THREAD_SCRATCH(x_scratch)
-
-/* 32 float32 values -> q, d, d * sum(q) */
-static inline void quantize_chunk(const float *x, int8_t *q, float *d_out, float *s_out) {
-#if defined(__AVX2__)
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float d = _mm_cvtss_f32(m) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    __m256i n[4], sum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; i++) {
-        n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  /* MXCSR: to nearest even */
-        sum = _mm256_add_epi32(sum, n[i]);
-    }
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    *d_out = d, *s_out = d * (float)_mm_cvtsi128_si32(s);
-#else
-    float amax = 0.f;
-    for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int j = 0; j < 32; j++) q[j] = (int8_t)nearbyintf(x[j] * id), sum += q[j];
-    *d_out = d, *s_out = d * (float)sum;
-#endif
+int podium_gguf_amx(int on) {
+    amx_on = HAVE_GGUF_AMX && on;
+    return amx_on;
 }
 
-/* x rows (float32 or bf16) -> the calling thread's xquant; 0, or -1 without memory */
-static int quantize_rows(const void *x, int64_t x_stride, int64_t M, int64_t K, int is_bf16, int num_threads,
-                         xquant *xq) {
-    const int64_t C = K / 32, Cp = padded_chunks(K);
-    char *mem = x_scratch((size_t)M * K + 2 * (size_t)M * Cp * sizeof(float));
-    if (!mem) return -1;
-    xq->d = (float *)mem, xq->s = xq->d + M * Cp, xq->q = (int8_t *)(xq->s + M * Cp);
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M >= 16)")
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t c = 0; c < C; c++) {
-            float chunk[32];
-            const float *src = (const float *)x + m * x_stride + 32 * c;
-            if (is_bf16) {
-                for (int j = 0; j < 32; j++) chunk[j] = bf16_to_f32(((const bf16_t *)x)[m * x_stride + 32 * c + j]);
-                src = chunk;
-            }
-            quantize_chunk(src, xq->q + m * K + 32 * c, xq->d + m * Cp + c, xq->s + m * Cp + c);
-        }
-        for (int64_t c = C; c < Cp; c++) xq->d[m * Cp + c] = xq->s[m * Cp + c] = 0.f;
-    }
-    return 0;
-}
 
 /* Q6_K's multipliers of chunk c: its two sub-block scales (one per 16 weights) as two int16 */
 static inline int32_t q6_k_mult(const uint8_t *row, int64_t c) {
@@ -306,6 +252,7 @@ static int group_##TYPE(const uint8_t *const rows[8], int64_t cols, int64_t n0, 
 #define DEFINE_LINEAR(TYPE, QK, BYTES, SIGNED, HAS_BIAS, MULT, MAX_Q)                                    \
 DEFINE_ROWS(TYPE, SIGNED, HAS_BIAS, MULT, MAX_Q)                                                         \
 DEFINE_GROUP(TYPE)                                                                                       \
+DEFINE_AMX(TYPE, HAS_BIAS, MULT)                                                                         \
 static int linear_##TYPE(const xquant *xq, int64_t M, const uint8_t *w, int64_t N, int64_t K, const float *bias, \
                          void *out, int64_t out_stride, int out_bf16, int num_threads) {                 \
     const int64_t groups = (N + NB - 1) / NB, row_bytes = K / (QK) * (BYTES);                            \
@@ -358,19 +305,25 @@ INLINE int gguf_embed(block_fn fn, int qk, int bytes, const uint8_t *w, int64_t 
 }
 
 #define DEFINE_GGUF(TYPE, FN, QK, BYTES)                                                                 \
+static int gguf_linear_##TYPE(const void *x, int64_t x_stride, int64_t M, const uint8_t *w, int64_t N,   \
+                              int64_t K, const float *bias, void *out, int64_t out_stride, int is_bf16,  \
+                              int num_threads) {                                                         \
+    if (amx_on && M >= AMX_MIN_ROWS)                                                                     \
+        return amx_linear_##TYPE(x, x_stride, M, w, N, K, K / (QK) * (BYTES), bias, out, out_stride, is_bf16, \
+                                 num_threads);                                                           \
+    xquant xq;                                                                                           \
+    if (quantize_rows(x, x_stride, M, K, is_bf16, num_threads, &xq)) return -1;                          \
+    return linear_##TYPE(&xq, M, w, N, K, bias, out, out_stride, is_bf16, num_threads);                  \
+}                                                                                                        \
 int podium_gguf_##TYPE##_linear_f32(const float *x, int64_t x_stride, int64_t M, const uint8_t *w,       \
                                     int64_t N, int64_t K, const float *bias, float *out, int64_t out_stride, \
                                     int num_threads) {                                                   \
-    xquant xq;                                                                                           \
-    if (quantize_rows(x, x_stride, M, K, 0, num_threads, &xq)) return -1;                                \
-    return linear_##TYPE(&xq, M, w, N, K, bias, out, out_stride, 0, num_threads);                        \
+    return gguf_linear_##TYPE(x, x_stride, M, w, N, K, bias, out, out_stride, 0, num_threads);           \
 }                                                                                                        \
 int podium_gguf_##TYPE##_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t M, const uint8_t *w,     \
                                      int64_t N, int64_t K, const float *bias, bf16_t *out,               \
                                      int64_t out_stride, int num_threads) {                              \
-    xquant xq;                                                                                           \
-    if (quantize_rows(x, x_stride, M, K, 1, num_threads, &xq)) return -1;                                \
-    return linear_##TYPE(&xq, M, w, N, K, bias, out, out_stride, 1, num_threads);                        \
+    return gguf_linear_##TYPE(x, x_stride, M, w, N, K, bias, out, out_stride, 1, num_threads);           \
 }                                                                                                        \
 int podium_gguf_##TYPE##_embed_f32(const uint8_t *w, int64_t num_rows, int64_t dim, const int64_t *ids, \
                                    int64_t n, float *out, int num_threads) {                             \
