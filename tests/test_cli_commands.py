@@ -4,6 +4,9 @@ clear message for one whose distribution is not installed."""
 from __future__ import annotations
 
 import argparse
+import pickle
+import subprocess
+import sys
 
 from podium import cli
 
@@ -28,3 +31,21 @@ def test_a_missing_distribution_is_named_with_its_install_command(monkeypatch, c
     assert "needs podium-bench, which is not installed (pip install ./bench)" in capsys.readouterr().err
     assert cli.main(["serve"]) == 2
     assert "needs podium-server" in capsys.readouterr().err
+
+
+def test_the_serving_process_reads_its_command_line_and_the_engine_stats_without_torch():
+    """`podium serve`'s own process (the engine runs in a child of its own) parses its command line,
+    builds its app and unpickles the stats the engine sends every step without importing torch,
+    which would add ~180 MiB to the serving RSS."""
+    from podium.engine import EngineStats  # the class the engine builds its stats from
+
+    stats = pickle.dumps(EngineStats(1, 0, 10, 12, 0.2, 3, 1, 0))
+    code = ("import pickle, sys\n"
+            "from podium.cli import build_parser\n"
+            "build_parser().parse_args(['serve', '--port', '8000'])\n"
+            "import podium_server.app, podium_server.process_engine\n"
+            "stats = pickle.loads(sys.stdin.buffer.read())\n"
+            "assert stats.num_free_blocks == 10, stats\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    done = subprocess.run([sys.executable, "-c", code], input=stats, capture_output=True, check=True, timeout=120)
+    assert done.stdout.decode().strip() == "[]", done.stderr.decode()

@@ -60,6 +60,7 @@ from .block_manager import BLOCK_HASH_SCHEME, BlockManager, adapter_extra_keys, 
 from .chat_template import ChatPrompt, render_chat
 from .config import EngineConfig
 from .engine_args import engine_config
+from .engine_stats import EngineStats
 from .errors import EngineDead, InvalidParameter, PromptTooLong, StepFault, check_context
 from .explicit_fields import with_fallbacks
 from .kv_cache import dtype_name, kv_sizing_note
@@ -82,7 +83,6 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .shard import ModelShard
-from .spec import SpecDecodingStats
 from .spec.speculator import build_speculator, draft_companion
 from .spec.verify import verify
 from .startup import StartupTimer, format_startup
@@ -93,28 +93,6 @@ logger = logging.getLogger(__name__)
 
 _FINISHED = SequenceStatus.FINISHED
 MAX_CONSECUTIVE_FAULTS = 3  # steps in a row failing with no request to blame: the device is gone
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    # the router's inputs (podium_server.replica): work ahead of a new request and the decode load,
-    # in tokens; cumulative prompt tokens computed and their share of the step seconds (the prefill
-    # rate); cumulative decode-only steps and their seconds (the decode step time)
-    queued_tokens: int = 0
-    running_tokens: int = 0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-    spec_decoding: SpecDecodingStats | None = None  # None: speculative decoding is off
 
 
 @dataclass

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from podium_plugin_api import Platform, PlatformSelectionError, load_plugins, resolve_options
+if TYPE_CHECKING:
+    from podium_plugin_api import Platform
 
 
 def register(subparsers) -> None:
@@ -20,6 +22,8 @@ def register(subparsers) -> None:
 
 def platform_rows(device: str | None = None) -> tuple[list[dict], str | None]:
     """One row per platform, and the selection error (None when a platform was selected)."""
+    from podium_plugin_api import PlatformSelectionError, load_plugins  # imports torch: not for `podium serve`'s parser
+
     plugins = load_plugins()
     error = None
     try:
@@ -50,6 +54,8 @@ def platform_rows(device: str | None = None) -> tuple[list[dict], str | None]:
 def option_rows(platform: Platform) -> list[dict]:
     """Each declared option: name, type, default, the value a run would get now (its alias
     included), allowed values, alias, help."""
+    from podium_plugin_api import resolve_options
+
     try:
         declared = platform.options()
     except Exception as exc:  # reported, not fatal to the listing
