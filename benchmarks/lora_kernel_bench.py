@@ -7,7 +7,7 @@ with the rows round-robin over 8 adapters, and with no adapter at all (what the 
 graphs captured with the adapters); a 2048-row prefill (8 sequences of 256 rows, one adapter each)
 mapped eagerly. Each decode case under a few tilings (BLOCK_M, BLOCK_N), as two launches per
 projection (shrink, expand) and as the fused one (``lora_shrink_expand``); the prefill case under a
-few prefill tilings (BLOCK_M, BLOCK_N, BLOCK_K, warps): the variants of ``podium_cuda.lora``, each
+few prefill tilings (BLOCK_M, BLOCK_N, BLOCK_K, warps, the programs split-K aims at): the variants of ``podium_cuda.lora``, each
 timed in the same run as its default (marked).
 
     python benchmarks/lora_kernel_bench.py            (a CUDA GPU; ~30 s)
@@ -36,8 +36,8 @@ DECODE_VARIANTS = [  # (fused, tiling); the default tiling's two launches come f
     (False, kernels.DECODE), (False, LT(16, 64, 64, 4)), (False, LT(32, 128, 64, 4)), (False, LT(64, 128, 64, 4)),
     (True, kernels.DECODE), (True, LT(16, 64, 64, 4)), (True, LT(32, 128, 64, 4)), (True, LT(32, 64, 128, 4)),
 ]
-PREFILL_VARIANTS = [kernels.PREFILL, LT(64, 128, 64, 4), LT(64, 128, 128, 8), LT(128, 128, 64, 8), LT(128, 64, 64, 4),
-                    LT(32, 64, 64, 4)]
+PREFILL_VARIANTS = [kernels.PREFILL, LT(64, 64, 64, 4, 528), LT(64, 64, 64, 4, 1056), LT(64, 128, 64, 4),
+                    LT(64, 128, 128, 8), LT(128, 128, 64, 8), LT(32, 64, 64, 4), LT(32, 64, 64, 4, 1056)]
 
 
 def graph_time(fn, iters: int) -> float:
@@ -97,7 +97,8 @@ def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool,
         lora_us = graph_time(fused if is_fused else lora, iters)
         kernels.DECODE, kernels.PREFILL = saved
         t = tiling
-        which = (f"{'decode' if graph else 'prefill'} tiling M{t.block_m} N{t.block_n} K{t.block_k} w{t.num_warps}, "
+        which = (f"{'decode' if graph else 'prefill'} tiling M{t.block_m} N{t.block_n} K{t.block_k} w{t.num_warps} "
+                 f"P{t.target_programs}, "
                  f"{'fused (one launch)' if is_fused else 'two launches'}")
         print(f"  {which}{' (default)' if default else ''}: LoRA {lora_us:.1f} us/layer = "
               f"{lora_us / base_us:.3f} x the base GEMMs")

@@ -44,6 +44,9 @@ class LoRATiling:
     block_n: int  # shrink: the S tile; expand: the N tile
     block_k: int  # shrink: the K tile; expand: the S tile
     num_warps: int
+    # the shrink splits K until about this many programs run (each keeping >= 4 tiles of K): a
+    # prefill's few row blocks per slot would otherwise each stream a long K one tile at a time
+    target_programs: int = TARGET_PROGRAMS
 
 
 # a few rows per slot: weights streamed once per row block. M32 N64 took 62.4 us per 8B layer at 256
@@ -236,10 +239,10 @@ def _check(name: str, x: torch.Tensor, weights: torch.Tensor, mapping: LoRAMappi
         raise ValueError(f"{name}: the mapping has {mapping.num_rows} rows, the input {x.shape[0]}")
 
 
-def _split_k(programs: int, k: int, block_k: int) -> int:
-    """How many programs share one K: enough for ~TARGET_PROGRAMS, each keeping >= 4 tiles of K."""
+def _split_k(programs: int, k: int, block_k: int, target: int = TARGET_PROGRAMS) -> int:
+    """How many programs share one K: enough for ~``target`` programs, each keeping >= 4 tiles of K."""
     most = max(1, k // (4 * block_k))
-    return max(1, min(most, -(-TARGET_PROGRAMS // max(programs, 1)), 32))
+    return max(1, min(most, -(-target // max(programs, 1)), 32))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping, tuning=None) -> torch.Tensor:
@@ -252,7 +255,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping, tun
     tiling = _tiling(expected)
     block_s = min(tiling.block_n, max(16, triton.next_power_of_2(inner)))
     s_blocks = triton.cdiv(inner, block_s)
-    split = _split_k(triton.cdiv(extent, tiling.block_m) * s_blocks, k, tiling.block_k)
+    split = _split_k(triton.cdiv(extent, tiling.block_m) * s_blocks, k, tiling.block_k, tiling.target_programs)
     k_chunk = triton.cdiv(triton.cdiv(k, split), tiling.block_k) * tiling.block_k
     split = triton.cdiv(k, k_chunk)
     out = (torch.zeros if split > 1 else torch.empty)(rows, inner, dtype=torch.float32, device=x.device)
@@ -313,7 +316,7 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
     tiling = tiling or DECODE
     block_s = max(16, triton.next_power_of_2(inner))
     row_blocks = triton.cdiv(extent, tiling.block_m)
-    split = _split_k(row_blocks, k, tiling.block_k)
+    split = _split_k(row_blocks, k, tiling.block_k, tiling.target_programs)
     k_chunk = triton.cdiv(triton.cdiv(k, split), tiling.block_k) * tiling.block_k
     split = triton.cdiv(k, k_chunk)
     # one zeroed scratch (one memset): the shrunk rows (float32 zeros are int32 zeros), the ticket
