@@ -65,8 +65,11 @@ def graph_time(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool, iters: int, dev, dtype) -> None:
-    """Print the base GEMMs' and the LoRA ops' microseconds per layer for one step's rows."""
+def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool, fused_pass: bool, iters: int,
+              dev, dtype) -> None:
+    """Print the base GEMMs' and the LoRA ops' microseconds per layer for one step's rows, under the
+    two-launch variants or (``fused_pass``) the fused ones, with how far the fused result is from the
+    default's two launches (a race in its wait would show there)."""
     mapping = lora_mapping(slots, SLOTS, dev)
     if graph:  # what a captured graph's fixed memory gives: no host counts
         mapping = dataclasses.replace(mapping, max_slot_rows=None, num_slotted_rows=None)
@@ -88,20 +91,41 @@ def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool,
     base_us = graph_time(base, iters)
     print(f"{label}: base GEMMs {base_us:.1f} us/layer")
     saved = kernels.DECODE, kernels.PREFILL
-    for is_fused, tiling in DECODE_VARIANTS if graph else [(False, t) for t in PREFILL_VARIANTS]:
+    if fused_pass:
+        variants = [(True, t) for f, t in DECODE_VARIANTS if f]
+    else:
+        variants = [(False, t) for f, t in DECODE_VARIANTS if not f] if graph else [(False, t) for t in PREFILL_VARIANTS]
+    for is_fused, tiling in variants:
         if graph:
             kernels.DECODE = tiling
         else:
             kernels.PREFILL = tiling
         default = tiling == saved[0 if graph else 1] and not is_fused
-        lora_us = graph_time(fused if is_fused else lora, iters)
-        kernels.DECODE, kernels.PREFILL = saved
         t = tiling
         which = (f"{'decode' if graph else 'prefill'} tiling M{t.block_m} N{t.block_n} K{t.block_k} w{t.num_warps} "
-                 f"P{t.target_programs}, "
-                 f"{'fused (one launch)' if is_fused else 'two launches'}")
+                 f"P{t.target_programs}, {'fused (one launch)' if is_fused else 'two launches'}")
+        try:
+            lora_us = graph_time(fused if is_fused else lora, iters)
+            agree = ""
+            if is_fused:
+                for y in ys.values():
+                    y.zero_()
+                fused()
+                got = {name: y.clone() for name, y in ys.items()}
+                kernels.DECODE, kernels.PREFILL = saved
+                for y in ys.values():
+                    y.zero_()
+                lora()
+                worst = max(float((got[n].float() - y.float()).abs().max() / (y.float().abs().max() + 1e-30))
+                            for n, y in ys.items())
+                agree = f", {worst:.1e} from the two launches (relative)"
+        except Exception as exc:  # noqa: BLE001 - one variant's failure must not hide the others' times
+            print(f"  {which}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        finally:
+            kernels.DECODE, kernels.PREFILL = saved
         print(f"  {which}{' (default)' if default else ''}: LoRA {lora_us:.1f} us/layer = "
-              f"{lora_us / base_us:.3f} x the base GEMMs")
+              f"{lora_us / base_us:.3f} x the base GEMMs{agree}")
 
 
 def main() -> None:
@@ -127,8 +151,12 @@ def main() -> None:
         f"prefill {prefill} rows, 8 adapters (eager mapping)": (prefill, [i * SLOTS // prefill for i in range(prefill)],
                                                                 False),
     }
-    for label, (rows, slots, graph) in cases.items():
-        time_case(label, layer, rows, slots, graph, iters, dev, dtype)
+    # the fused variants last: a kernel that waits on others' work could hang, and the timeout that
+    # would end it should take no other variant's line with it
+    for fused_pass in (False, True):
+        for label, (rows, slots, graph) in cases.items():
+            if graph or not fused_pass:
+                time_case(label, layer, rows, slots, graph, fused_pass, iters, dev, dtype)
 
 
 if __name__ == "__main__":
