@@ -20,7 +20,9 @@
 #            one, and prefill under a few prefill tilings (benchmarks/lora_kernel_bench.py; each variant
 #            next to the default, marked) (run last, so the throughput lines come first in the summary)
 # The throughput lines give the ratios: mixed / plain (the mean of the two plain runs; the target is
-# >= 0.8), mixed / base and base / plain, next to the previous runs' (adc5f05, 2026-12-04).
+# >= 0.8), mixed / base and base / plain, next to the previous runs' (adc5f05, 2026-12-04), and each
+# run's two phases (until every request has its first token; after: decode alone), to tell the
+# adapters' prefill cost from their decode cost.
 # The CPU platform is installed too: the engine step compares the GPU's tokens with its own.
 set -o pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -51,14 +53,17 @@ KEEP="tok/s|ratio|Error|error" run_step plain2 60 "${BENCH[@]}" --only plain --j
 python3 - "$JSON" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-plains = []
+plains, plain_phases = [], []
 for name in ("plain", "plain2"):
     try:
-        plains.append(json.loads((out / f"{name}.json").read_text())["median"]["plain"])
+        result = json.loads((out / f"{name}.json").read_text())
+        plains.append(result["median"]["plain"])
+        plain_phases.append(result["phases"]["plain"])
     except (OSError, KeyError, ValueError) as exc:
         print(f"{name}: no result ({exc})")
 try:
-    lora = json.loads((out / "lora.json").read_text())["median"]
+    result = json.loads((out / "lora.json").read_text())
+    lora, phases = result["median"], result["phases"]
 except (OSError, KeyError, ValueError) as exc:
     sys.exit(f"no ratio: {exc}")
 if not plains:
@@ -69,6 +74,11 @@ print(f"8B 256 x 512/256, out tok/s: plain {plain:.0f} (mean of {', '.join(f'{p:
 print(f"ratio mixed / plain {mixed / plain:.3f} (target >= 0.8; against each plain run: "
       f"{', '.join(f'{mixed / p:.3f}' for p in plains)}), "
       f"mixed / base {mixed / lora['base']:.3f}, base / plain {lora['base'] / plain:.3f}")
+if plain_phases:  # where the adapters' time goes: the prompts' prefill or the decode steps after it
+    pre, dec = (sum(p[i] for p in plain_phases) / len(plain_phases) for i in (0, 1))
+    b, m = phases["base"], phases["mixed"]
+    print(f"phases, s until every first token / after: plain {pre:.2f} / {dec:.2f}, base {b[0]:.2f} / {b[1]:.2f}, "
+          f"mixed {m[0]:.2f} / {m[1]:.2f}; time base / mixed {b[0] / m[0]:.3f} / {b[1] / m[1]:.3f}")
 print("before (adc5f05): plain 9604 (one run, first process), base 10452, mixed 8184: mixed / plain 0.852, "
       "mixed / base 0.783, base / plain 1.088")
 EOF
