@@ -215,7 +215,7 @@ def lora_fused_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for slot in range(first, last + 1):
                 mine = row_slots == slot
-                # written by other programs' atomics in this launch: read past the L1
+                # other programs' sums: the acquire above orders these loads after them (.cg: not from L1)
                 shrunk = tl.load(s_tile, mask=mine[:, None] & s_ok[None, :], other=0.0, cache_modifier=".cg")
                 ws = tl.load(b_cols + slot * stride_bl, mask=s_ok[:, None] & col_ok[None, :], other=0.0)
                 if IEEE:
