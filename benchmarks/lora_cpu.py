@@ -63,12 +63,20 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> None:
         "peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS), "bias": "none"}))
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras) -> float:
-    """Output tokens per second of one generate call over ``prompts``."""
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras) -> tuple[float, float, float]:
+    """Output tokens per second of one generate call over ``prompts``, and its two phases' seconds:
+    until every request has its first token (the prompts' prefill, and the decode steps of requests
+    already past it), then the rest (decode alone)."""
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+    metrics = [o.metrics for o in outs]
+    prefill = decode = float("nan")
+    if all(m is not None and m.first_token_time is not None and m.last_token_time is not None for m in metrics):
+        first_tokens = max(m.first_token_time for m in metrics)
+        prefill = first_tokens - min(m.arrival_time for m in metrics)
+        decode = max(m.last_token_time for m in metrics) - first_tokens
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds, prefill, decode
 
 
 def engine(args, lora: bool) -> LLM:
@@ -105,6 +113,7 @@ def main() -> None:
     prompts = torch.randint(0, config.vocab_size, (args.requests, args.input_len), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     runs = {"plain": [], "base": [], "mixed": []}
+    phases = {"plain": [], "base": [], "mixed": []}  # (prefill phase, decode phase) seconds per run
     with tempfile.TemporaryDirectory() as root:
         adapters = []
         if "lora" in engines:
@@ -119,24 +128,30 @@ def main() -> None:
             run(engines[which], prompts[:warm], SamplingParams(max_tokens=4), loras and loras[:warm])
         for _ in range(args.pairs):
             for name, which, loras in cases:
-                runs[name].append(run(engines[which], prompts, params, loras))
-    report(args, {name: values for name, values in runs.items() if values})
+                tokens_per_s, prefill, decode = run(engines[which], prompts, params, loras)
+                runs[name].append(tokens_per_s)
+                phases[name].append((prefill, decode))
+    report(args, {name: values for name, values in runs.items() if values},
+           {name: values for name, values in phases.items() if values})
 
 
-def report(args, runs: dict[str, list[float]]) -> None:
+def report(args, runs: dict[str, list[float]], phases: dict[str, list[tuple[float, float]]]) -> None:
     median = {name: statistics.median(values) for name, values in runs.items()}
+    phase = {name: [statistics.median(p[i] for p in values) for i in (0, 1)] for name, values in phases.items()}
     print(f"{args.model} on {args.device}, {args.requests} requests x {args.input_len} in / {args.output_len} out, "
           f"{args.adapters} adapters of rank {args.rank} (all 7 projections), {args.pairs} alternated runs (median)")
     for name, values in runs.items():
-        print(f"{name:6s} {median[name]:9.1f} out tok/s   runs {', '.join(f'{v:.1f}' for v in values)}")
+        print(f"{name:6s} {median[name]:9.1f} out tok/s   runs {', '.join(f'{v:.1f}' for v in values)}   "
+              f"phases: {phase[name][0]:.2f} s until every first token, {phase[name][1]:.2f} s after")
     ratios = {}
     for num, den in (("mixed", "plain"), ("mixed", "base"), ("base", "plain")):
         if num in median and den in median:
             ratios[f"{num}/{den}"] = median[num] / median[den]
-            print(f"ratio {num} / {den}: {ratios[f'{num}/{den}']:.3f}")
+            print(f"ratio {num} / {den}: {ratios[f'{num}/{den}']:.3f}   phases' time {den} / {num}: "
+                  f"{phase[den][0] / phase[num][0]:.3f} until every first token, {phase[den][1] / phase[num][1]:.3f} after")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs, "median": median,
-                                                   "ratios": ratios}, indent=1))
+                                                   "ratios": ratios, "phases": phase}, indent=1))
 
 
 if __name__ == "__main__":

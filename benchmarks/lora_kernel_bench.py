@@ -5,7 +5,10 @@ shrink then an expand, captured in a CUDA graph and replayed (no launch overhead
 graph), for: a decode step of 256 rows as a captured graph maps it (every row may be any slot's)
 with the rows round-robin over 8 adapters, and with no adapter at all (what the base model paid in
 graphs captured with the adapters); a 2048-row prefill (8 sequences of 256 rows, one adapter each)
-mapped eagerly. Each under a few decode tilings (BLOCK_M, BLOCK_N), to tune ``podium_cuda.lora``.
+mapped eagerly. Each decode case under a few tilings (BLOCK_M, BLOCK_N), as two launches per
+projection (shrink, expand) and as the fused one (``lora_shrink_expand``); the prefill case under a
+few prefill tilings (BLOCK_M, BLOCK_N, BLOCK_K, warps, the programs split-K aims at): the variants of ``podium_cuda.lora``, each
+timed in the same run as its default (marked).
 
     python benchmarks/lora_kernel_bench.py            (a CUDA GPU; ~30 s)
     TRITON_INTERPRET=1 python benchmarks/lora_kernel_bench.py --smoke     (a check that it runs)
@@ -28,7 +31,13 @@ PROJECTIONS = {  # name: (K, N, slices)
     "qkv": (HIDDEN, HEADS_DIM + 2 * KV_DIM, 3), "o": (HEADS_DIM, HIDDEN, 1),
     "gate_up": (HIDDEN, 2 * INTER, 2), "down": (INTER, HIDDEN, 1),
 }
-TILINGS = [(16, 64), (32, 64), (32, 128), (64, 128)]  # decode (BLOCK_M, BLOCK_N) tried
+LT = kernels.LoRATiling
+DECODE_VARIANTS = [  # (fused, tiling); the default tiling's two launches come first
+    (False, kernels.DECODE), (False, LT(16, 64, 64, 4)), (False, LT(32, 128, 64, 4)), (False, LT(64, 128, 64, 4)),
+    (True, kernels.DECODE), (True, LT(16, 64, 64, 4)), (True, LT(32, 128, 64, 4)), (True, LT(32, 64, 128, 4)),
+]
+PREFILL_VARIANTS = [kernels.PREFILL, LT(64, 64, 64, 4, 528), LT(64, 64, 64, 4, 1056), LT(64, 128, 64, 4),
+                    LT(64, 128, 128, 8), LT(128, 128, 64, 8), LT(32, 64, 64, 4), LT(32, 64, 64, 4, 1056)]
 
 
 def graph_time(fn, iters: int) -> float:
@@ -56,8 +65,11 @@ def graph_time(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool, iters: int, dev, dtype) -> None:
-    """Print the base GEMMs' and the LoRA ops' microseconds per layer for one step's rows."""
+def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool, fused_pass: bool, iters: int,
+              dev, dtype) -> None:
+    """Print the base GEMMs' and the LoRA ops' microseconds per layer for one step's rows, under the
+    two-launch variants or (``fused_pass``) the fused ones, with how far the fused result is from the
+    default's two launches (a race in its wait would show there)."""
     mapping = lora_mapping(slots, SLOTS, dev)
     if graph:  # what a captured graph's fixed memory gives: no host counts
         mapping = dataclasses.replace(mapping, max_slot_rows=None, num_slotted_rows=None)
@@ -72,17 +84,48 @@ def time_case(label: str, layer: dict, rows: int, slots: list[int], graph: bool,
         for name, (_, a, b) in layer.items():
             kernels.lora_expand(ys[name], kernels.lora_shrink(xs[name], a, mapping), b, mapping)
 
+    def fused():
+        for name, (_, a, b) in layer.items():
+            kernels.lora_shrink_expand(ys[name], xs[name], a, b, mapping)
+
     base_us = graph_time(base, iters)
     print(f"{label}: base GEMMs {base_us:.1f} us/layer")
-    default = kernels.DECODE
-    for block_m, block_n in TILINGS if graph else [(None, None)]:
-        if block_m is not None:
-            kernels.DECODE = kernels.LoRATiling(block_m, block_n, 64, 4)
-        lora_us = graph_time(lora, iters)
-        which = "prefill tiling" if block_m is None else f"decode tiling M{block_m} N{block_n}"
-        mark = " (default)" if block_m is not None and kernels.DECODE == default else ""
-        print(f"  {which}{mark}: LoRA {lora_us:.1f} us/layer = {lora_us / base_us:.3f} x the base GEMMs")
-    kernels.DECODE = default
+    saved = kernels.DECODE, kernels.PREFILL
+    if fused_pass:
+        variants = [(True, t) for f, t in DECODE_VARIANTS if f]
+    else:
+        variants = [(False, t) for f, t in DECODE_VARIANTS if not f] if graph else [(False, t) for t in PREFILL_VARIANTS]
+    for is_fused, tiling in variants:
+        if graph:
+            kernels.DECODE = tiling
+        else:
+            kernels.PREFILL = tiling
+        default = tiling == saved[0 if graph else 1] and not is_fused
+        t = tiling
+        which = (f"{'decode' if graph else 'prefill'} tiling M{t.block_m} N{t.block_n} K{t.block_k} w{t.num_warps} "
+                 f"P{t.target_programs}, {'fused (one launch)' if is_fused else 'two launches'}")
+        try:
+            lora_us = graph_time(fused if is_fused else lora, iters)
+            agree = ""
+            if is_fused:
+                for y in ys.values():
+                    y.zero_()
+                fused()
+                got = {name: y.clone() for name, y in ys.items()}
+                kernels.DECODE, kernels.PREFILL = saved
+                for y in ys.values():
+                    y.zero_()
+                lora()
+                worst = max(float((got[n].float() - y.float()).abs().max() / (y.float().abs().max() + 1e-30))
+                            for n, y in ys.items())
+                agree = f", {worst:.1e} from the two launches (relative)"
+        except Exception as exc:  # noqa: BLE001 - one variant's failure must not hide the others' times
+            print(f"  {which}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        finally:
+            kernels.DECODE, kernels.PREFILL = saved
+        print(f"  {which}{' (default)' if default else ''}: LoRA {lora_us:.1f} us/layer = "
+              f"{lora_us / base_us:.3f} x the base GEMMs{agree}")
 
 
 def main() -> None:
@@ -108,8 +151,12 @@ def main() -> None:
         f"prefill {prefill} rows, 8 adapters (eager mapping)": (prefill, [i * SLOTS // prefill for i in range(prefill)],
                                                                 False),
     }
-    for label, (rows, slots, graph) in cases.items():
-        time_case(label, layer, rows, slots, graph, iters, dev, dtype)
+    # the fused variants last: a kernel that waits on others' work could hang, and the timeout that
+    # would end it should take no other variant's line with it
+    for fused_pass in (False, True):
+        for label, (rows, slots, graph) in cases.items():
+            if graph or not fused_pass:
+                time_case(label, layer, rows, slots, graph, fused_pass, iters, dev, dtype)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Mixed steps (rows of several slots, rows without one, an unused slot, an unused slot between used
 ones: a block of rows meets several slots), one slot for every row, no adapter at all, inner sizes
 of one and three slices, split-K and not, the host's row extent known (an eager step) and not (a
-captured graph's mapping), and a CUDA graph replayed for a new mix of slots. Under ``TRITON_INTERPRET=1`` (no GPU) the sizes stay small and float32 only.
+captured graph's mapping), and a CUDA graph replayed for a new mix of slots; the same for the fused
+shrink-and-expand (one launch), under each decode tiling the benchmark times. Under
+``TRITON_INTERPRET=1`` (no GPU) the sizes stay small and float32 only.
 """
 
 from __future__ import annotations
@@ -79,6 +81,51 @@ def test_shrink_and_expand_equal_the_reference(kernel_device, check_dtype, dtype
                 assert torch.equal(out[~used], y[~used]), f"expand, {what}: a row without a slot changed"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner", [16, 48])
+def test_fused_shrink_expand_equals_the_reference(kernel_device, check_dtype, dtype, inner):
+    """One launch whose expand pieces wait for their rows' shrink pieces: the reference's sums, rows
+    without a slot untouched, for the decode tilings and the prefill one."""
+    import podium_cuda.lora as kernels
+
+    check_dtype(dtype)
+    gen = torch.Generator().manual_seed(100 + inner)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    # the tiling the engine would take for the rows, and in bf16 (the engine's) the decode ones the
+    # benchmark times too (each tiling and split of K compiles anew: the GPU step's time stays short)
+    others = [kernels.LoRATiling(16, 64, 64, 4), kernels.LoRATiling(32, 128, 64, 4)] if dtype == torch.bfloat16 else []
+    for rows, k, n in sizes(kernel_device):
+        lora_a, lora_b = weights(NUM_SLOTS, inner, k, n, kernel_device, dtype, gen)
+        x = torch.randn(rows, k, generator=gen).to(device=kernel_device, dtype=dtype)
+        y = torch.randn(rows, n, generator=gen).to(device=kernel_device, dtype=dtype)
+        for mix, slots in slot_mixes(rows, gen).items():
+            for kind, mapping in mappings(slots, kernel_device).items():
+                used = torch.tensor(slots, device=kernel_device) >= 0
+                expected = reference_expand(y.double(), reference_shrink(x.double(), lora_a.double(), mapping),
+                                            lora_b.double(), mapping)
+                tilings = [kernels.PREFILL] if rows > 256 else [kernels.DECODE, *others]
+                if kernel_device == "cpu" and rows < 40:  # the interpreter: the prefill tiling on few rows too
+                    tilings.append(kernels.PREFILL)
+                for tiling in tilings:
+                    what = f"{rows} rows, K={k}, N={n}, {mix}, {kind}, {tiling}"
+                    out = kernels.lora_shrink_expand(y.clone(), x, lora_a, lora_b, mapping, tiling)
+                    error = float((out.double() - expected).abs().max() / expected.abs().max())
+                    assert error < tolerance, f"fused, {what}: relative error {error}"
+                    assert torch.equal(out[~used], y[~used]), f"fused, {what}: a row without a slot changed"
+
+
+def test_fused_shrink_expand_rejects_mismatched_shapes(kernel_device):
+    from podium_cuda.lora import lora_shrink_expand
+
+    lora_a, lora_b = weights(NUM_SLOTS, 16, 64, 48, kernel_device, torch.float32, torch.Generator().manual_seed(0))
+    mapping = lora_mapping([0, 1, -1], NUM_SLOTS, kernel_device)
+    x, y = torch.zeros(3, 64, device=kernel_device), torch.zeros(3, 48, device=kernel_device)
+    with pytest.raises(ValueError, match="disagree"):
+        lora_shrink_expand(y, x, lora_a, lora_b[:, :, :8], mapping)
+    with pytest.raises(ValueError, match="3 rows, the input 2"):
+        lora_shrink_expand(y, x[:2], lora_a, lora_b, mapping)
+
+
 def test_few_rows_over_a_long_k_split_it():
     """A decode step's rows over K = 1024 leave most programs idle unless K is split (atomics path)."""
     from podium_cuda.lora import _split_k
@@ -86,11 +133,15 @@ def test_few_rows_over_a_long_k_split_it():
     assert _split_k(programs=4, k=1024, block_k=64) == 4
     assert _split_k(programs=4, k=14336, block_k=64) == 32
     assert _split_k(programs=512, k=4096, block_k=64) == 1
+    assert _split_k(programs=32, k=14336, block_k=64) == 9  # a prefill's 2048 rows in blocks of 64
+    assert _split_k(programs=32, k=14336, block_k=64, target=1056) == 32
 
 
-def test_a_captured_graph_replays_any_mix_of_slots(gpu):
-    """The graph's launches depend on no host value: refill the mapping's memory, replay, get the new mix."""
-    from podium_cuda.lora import lora_expand, lora_shrink
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_captured_graph_replays_any_mix_of_slots(gpu, fused):
+    """The graph's launches depend on no host value: refill the mapping's memory, replay, get the new mix
+    (the fused launch's scratch, its tickets included, zeroed again by each replay)."""
+    from podium_cuda.lora import lora_expand, lora_shrink, lora_shrink_expand
 
     gen = torch.Generator().manual_seed(0)
     rows, k, n, inner = 64, 1024, 512, 16
@@ -103,6 +154,8 @@ def test_a_captured_graph_replays_any_mix_of_slots(gpu):
 
     def step():
         out = y.clone()
+        if fused:
+            return lora_shrink_expand(out, x, lora_a, lora_b, static)
         return lora_expand(out, lora_shrink(x, lora_a, static), lora_b, static)
 
     stream = torch.cuda.Stream()
