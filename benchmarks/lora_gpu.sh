@@ -46,7 +46,7 @@ run_step() {  # run_step NAME TIMEOUT COMMAND...: run, log, keep going
 BENCH=(python3 benchmarks/lora_cpu.py --device cuda --model llama-3.1-8b-shape --dtype bfloat16 --adapters 8
        --rank 16 --requests 256 --input-len 512 --output-len 256 --max-model-len 1024 --pairs 1)
 TAIL=4 run_step kernels 120 python3 -m pytest -q -p no:cacheprovider -rfE platforms/cuda/tests/test_lora_kernel.py
-TAIL=4 run_step engine 50 python3 benchmarks/lora_gpu_check.py --device cuda
+TAIL=4 run_step engine 90 python3 benchmarks/lora_gpu_check.py --device cuda
 KEEP="tok/s|ratio|Error|error" run_step plain 60 "${BENCH[@]}" --only plain --json-out "$JSON/plain.json"
 KEEP="tok/s|ratio|Error|error" run_step lora 120 "${BENCH[@]}" --only lora --pairs 2 --json-out "$JSON/lora.json"
 KEEP="tok/s|ratio|Error|error" run_step plain2 60 "${BENCH[@]}" --only plain --json-out "$JSON/plain2.json"
