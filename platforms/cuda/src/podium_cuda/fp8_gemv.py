@@ -377,7 +377,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         float(eps), BLOCK_M=16 if given and dot else next_power_of_2(rows),
         BLOCK_K=block_k, TILE=tile, NORM_BLOCK=min(2048, next_power_of_2(k)), PROLOGUE=prologue,
         PER_CHANNEL=weight_scale.numel() != 1, HAS_BIAS=bias is not None, DOT=dot, XQ_GIVEN=given,
-        HW_CAST=not interpreting(), PDL=pdl, PREFETCH=nvidia_at_least(x.device, (8, 0)),
+        HW_CAST=not interpreting(), PDL=pdl, PREFETCH=block_k >= 128 and nvidia_at_least(x.device, (8, 0)),  # a 128-byte line each 128 columns
         PACKED=packed(rows, tuning), EVEN_K=k % block_k == 0, BITS=bits(rows, k, block_k, tuning),
         num_warps=warps, num_stages=3,
         **launch_options(pdl),
