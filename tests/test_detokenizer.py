@@ -86,6 +86,18 @@ def test_smollm2_token_by_token(smollm2, method):
         check_stream(smollm2, smollm2.encode(text, add_special_tokens=False), method)
 
 
+@pytest.mark.parametrize("method", ["bytes", "window"])
+def test_ids_past_the_vocabulary_have_no_text(smollm2, method):
+    """A model whose embedding is padded past its tokenizer can sample an id the tokenizer lacks: the
+    stream goes on and equals the tokenizer's own decode (which drops the id), alone or in chunks."""
+    ids = smollm2.encode("Hello world, again", add_special_tokens=False)
+    beyond = len(smollm2) + 7
+    stream = ids[:2] + [beyond] + ids[2:] + [beyond, beyond]
+    check_stream(smollm2, stream, method)
+    check_stream(smollm2, stream, method, chunks=[3, 1, len(stream) - 4])
+    assert token_bytes(smollm2, beyond) == b""
+
+
 def test_sentencepiece_token_by_token(sentencepiece):
     for text in TEXTS:
         ids = sentencepiece.encode(text, add_special_tokens=False)

@@ -70,7 +70,11 @@ class _TokenizerInfo:
         if data is None:
             token = self.id_to_token(token_id)
             if token is None:
-                raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary")
+                # an id past the tokenizer's vocabulary: a model's embedding is often padded beyond it
+                # (Qwen2.5: 151,936 rows for 151,665 tokens) and can sample there. It has no text, as in
+                # the tokenizer's own decode; raising would fail every request of the step.
+                self.token_bytes[token_id] = b""
+                return b""
             try:
                 data = bytes(_BYTE_OF_CHAR[c] for c in token)
             except KeyError:  # an added token outside the byte alphabet stands for its own text

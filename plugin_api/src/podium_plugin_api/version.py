@@ -34,11 +34,14 @@ Minor versions:
   ``silu_and_mul_linear`` can run the norm or SiLU-and-mul inside its quantized kernel; the FP8 rows'
   scale is ``amax / 448`` divided exactly on every device. A 2.0 to 2.4 plugin keeps calling the
   layer as a module.
+- 2.6: ``LoRAMapping.num_slotted_rows`` (how many rows of an eager step have an adapter slot, None
+  in a captured graph), so a LoRA kernel's grid can cover only those rows. A 2.0 to 2.5 plugin
+  ignores it.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.5.0"
+API_VERSION = "2.6.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
