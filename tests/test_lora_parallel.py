@@ -134,7 +134,7 @@ def test_online_quantized_base_with_an_adapter_equals_peft_on_its_dequantized_we
     online: every decoder linear quantized, each wrapped by its LoRA projection. The reference is PEFT
     on the transformers model whose linears hold the engine's dequantized weights (for FP8 also
     rounding their inputs per token as W8A8 does; the adapter's branch reads the unrounded input, as
-    the engine's does): greedy tokens equal and chosen logprobs within 1e-4, for two adapters and the
+    the engine's does): greedy tokens equal and chosen logprobs within 1e-4 (FP8: 1e-3), for two adapters and the
     base model mixed in one batch."""
     from lora_fixtures import ALL_TARGETS
 
@@ -168,7 +168,12 @@ def test_online_quantized_base_with_an_adapter_equals_peft_on_its_dequantized_we
             logits = reference(torch.tensor([prompt + want])).logits[0]
         steps = torch.log_softmax(logits[len(prompt) - 1:-1].float(), dim=-1)
         worst = max(abs(step[t].logprob - float(steps[i, t])) for i, (step, t) in enumerate(zip(got.logprobs, want)))
-        assert worst < 1e-4, f"{method}: logprobs differ from PEFT's by {worst}"
+        # W8A8 rounds each activation to e4m3 (3 mantissa bits): an element within a few millionths of a
+        # step of a rounding tie goes either way on a last-bit difference upstream (attention summed in
+        # another order on another CPU kind), a whole step for that element. Seen: 3.7e-4 on an AVX2 EPYC
+        # with one element 2.9e-6 of a step from the tie; INT4 rounds only the weights, which are shared.
+        tolerance = 1e-3 if method == "fp8" else 1e-4
+        assert worst < tolerance, f"{method}: logprobs differ from PEFT's by {worst}"
     assert peft_greedy(hf, prompts[0], 8) != outs[0].outputs[0].token_ids, "the adapter changed nothing"
 
 
