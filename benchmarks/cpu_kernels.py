@@ -8,7 +8,8 @@ prefetcher), float32 and bf16; ms per step and the KV bytes read over that time.
 prefill: one layer's attention of 4 fresh 512-token prompts and of a 128-token chunk over 512
 cached tokens: the native kernel's flash tiles against the torch path (one SDPA call a sequence).
 linear: each SmolLM2 linear shape at each ``--rows``: every native kernel this CPU runs (the one the
-platform's rule picks marked ``*``) against oneDNN's packed matmul of the same dtype; the ratio is
+platform's rule picks marked ``*``) against oneDNN's packed matmul of the same dtype (float32 where oneDNN
+packs no bf16: AVX2); the ratio is
 native time / oneDNN time (below 1: native faster); this is what ``linear_choice``'s rule rests on.
 
 Timings are the best of several, the variants interleaved trial by trial so that a busy machine
@@ -19,6 +20,7 @@ least disturbed by other processes). Leave OMP_WAIT_POLICY unset, as for any ben
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
@@ -103,21 +105,27 @@ def linears(rows_list: list[int]) -> None:
     platform = CpuPlatform()
     for dtype in (torch.bfloat16, torch.float32):
         mine = [k for k in natives if k.dtype == dtype]
-        if not mine or not can_pack(dtype):
+        # where oneDNN packs no bf16 (AVX2), the bf16 kernels are timed against its float32 matmul:
+        # what the engine would run with those weights widened
+        reference = dtype if can_pack(dtype) else torch.float32
+        if not mine or not can_pack(reference):
             print(f"linear {dtype}: nothing to compare ({why or 'no native kernel or no oneDNN packing here'})")
             continue
         for name, (n, k) in LINEARS.items():
             torch.manual_seed(0)
             base = nn.Linear(k, n, bias=False).to(dtype).requires_grad_(False)
-            layers = {"onednn": PackedLinear(base), **{kern.name: NativeLinear(base, kern) for kern in mine}}
+            layers = {"onednn": PackedLinear(copy.deepcopy(base).to(reference)),  # (.to is in place)
+                      **{kern.name: NativeLinear(base, kern) for kern in mine}}
             for rows in rows_list:
                 x = torch.randn(rows, k).to(dtype)
                 calls = max(1, int(2e8 // (rows * n * k)))
-                times = best_of({kind: (lambda layer=layer, x=x: layer(x)) for kind, layer in layers.items()}, calls=calls)
+                inputs = {kind: x.to(reference) if kind == "onednn" else x for kind in layers}
+                times = best_of({kind: (lambda layer=layer, x=inputs[kind]: layer(x)) for kind, layer in layers.items()},
+                                calls=calls)
                 chosen = platform.linear_kernel(dtype, n, k, rows).kernel
                 flops = 2 * rows * n * k
                 print(f"linear {str(dtype):15s} {name:8s} [{rows:4d} x {k}] -> {n}: " + ", ".join(
-                    f"{kind}{'*' if kind == chosen else ''} {t * 1e6:.0f} us ({flops / t / 1e9:.0f} GF/s)"
+                    f"{kind}{'' if kind != 'onednn' or reference == dtype else ' (float32)'}{'*' if kind == chosen else ''} {t * 1e6:.0f} us ({flops / t / 1e9:.0f} GF/s)"
                     + ("" if kind == "onednn" else f" {t / times['onednn']:.2f}x") for kind, t in times.items()),
                     flush=True)
 

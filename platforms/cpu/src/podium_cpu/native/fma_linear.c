@@ -69,11 +69,16 @@ DEFINE_PACK(podium_fma_pack_f32, float, (N + PANEL * F32_GROUP - 1) / (PANEL * F
 int podium_fma_ready(void) { return 1; }
 
 /* a * b + c, one rounding, on VL lanes (the sources are compiled with -ffp-contract=off) */
+/* *p in every lane, as one broadcast load: `(vf){0} + *p` is a scalar add of +0.0 (kept: it turns
+ * -0.0 into +0.0) and a register broadcast, two FP-pipe uops beside each row's FMAs, which held the
+ * AVX2 kernel at ~50% of the FMA peak on Zen 3 */
 #if VL == 16
 static inline vf fmav(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline vf bcastv(const float *p) { return (vf)_mm512_set1_ps(*p); }
 #define GROUP_PANELS 4 /* float32 panels of a register block: 4 zmm */
 #else
 static inline vf fmav(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+static inline vf bcastv(const float *p) { return (vf)_mm256_broadcast_ss(p); }
 #define GROUP_PANELS 1 /* one panel: 2 ymm */
 #endif
 #define PANEL_VECTORS (PANEL / VL)
@@ -83,7 +88,9 @@ static inline vf fmav(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, 
 /* Prefetch of the weights a thread's next item reads: its first row block reads them from memory,
  * the others from L2 while the FMAs are the bound; each row block asks for its share of the next
  * item's lines into L2 (`lines` of them from `pf`, `per_k` a k), so the next item starts with its
- * weights at hand instead of waiting on memory for a whole row block. */
+ * weights at hand instead of waiting on memory for a whole row block. AVX-512 only: with AVX2's
+ * one-panel groups the per-k loop cost more than it saved (AMD Zen 3, float32 at SmolLM2's shapes,
+ * 32 rows: 125-142 GF/s with it, 150-187 without; oneDNN's packed matmul 112-131). */
 typedef struct {
     const char *pf;
     int64_t lines;
@@ -114,12 +121,16 @@ static inline __attribute__((always_inline)) void row_block_f32(const float *res
     for (int r = 0; r < R; r++)
         for (int j = 0; j < GROUP_VECTORS; j++) a[r][j] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
+#if VL == 16
         ask_ahead(&ahead, k);
+#else
+        (void)ahead;
+#endif
         vf wv[GROUP_VECTORS];
         for (int j = 0; j < GROUP_VECTORS; j++)
             wv[j] = loadv(w + (j / PANEL_VECTORS) * K * PANEL + k * PANEL + (j % PANEL_VECTORS) * VL);
         for (int r = 0; r < R; r++) {
-            const vf xr = (vf){0} + x[r * xs + k];
+            const vf xr = bcastv(x + r * xs + k);
             for (int j = 0; j < GROUP_VECTORS; j++) a[r][j] = fmav(xr, wv[j], a[r][j]);
         }
     }
