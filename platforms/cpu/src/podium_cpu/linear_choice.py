@@ -25,6 +25,8 @@ against oneDNN's packed matmul at SmolLM2's shapes and 1-512 rows):
   the noise where not faster, and then the graphs decide: a step of native calls replays without
   the model's Python, ~140 us a layer. So every batch, with no second packed copy of the weights.
 - bf16 FMA (AMD Zen 3, no oneDNN bf16 matmul): torch's bf16 F.linear ran ~5x slower than float32.
+  There the FMA kernels reach 150-187 GF/s on two cores at 32-512 rows, bf16 and float32, against
+  oneDNN's float32 packed matmul at 112-172: 0.68-0.95x its time (the LM head at 512 rows 1.05x).
 
 Nothing here depends on a layer's shape: every shape measured alike. ``choose`` takes the shape
 anyway, so a rule that does needs no new callers, and names it in its answer.
