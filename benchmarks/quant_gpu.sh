@@ -5,6 +5,9 @@
 #   bash benchmarks/quant_gpu.sh            full, <= 520 s of its own clock (BUDGET=...), ~530 s in all
 #   bash benchmarks/quant_gpu.sh one_row    the one-row GEMV A/B only (<= 200 s)
 #   bash benchmarks/quant_gpu.sh table      benchmarks/quant_gpu_kernels.py's whole kernel table (<= 300 s)
+#   bash benchmarks/quant_gpu.sh accum      the FP8 kernel tests, then the 8B 256 x 512/256 FP8 run with
+#                                           _scaled_mm's fast accumulation off and on, alternated, and bf16
+#                                           weights once (<= 540 s; "ratio" lines against each other)
 #
 # Full: steps in this order, each under its own timeout cut to what is left of the budget (a step with
 # under 20 s left is skipped and said so):
@@ -26,7 +29,8 @@ case "$MODE" in
   full) BUDGET=${BUDGET:-520} ;;
   one_row) BUDGET=${BUDGET:-200} ;;
   table) BUDGET=${BUDGET:-300} ;;
-  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table]" >&2; exit 2 ;;
+  accum) BUDGET=${BUDGET:-540} ;;
+  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table|accum]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/podium_quant_out}
 START=$(date +%s)
@@ -83,6 +87,16 @@ for path in sorted(out.glob("*.json")):
 if "throughput_fp8" in tput and "throughput_bf16" in tput:
     print(f"ratio throughput fp8 / bf16 (same call): {tput['throughput_fp8'] / tput['throughput_bf16']:.3f} "
           f"({tput['throughput_fp8']:.0f} / {tput['throughput_bf16']:.0f} out tok/s; target fp8 >= 15000)")
+fast = [v for k, v in tput.items() if k.startswith("throughput_fp8_accum1")]
+plain = [v for k, v in tput.items() if k.startswith("throughput_fp8_accum0")]
+if fast and plain:
+    from statistics import median
+    print(f"ratio throughput fp8 fast accumulation / promoted (same call, medians): "
+          f"{median(fast) / median(plain):.3f} ({fast} / {plain} out tok/s)")
+    if "throughput_bf16" in tput:
+        print(f"ratio throughput fp8 (the faster median) / bf16 weights: "
+              f"{max(median(fast), median(plain)) / tput['throughput_bf16']:.3f} "
+              f"(bf16 {tput['throughput_bf16']:.0f} out tok/s; target fp8 >= 15000)")
 for fmt, target in (("fp8", 2.6), ("awq", 2.0)):
     best, default = decode.get(f"latency_{fmt}"), decode.get(f"latency_{fmt}_default")
     if best is not None:
@@ -100,6 +114,23 @@ EOF
 FIGURES="^check|^default|^time|^layer|^sweep|rule|^tuning|^failed|rror|Traceback"
 if [ "$MODE" = one_row ]; then
   KEEP=$FIGURES TAIL=400 run_step one_row "$BUDGET" python3 benchmarks/quant_gpu_one_row.py
+  finish
+  exit 0
+fi
+if [ "$MODE" = accum ]; then
+  KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 110 python3 -m pytest -q -p no:cacheprovider -rfE \
+    platforms/cuda/tests/test_fp8_kernels.py platforms/cuda/tests/test_fp8_quant.py
+  MODEL=(--model llama-3.1-8b-shape --max-model-len 1024 --kv-cache-dtype fp8 --no-progress)
+  THROUGHPUT=(--dataset random --input-len 512 --output-len 256 --num-prompts 256)
+  for round in 1 2; do
+    for accum in 0 1; do
+      KEEP="Output tokens/s|rror" TAIL=4 run_step "throughput_fp8_accum${accum}_r$round" 100 \
+        env PODIUM_CUDA_TUNING="fp8_fast_accum=$accum" podium bench throughput "${MODEL[@]}" --quantization fp8 \
+        "${THROUGHPUT[@]}" --json-out "$OUT/throughput_fp8_accum${accum}_r$round.json"
+    done
+    [ "$round" = 1 ] && KEEP="Output tokens/s|rror" TAIL=4 run_step throughput_bf16 90 podium bench throughput \
+      "${MODEL[@]}" "${THROUGHPUT[@]}" --json-out "$OUT/throughput_bf16.json"
+  done
   finish
   exit 0
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The router's benchmarks on one H200 in ONE device call of at most BUDGET seconds (default 530):
-#   overhead  one replica behind the router vs direct: sharegpt-like, 1,000 requests at once, an
-#             untimed warm-up, then 2 alternating rounds (goal: >= 97% of direct output throughput,
+#   overhead  one replica behind the router vs direct: sharegpt-like, 1,000 requests at once (or at
+#             OVERHEAD_RATE requests/s), an untimed warm-up, then 2 alternating rounds (goal: >= 97% of direct output throughput,
 #             <= 2 ms added p50 TTFT)
 #   prefix    10 prefixes of 1,024 tokens + 256-token suffixes, 200 requests, over 3 replicas that
 #             each have KV room for 4.5 of the prefixes (cache pressure): ttft vs round-robin vs one
@@ -62,8 +62,10 @@ steps=${*:-overhead prefix mixed}
 for step in $steps; do
   case $step in
     # one replica for the warm-up and all four timed runs; graphs for up to 256 sequences (the load)
+    # OVERHEAD_RATE: requests/s (Poisson; default inf, all at once: the throughput side of the goal);
+    # at a rate the replica keeps up with, p50 TTFT is the path's own cost, not a queue's
     overhead) run_step overhead 170 overhead --serve-args "$MODEL --device $DEVICE --max-num-seqs 256" \
-                --num-prompts 1000 --rounds 2 ;;
+                --num-prompts 1000 --rounds 2 --request-rate "${OVERHEAD_RATE:-inf}" ;;
     # seven replicas started at once (each policy its own fresh caches), 64 sequences each
     prefix) run_step prefix 150 prefix --serve-args "$MODEL --device $DEVICE --max-num-seqs 64" \
               --num-prompts 200 --request-rate 16 --output-len 16 ;;

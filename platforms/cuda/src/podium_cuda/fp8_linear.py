@@ -34,20 +34,23 @@ def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def scaled_mm(q: torch.Tensor, s_x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """q e4m3 [M, K] with its rows' scales [M, 1] times the e4m3 weight [N, K] -> bf16 [M, N]."""
+              bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """q e4m3 [M, K] with its rows' scales [M, 1] times the e4m3 weight [N, K] -> bf16 [M, N].
+    ``fast_accum``: the tensor cores' own fp8 accumulation, never promoted to float32 (tuning.py)."""
     n = weight.shape[0]
     s_w = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()  # [1, N]
-    out = torch._scaled_mm(q, weight.t(), scale_a=s_x, scale_b=s_w, out_dtype=torch.bfloat16)
+    out = torch._scaled_mm(q, weight.t(), scale_a=s_x, scale_b=s_w, out_dtype=torch.bfloat16,
+                           use_fast_accum=fast_accum)
     return out if bias is None else out + bias
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None = None, fused_quant: bool = True) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, fused_quant: bool = True,
+                     fast_accum: bool = False) -> torch.Tensor:
     """The ``_scaled_mm`` path (``_scaled_mm_takes`` must hold): the rows quantized in one Triton launch,
     or by the contract's torch function (``fused_quant`` False)."""
     q, s_x = fp8_quant.quantize_per_token(x) if fused_quant else quantize_per_token(x)  # [M, K] e4m3, [M, 1]
-    return scaled_mm(q, s_x, weight, weight_scale, bias)
+    return scaled_mm(q, s_x, weight, weight_scale, bias, fast_accum)
 
 
 def choice(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, tuning: KernelTuning) -> str:
@@ -71,7 +74,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if path == "triton":
         return fp8_gemm.fp8_gemm(x, weight, weight_scale, bias, fp8_dot=not fp8_gemm.interpreting())
     if path == "scaled_mm":
-        return scaled_mm_linear(x, weight, weight_scale, bias, tuning.fp8_fused_quant)
+        return scaled_mm_linear(x, weight, weight_scale, bias, tuning.fp8_fused_quant, tuning.fp8_fast_accum)
     return reference(x, weight, weight_scale, bias)
 
 
@@ -95,5 +98,5 @@ def prologue_linear(x: torch.Tensor, prologue: int, residual: torch.Tensor | Non
             not _scaled_mm_takes(x[:, :k], weight, weight_scale):
         return None
     q, s_x, summed = fp8_quant.quantize(x, prologue, residual, norm_weight, eps)
-    return scaled_mm(q, s_x, weight, weight_scale, bias), summed
+    return scaled_mm(q, s_x, weight, weight_scale, bias, tuning.fp8_fast_accum), summed
 

@@ -159,6 +159,11 @@ class KernelTuning:
     # RMSNorm / add-RMSNorm / SiLU-and-mul before them inside it; False: the contract's torch
     # quantize_per_token after the separate norm / SiLU kernel (for A/B runs)
     fp8_fused_quant: bool = True
+    # _scaled_mm with the fp8 tensor cores' own accumulation (use_fast_accum): sm90's fp8 MMA keeps
+    # ~14 bits of its running sum, so a K of 4096 drifts ~1e-3 of the output's scale, under bf16's own
+    # rounding of the result; False promotes partial sums to float32 as cuBLAS does by default.
+    # benchmarks/quant_gpu.sh accum times the 8B 256 x 512/256 run both ways in one call
+    fp8_fast_accum: bool = False
     # int4_linear calls (and the RMSNorm / SiLU-and-mul before one) of at most this many rows take
     # the INT4 GEMV (int4_gemv.py: split K, prologue inside); others the Triton dequant-GEMM.
     # benchmarks/quant_gpu.sh prints the row count up to which it wins ("int4 gemv rule"): measured
