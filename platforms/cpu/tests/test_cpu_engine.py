@@ -83,7 +83,8 @@ def packed_lm_head_kernel(llm: LLM) -> str:
     what the platform says it runs."""
     head = llm.engine.model.lm_head
     kernel = getattr(head, "kernel_name", "torch")
-    assert kernel == llm.engine.platform.linear_kernel(head.weight.dtype, 49152, 576, 1).kernel
+    dtype = head.weight.dtype if hasattr(head, "weight") else head.packed.dtype  # (a packed-only head)
+    assert kernel == llm.engine.platform.linear_kernel(dtype, 49152, 576, 1).kernel
     return kernel
 
 

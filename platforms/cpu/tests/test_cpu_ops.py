@@ -11,7 +11,14 @@ from torch import nn
 
 from podium_cpu import CpuPlatform, fused_ops
 from podium_cpu.linear_choice import AMX_MAX_ROWS, LinearRule, runnable_native_kernels
-from podium_cpu.linear_packing import NativeLinear, amx_tiles, f32_panels, fma_panels, pack_linear_layers
+from podium_cpu.linear_packing import (
+    NativeLinear,
+    PanelEmbedding,
+    amx_tiles,
+    f32_panels,
+    fma_panels,
+    pack_linear_layers,
+)
 from podium_cpu.native_kernels import load_kernels
 from podium_cpu.onednn_linear import PackedLinear, can_pack, packing_unavailable
 from podium_plugin_api import ops as reference
@@ -236,7 +243,11 @@ def test_tied_lm_head_is_packed_as_the_rules_say_and_gives_the_logits(dtype):
     choice = platform.linear_kernel(dtype, 4096, 64, rows=32)
     replaced = pack_linear_layers(model, platform.linear_rules())
     assert replaced == (0 if choice.kernel == "torch" else 5)  # q|k|v, o, gate|up, down, lm_head
-    assert getattr(model.lm_head, "kernel_name", "torch") == choice.kernel and model.lm_head.weight is embedding
+    assert getattr(model.lm_head, "kernel_name", "torch") == choice.kernel
+    if getattr(model.lm_head, "keeps_weight", True):
+        assert model.lm_head.weight is embedding
+    else:  # one copy: the embedding reads the head's packed weight
+        assert isinstance(model.model.embed_tokens, PanelEmbedding) and model.model.embed_tokens.packed is model.lm_head.packed
     got = model.compute_logits(hidden)
     assert got.dtype == dtype and (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
 
@@ -401,8 +412,13 @@ def test_native_packing_keeps_parameters_and_ties(native_kernel):
     other = torch.float16
     model = nn.ModuleDict({"embed": embedding, "head": head, "f16": nn.Linear(4, 4).to(other)})
     assert pack_linear_layers(model, {native_kernel.dtype: LinearRule("onednn", "test", native_kernel)}) == 1
-    assert isinstance(model["head"], NativeLinear) and model["head"].weight is embedding.weight
-    assert sorted(dict(model.named_parameters())) == ["embed.weight", "f16.bias", "f16.weight"]
+    assert isinstance(model["head"], NativeLinear)
+    if native_kernel.every_batch:  # packed only: the tied embedding reads the head's packed weight
+        assert not model["head"].keeps_weight and isinstance(model["embed"], PanelEmbedding)
+        assert sorted(dict(model.named_parameters())) == ["f16.bias", "f16.weight"]
+    else:  # the plain weight stays for the batches above the kernel's rows, and with it the tie
+        assert model["head"].weight is embedding.weight and model["embed"] is embedding
+        assert sorted(dict(model.named_parameters())) == ["embed.weight", "f16.bias", "f16.weight"]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32, 50, 64])

@@ -18,6 +18,7 @@ import functools
 import logging
 import math
 import mmap
+import os
 import sys
 
 import numpy as np
@@ -79,6 +80,16 @@ def resident_bytes(tensor: torch.Tensor) -> int:
     return int((np.frombuffer(pages, dtype=np.uint8) & 1).sum()) * page
 
 
+def release_freed_heap() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim(0)``); False where there is no
+    glibc. Loading and packing free a model's worth of temporaries (dequantized blocks, the plain
+    weights a packed-only layer drops) that glibc keeps mapped, and RSS with them, for reuse."""
+    if not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"):
+        return False
+    trim = _libc_function("malloc_trim", (ctypes.c_size_t,))
+    return trim is not None and trim(0) in (0, 1)
+
+
 def _populate_write(start: int, length: int) -> bool:
     """``madvise(MADV_POPULATE_WRITE)`` over the range; False where this OS or kernel has no such advice."""
     madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
@@ -96,7 +107,9 @@ def _libc_function(name: str, argtypes: tuple | list):
     """libc's ``name`` on Linux (the advice numbers used here are Linux's), else None."""
     if not sys.platform.startswith("linux"):
         return None
-    function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    function = getattr(ctypes.CDLL(None, use_errno=True), name, None)
+    if function is None:
+        return None
     function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function

@@ -19,7 +19,11 @@ the load. The measurements (``benchmarks/cpu_kernels.py --only linear`` prints e
 against oneDNN's packed matmul at SmolLM2's shapes and 1-512 rows):
 
 - AMX (Sapphire Rapids): ~20 us less fixed cost per call than oneDNN's packed path at decode
-  sizes; alike at 256-512 rows, so oneDNN above 256.
+  sizes, so AMX up to 256 rows. Above, oneDNN: the AMX kernel takes any batch, but in one thread's
+  CPU time it ran 1.0-1.4x oneDNN's time at 256 rows, 1.2-1.4x at 512, 1.4-1.8x at 2048 across the
+  four layer shapes (its 2x2 tile blocking reloads x's tiles from L2 for every 32 outputs). So
+  the AMX layers keep the plain weight beside the packed one for prefill, at a second copy of the
+  weights (256 MiB for SmolLM2-135M); the kernels without a row limit keep only the packed one.
 - AVX512-BF16 and float32 FMA (AMD Zen 4, one thread, CPU time on a loaded machine): 1.5-2.3x
   oneDNN's speed at 1 row, 0.9-1.15x its time at 32-512 rows across the five shapes. Equal within
   the noise where not faster, and then the graphs decide: a step of native calls replays without
@@ -113,10 +117,12 @@ _KERNELS = {
 
 def _native(kernels: NativeKernels, name: str, dtype: torch.dtype) -> NativeKernel:
     prefix, layouts = _KERNELS[name]
-    pack = kernels.amx_pack if layouts[dtype] is amx_tiles else kernels.fma_pack
+    tiles = layouts[dtype] is amx_tiles
+    pack = kernels.amx_pack if tiles else kernels.fma_pack
+    rows = kernels.tile_rows if tiles else kernels.panel_rows
     return NativeKernel(name, dtype, getattr(kernels, f"{prefix}_linear")[dtype],
                         getattr(kernels, f"{prefix}_fused_linear")[dtype], pack.get(dtype), layouts[dtype],
-                        AMX_MAX_ROWS if name == "amx" else None)
+                        AMX_MAX_ROWS if name == "amx" else None, rows.get(dtype))
 
 
 def runnable_native_kernels(kernels: NativeKernels) -> list[NativeKernel]:

@@ -12,10 +12,16 @@ pads and permutes, the definition the packers are tested against):
     fma_panels   bf16 [N/16, K, 16]  panels of 16 outputs, k-major, a k's 16 columns in FMA_COLUMN_ORDER
     f32_panels   float32 [G*4, K, 16]  the same in natural column order, N padded to G * 64
 
-A native layer keeps the usual ``weight`` parameter too (state_dict, tied embeddings, and the
-batches above the kernel's row limit, which go to ``F.linear``). This is a transformation applied
-to a loaded model (``pack_linear_layers``); the model's modules keep their names and parameters,
-so nothing else changes. Re-loading weights afterwards would leave the packed copies stale: pack last.
+One copy of each weight. A native layer whose kernel takes every batch keeps only its packed
+weight (a non-persistent buffer, so ``weight_bytes_by_dtype`` counts it); ``unpacked()`` inverts the
+layout exactly for whatever needs the plain [out, in] weight back. Only a kernel with a row limit
+keeps the plain ``weight`` parameter beside it, for the batches above the limit (``F.linear``). A
+tied embedding (an ``nn.Embedding`` sharing the head's weight, as SmolLM2's does) then reads its
+rows from the head's packed copy (``PanelEmbedding``) instead of holding a second table.
+
+This is a transformation applied to a loaded model (``pack_linear_layers``): the modules keep their
+names, so nothing else changes, but a packed-only layer has no ``weight`` in its state_dict.
+Re-loading weights afterwards would leave the packed copies stale: pack last.
 """
 
 from __future__ import annotations
@@ -77,6 +83,31 @@ def f32_panels(weight: torch.Tensor, pack=None) -> torch.Tensor:
     return _panels(weight, F32_GROUP_COLUMNS, None, pack)
 
 
+def amx_tiles_unpacked(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``amx_tiles``' inverse: [N/16, K/32, 16, 16, 2] -> the [n, k] weight (padding dropped)."""
+    blocks, k_blocks = tiles.shape[0], tiles.shape[1]
+    plain = tiles.permute(0, 3, 1, 2, 4).reshape(blocks * 16, k_blocks * 32)  # [Np, Kp]
+    return plain[:n, :k].contiguous()
+
+
+def panels_unpacked(panels: torch.Tensor, n: int, order: list[int] | None = None) -> torch.Tensor:
+    """``_panels``' inverse: [Np/16, K, 16] (columns in ``order``) -> the [n, K] weight."""
+    if order is not None:  # slot s holds column order[s]: column c sits at slot order.index(c)
+        panels = panels[:, :, [order.index(c) for c in range(16)]]
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n].contiguous()  # [Np, K] -> [n, K]
+
+
+def unpacked_weight(layout: Callable, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The plain [n, k] weight that ``layout`` (amx_tiles, fma_panels or f32_panels) packed into ``packed``."""
+    if layout is amx_tiles:
+        return amx_tiles_unpacked(packed, n, k)
+    if layout is fma_panels:
+        return panels_unpacked(packed, n, FMA_COLUMN_ORDER)
+    if layout is f32_panels:
+        return panels_unpacked(packed, n)
+    raise ValueError(f"no inverse for the weight layout {getattr(layout, '__name__', layout)!r}")
+
+
 @dataclass(frozen=True)
 class NativeKernel:
     """One native linear kernel for one dtype: its C entries (``NativeKernels``), the weight layout it
@@ -89,26 +120,52 @@ class NativeKernel:
     pack: Callable | None  # the layout's native packer
     layout: Callable[..., torch.Tensor]  # (weight, pack) -> packed weight
     max_rows: int | None = None
+    rows: Callable | None = None  # embedding rows gathered from the layout (fused_ops.c's panel/tile rows)
 
     def takes(self, rows: int) -> bool:
         return rows > 0 and (self.max_rows is None or rows <= self.max_rows)
 
+    @property
+    def every_batch(self) -> bool:
+        """Whether the kernel takes every batch: its layers need no plain weight beside the packed one."""
+        return self.max_rows is None
+
 
 class NativeLinear(nn.Module):
-    """Drop-in for an ``nn.Linear``: same parameters, ``kernel`` over weights packed once at load for
-    2-D-able inputs of its dtype whose batch it takes; anything else goes to ``F.linear``."""
+    """Drop-in for an ``nn.Linear``: ``kernel`` over weights packed once at load. With ``keep_weight``
+    the plain ``weight`` parameter stays for the batches the kernel does not take (``F.linear``);
+    without it the kernel computes every input (cast and made contiguous where needed) and the plain
+    weight exists only as ``unpacked()``."""
 
-    def __init__(self, linear: nn.Linear, kernel: NativeKernel) -> None:
+    def __init__(self, linear: nn.Linear, kernel: NativeKernel, keep_weight: bool = True) -> None:
         super().__init__()
         if linear.weight.dtype != kernel.dtype or linear.weight.device.type != "cpu":
             raise ValueError(f"the {kernel.name} linear kernel needs a {kernel.dtype} CPU weight, got "
                              f"{linear.weight.dtype} on {linear.weight.device}")
+        if not keep_weight and not kernel.every_batch:
+            raise ValueError(f"the {kernel.name} linear kernel takes up to {kernel.max_rows} rows; its layers keep "
+                             "the plain weight for larger batches")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # kept: other batches, state_dict, tied references see the usual parameter
+        if keep_weight:
+            self.weight = linear.weight
         self.bias = linear.bias
         self.kernel = kernel
-        self.packed = kernel.layout(linear.weight, kernel.pack)
+        self.register_buffer("packed", kernel.layout(linear.weight, kernel.pack), persistent=False)
         self.bias_f32 = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def __getattr__(self, name: str):
+        if name == "weight" and "weight" not in self.__dict__["_parameters"]:
+            raise AttributeError(f"this {self.kernel.name} linear keeps only its packed weight; unpacked() returns "
+                                 "the plain [out, in] weight")
+        return super().__getattr__(name)
+
+    @property
+    def keeps_weight(self) -> bool:
+        return "weight" in self._parameters
+
+    def unpacked(self) -> torch.Tensor:
+        """The plain [out, in] weight, rebuilt from the packed layout (bit-exact; a new tensor)."""
+        return unpacked_weight(self.kernel.layout, self.packed, self.out_features, self.in_features)
 
     @property
     def kernel_name(self) -> str:
@@ -122,7 +179,11 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # [M, in]
         if not self.takes(rows):
-            return F.linear(x, self.weight, self.bias)
+            if self.keeps_weight:
+                return F.linear(x, self.weight, self.bias)
+            if rows.shape[0] == 0:
+                return x.new_empty(*x.shape[:-1], self.out_features)
+            return self(rows.to(self.kernel.dtype).contiguous()).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if rows.shape[1] != self.in_features:
             raise ValueError(f"input has {rows.shape[1]} features; this layer takes {self.in_features}")
         out = torch.empty((rows.shape[0], self.out_features), dtype=rows.dtype)  # [M, out]
@@ -137,24 +198,70 @@ class NativeLinear(nn.Module):
     def extra_repr(self) -> str:
         rows = "every batch" if self.kernel.max_rows is None else f"up to {self.kernel.max_rows} rows"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"packed={self.kernel.name} ({rows})")
+                f"packed={self.kernel.name} ({rows}{', plain weight kept' if self.keeps_weight else ''})")
+
+
+class PanelEmbedding(nn.Module):
+    """An ``nn.Embedding`` tied to a packed-only ``NativeLinear`` head: its rows read from the head's
+    packed weight by the layout's native gather (``NativeKernel.rows``), the same values as the plain
+    table's; ids out of range raise IndexError, as ``F.embedding`` does."""
+
+    def __init__(self, head: NativeLinear) -> None:
+        super().__init__()
+        if head.kernel.rows is None:
+            raise ValueError(f"the {head.kernel.name} layout has no native row gather for {head.kernel.dtype}")
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.rows = head.kernel.rows
+        self.register_buffer("packed", head.packed, persistent=False)  # the head's tensor, not a copy
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.dtype != torch.int64 or not flat.is_contiguous():
+            flat = flat.to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], self.embedding_dim), dtype=self.packed.dtype)  # [T, dim]
+        if self.rows(self.packed.data_ptr(), self.num_embeddings, self.embedding_dim, flat.data_ptr(), flat.shape[0],
+                     out.data_ptr(), torch.get_num_threads()) != 0:
+            low, high = torch.aminmax(flat)
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got [{int(low)}, {int(high)}]")
+        return out if ids.dim() == 1 else out.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the tied head's packed weight"
 
 
 def pack_linear_layers(model: nn.Module, rules: Mapping[torch.dtype, LinearRule]) -> int:
     """Replace the CPU ``nn.Linear`` modules of ``model`` as ``rules`` (``linear_choice.linear_rules``)
-    say for their dtype: a ``NativeLinear`` where a native kernel runs, a ``PackedLinear`` where
-    oneDNN's packed matmul does, unchanged otherwise. Returns how many were replaced."""
-    makers: dict[torch.dtype, Callable[[nn.Linear], nn.Module]] = {}
-    for dtype, rule in rules.items():
-        if rule.native is not None:
-            makers[dtype] = lambda child, kernel=rule.native: NativeLinear(child, kernel)
-        elif rule.kernel == "onednn":
-            makers[dtype] = PackedLinear
+    say for their dtype: a ``NativeLinear`` where a native kernel runs (packed only where it takes
+    every batch), a ``PackedLinear`` where oneDNN's packed matmul does, unchanged otherwise. An
+    ``nn.Embedding`` tied to a packed-only head becomes a ``PanelEmbedding`` over its packed weight.
+    Returns how many linears were replaced."""
+    tied = _embeddings_by_weight(model)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            make = makers.get(child.weight.dtype) if type(child) is nn.Linear else None
-            if make is not None and child.weight.device.type == "cpu":
-                setattr(parent, name, make(child))
-                count += 1
+            rule = rules.get(child.weight.dtype) if type(child) is nn.Linear else None
+            if rule is None or child.weight.device.type != "cpu" or (rule.native is None and rule.kernel != "onednn"):
+                continue
+            embeddings = tied.get(id(child.weight), [])
+            if rule.native is None:
+                packed = PackedLinear(child)
+            else:
+                kernel = rule.native
+                packed = NativeLinear(child, kernel, keep_weight=not kernel.every_batch
+                                      or (bool(embeddings) and kernel.rows is None))
+            setattr(parent, name, packed)
+            count += 1
+            if isinstance(packed, NativeLinear) and not packed.keeps_weight:
+                for owner, attr in embeddings:
+                    setattr(owner, attr, PanelEmbedding(packed))
     return count
+
+
+def _embeddings_by_weight(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """(parent, attribute) of every plain CPU ``nn.Embedding``, by the id of its weight parameter."""
+    found: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Embedding and child.max_norm is None and child.weight.device.type == "cpu":
+                found.setdefault(id(child.weight), []).append((parent, name))
+    return found

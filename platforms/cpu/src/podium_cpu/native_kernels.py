@@ -94,6 +94,9 @@ class NativeKernels:
     amx_fused_linear: dict = field(default_factory=dict)
     dpbf16_fused_linear: dict = field(default_factory=dict)
     embed_rows: dict = field(default_factory=dict)  # the embedding lookup
+    # the same lookup from a tied head's packed weight: FMA panels (f32, bf16) and AMX tiles (bf16)
+    panel_rows: dict = field(default_factory=dict)
+    tile_rows: dict = field(default_factory=dict)
     token_bitmask: dict = field(default_factory=dict)  # structured output's mask, in place
     argmax: dict = field(default_factory=dict)  # greedy sampling's first index of each row's maximum
     # GGUF blocks kept quantized (gguf_linear.c): {ggml type id: {dtype: entry}}
@@ -217,13 +220,14 @@ REPLAY_KINDS = {
     "podium_amx_fused_linear": 0, "podium_fma_fused_linear": 0, "podium_dpbf16_fused_linear": 0,
     "podium_amx_linear": 1, "podium_fma_linear": 1, "podium_dpbf16_linear": 1,
     "podium_paged_attention": 2, "podium_rms_norm": 3, "podium_embed_rows": 4, "podium_silu_and_mul": 5,
-    "podium_rotary": 6, "podium_write_kv": 7,
+    "podium_rotary": 6, "podium_write_kv": 7, "podium_panel_rows": 4, "podium_tile_rows": 4,
     **{f"podium_gguf_{name}_linear": 1 for name in GGUF_TYPES.values()},
     **{f"podium_gguf_{name}_embed": 4 for name in GGUF_TYPES.values()},
 }
 _LINEAR = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
 _FUSED_LINEAR = [_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _INT]
 _PACK = [_PTR, _I64, _I64, _PTR, _INT]
+_ROWS = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT]  # (table, rows, dim, ids, n, out, threads)
 SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_paged_attention": ([_PTR] * 6 + [ctypes.POINTER(Step), ctypes.POINTER(Shape), _INT], ("f32", "bf16")),
     "podium_write_kv": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64], ("f32", "bf16")),
@@ -239,7 +243,9 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_fma_linear": (_LINEAR, ("f32", "bf16")),
     "podium_fma_pack": (_PACK, ("f32", "bf16")),
     "podium_fma_fused_linear": (_FUSED_LINEAR, ("f32", "bf16")),
-    "podium_embed_rows": ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _INT], ("f32", "bf16")),
+    "podium_embed_rows": (_ROWS, ("f32", "bf16")),
+    "podium_panel_rows": (_ROWS, ("f32", "bf16")),
+    "podium_tile_rows": (_ROWS, ("bf16",)),
     "podium_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT], ("f32", "bf16")),
     "podium_argmax": ([_PTR, _I64, _I64, _I64, _PTR, _INT], ("f32", "bf16")),
     **{f"podium_gguf_{name}_linear": (_LINEAR, ("f32", "bf16")) for name in GGUF_TYPES.values()},
@@ -332,6 +338,8 @@ def _load() -> tuple[NativeKernels | None, str]:
         amx_fused_linear=entries["podium_amx_fused_linear"] if amx_ready else {},
         dpbf16_fused_linear=entries["podium_dpbf16_fused_linear"] if dpbf16_ready else {},
         embed_rows=entries["podium_embed_rows"],
+        panel_rows=entries["podium_panel_rows"],
+        tile_rows=entries["podium_tile_rows"],
         token_bitmask=entries["podium_token_bitmask"],
         argmax=entries["podium_argmax"],
         gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},

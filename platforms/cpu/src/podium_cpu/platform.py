@@ -46,7 +46,7 @@ from .cpu_info import has_native_bf16, usable_cores
 from .embedding import native_embeddings
 from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
-from .host_memory import zeroed_host_tensor
+from .host_memory import release_freed_heap, zeroed_host_tensor
 from .ipex_support import ipex_status
 from .linear_choice import (
     LINEAR_CHOICES,
@@ -213,6 +213,7 @@ class CpuPlatform(Platform):
         kernels = load_kernels()[0]
         if kernels is not None:
             native_embeddings(model, kernels)
+        release_freed_heap()  # the load's temporaries and dropped plain weights: RSS, not just free lists
         return model
 
     def graph_runner(self) -> GraphRunner | None:

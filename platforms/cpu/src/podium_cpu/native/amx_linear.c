@@ -174,6 +174,13 @@ static inline void chunk_pair(const bf16_t *a, int64_t a_stride, int64_t rows, c
     }
 }
 
+/* Prefill-sized batches: x no longer fits L2, so rows are taken BLOCK_CHUNKS chunks (256 rows) at a
+ * time against a group of column-block pairs whose weight tiles (GROUP_TILES per pair-sized K
+ * block, 1 KiB each) stay in L2 meanwhile; without the blocking every pair re-read all of x and a
+ * 2048-row call ran 1.5-2.2x oneDNN's time. A decode batch is one block: the loop is as before. */
+#define BLOCK_CHUNKS 8
+#define GROUP_TILES 128
+
 /* The fused entry (linear.h) */
 int podium_amx_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
     const Prologue pro = PROLOGUE_OF_ARGS;
@@ -205,16 +212,24 @@ int podium_amx_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
         } /* the loop's barrier: every input row is ready before any tile reads it */
         float c[32 * 32];
         configure_tiles();
+        /* a group of pairs whose weights stay in L2 meets each block of rows that stays in L2 */
+        const int64_t group = kb >= GROUP_TILES ? 1 : GROUP_TILES / kb, groups = (pairs + group - 1) / group;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            const bf16_t *b0 = packed + 2 * p * kb * 512, *b1 = b0 + kb * 512;
-            for (int64_t ch = 0; ch < chunks; ch++) {
-                const int64_t m0 = ch * 32, rows = M - m0 < 32 ? M - m0 : 32;
-                if (ch < full)
-                    chunk_pair(x + m0 * x_stride, x_stride * 2, rows, b0, b1, kb, ch == 0);
-                else
-                    chunk_pair(pad + (m0 - full * 32) * kp, kp * 2, rows, b0, b1, kb, ch == 0);
-                store_block(c, rows, 32 * p, N, bias, out + m0 * out_stride, out_stride);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p_end = (g + 1) * group < pairs ? (g + 1) * group : pairs;
+            for (int64_t c0 = 0; c0 < chunks; c0 += BLOCK_CHUNKS) {
+                const int64_t c_end = c0 + BLOCK_CHUNKS < chunks ? c0 + BLOCK_CHUNKS : chunks;
+                for (int64_t p = g * group; p < p_end; p++) {
+                    const bf16_t *b0 = packed + 2 * p * kb * 512, *b1 = b0 + kb * 512;
+                    for (int64_t ch = c0; ch < c_end; ch++) {
+                        const int64_t m0 = ch * 32, rows = M - m0 < 32 ? M - m0 : 32;
+                        if (ch < full)
+                            chunk_pair(x + m0 * x_stride, x_stride * 2, rows, b0, b1, kb, ch == 0);
+                        else
+                            chunk_pair(pad + (m0 - full * 32) * kp, kp * 2, rows, b0, b1, kb, ch == 0);
+                        store_block(c, rows, 32 * p, N, bias, out + m0 * out_stride, out_stride);
+                    }
+                }
             }
         }
         _tile_release();

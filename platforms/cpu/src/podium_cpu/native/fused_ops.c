@@ -94,6 +94,47 @@ int NAME(const T *table, int64_t num_rows, int64_t dim, const int64_t *ids, int6
 DEFINE_EMBED(podium_embed_rows_f32, float)
 DEFINE_EMBED(podium_embed_rows_bf16, bf16_t)
 
+/* The same lookup from a tied LM head's packed weight (linear_packing.py's layouts), so a model
+ * whose embedding is its head keeps one copy of the table. Row r of the [num_rows, dim] weight is
+ * column r of the packed matrix: every 16th value of its panel (FMA panels), or one bf16 of every
+ * 32-bit word of its AMX tile column. Reads stride through memory (one cache line a k or k pair), a
+ * few microseconds a row: a decode step's handful of tokens is nothing beside its matmuls. */
+#define PANEL_AT(r, dim, SLOT) (((r) >> 4) * (dim) * 16 + SLOT((r) & 15))
+#define NATURAL_SLOT(j) (j)
+#define FMA_SLOT(j) (((j) & 3) | (((j) & 4) << 1) | (((j) & 8) >> 1)) /* fma_linear.c's SLOT */
+#define DEFINE_PANEL_ROWS(NAME, T, SLOT)                                                              \
+int NAME(const T *panels, int64_t num_rows, int64_t dim, const int64_t *ids, int64_t n, T *out,       \
+         int num_threads) {                                                                           \
+    for (int64_t i = 0; i < n; i++)                                                                   \
+        if (ids[i] < 0 || ids[i] >= num_rows) return -1;                                              \
+    _Pragma("omp parallel for num_threads(num_threads) if (n * dim >= 4 * PARALLEL_MIN)")             \
+    for (int64_t i = 0; i < n; i++) {                                                                 \
+        const T *src = panels + PANEL_AT(ids[i], dim, SLOT);                                          \
+        T *dst = out + i * dim;                                                                       \
+        for (int64_t k = 0; k < dim; k++) dst[k] = src[k * 16];                                       \
+    }                                                                                                 \
+    return 0;                                                                                         \
+}
+
+DEFINE_PANEL_ROWS(podium_panel_rows_f32, float, NATURAL_SLOT)
+DEFINE_PANEL_ROWS(podium_panel_rows_bf16, bf16_t, FMA_SLOT)
+
+/* AMX tiles [N/16][K/32][16 k pairs][16 columns][2]: value (r, k) is half k % 2 of the word of
+ * column r % 16, k pair (k % 32) / 2, in tile (r / 16, k / 32). */
+int podium_tile_rows_bf16(const bf16_t *tiles, int64_t num_rows, int64_t dim, const int64_t *ids, int64_t n,
+                          bf16_t *out, int num_threads) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= num_rows) return -1;
+    const int64_t kb = (dim + 31) / 32;
+#pragma omp parallel for num_threads(num_threads) if (n * dim >= 4 * PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        const bf16_t *block = tiles + (ids[i] >> 4) * kb * 512 + (ids[i] & 15) * 2;
+        bf16_t *dst = out + i * dim;
+        for (int64_t k = 0; k < dim; k++) dst[k] = block[(k >> 5) * 512 + ((k & 31) >> 1) * 32 + (k & 1)];
+    }
+    return 0;
+}
+
 /* Structured output's mask, in place: logits[rows[i]][t] = -inf where bit t % 32 of word t / 32 of
  * mask row i is clear (a forbidden token), for t < vocab; rows may be NULL (row i for mask row i).
  * Only forbidden entries are written; a word of all-allowed tokens (all bits set, the common case
