@@ -4,9 +4,12 @@ A CPU has no graph API, but a decode step of a model whose every op is one of th
 native kernels (linears on AMX tiles, AVX512-BF16 dot products or FMA units with their fused
 norms, in bf16 or float32 as ``linear_choice`` picks them; the paged attention with its rotary and
 cache write; the embedding lookup) is a fixed list of C calls over fixed memory.
-Capture runs the step once with a recorder installed (``native_kernels.RECORDER``, per thread):
-each ``NativeEntry`` call is executed and also stored with its arguments. Replay makes the same
-calls in order from C (graph_replay.c), in one ctypes call: the model's Python, the op dispatch,
+Capture runs the step's Python once with a recorder installed (``native_kernels.RECORDER``, per
+thread): each ``NativeEntry`` call is stored with its arguments and not executed (it answers
+success), so a capture costs the Python and allocations of a step, not its kernels. That is safe
+because nothing in a captured step reads what a kernel computed: the guard below refuses every op
+that would look at tensor values, so no later call's arguments depend on an earlier call's
+results. Replay makes the same calls in order from C (graph_replay.c), in one ctypes call: the model's Python, the op dispatch,
 the argument checks and the output allocations of ~150 ops a step are gone (about 140 us a layer
 of SmolLM2's decode step at 32 sequences, measured with a 64-wide model where the kernels cost
 next to nothing).

@@ -186,7 +186,8 @@ def _remove_stale(name: str, keep: Path, now: float | None = None) -> None:
 
 class NativeEntry:
     """One bound kernel entry point. Calling it calls the C function; while a graph capture is in
-    progress in this thread (``RECORDER``, graphs.py), the call is handed to the recorder first.
+    progress in this thread (``RECORDER``, graphs.py), the call is handed to the recorder instead and
+    answers 0 (success) without running: the replays run it.
 
     ``kind`` names the C signature (graph_replay.c's enum) a replay makes the call through, or is
     None for entries a captured step never calls (the packers)."""
@@ -205,6 +206,7 @@ class NativeEntry:
         recorder = RECORDER.get()
         if recorder is not None:
             recorder.record(self, args)
+            return 0
         return self.fn(*args)
 
     def __repr__(self) -> str:
