@@ -212,8 +212,11 @@ int podium_amx_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
         } /* the loop's barrier: every input row is ready before any tile reads it */
         float c[32 * 32];
         configure_tiles();
-        /* a group of pairs whose weights stay in L2 meets each block of rows that stays in L2 */
-        const int64_t group = kb >= GROUP_TILES ? 1 : GROUP_TILES / kb, groups = (pairs + group - 1) / group;
+        /* a group of pairs whose weights stay in L2 meets each block of rows that stays in L2; a
+         * decode batch (one block of rows) shares out single pairs, as whole groups would split
+         * SmolLM2's 18 o-projection pairs 14 / 4 over two threads */
+        const int64_t group = chunks <= BLOCK_CHUNKS || kb >= GROUP_TILES ? 1 : GROUP_TILES / kb;
+        const int64_t groups = (pairs + group - 1) / group;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t p_end = (g + 1) * group < pairs ? (g + 1) * group : pairs;
