@@ -12,18 +12,10 @@ import pytest
 import torch
 
 from podium_cpu import gguf_ops
-from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api.gguf_blocks import BLOCKS, NAMES, dequantize_rows, random_rows
 
 TYPES = sorted(BLOCKS)
 
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels, why = load_kernels()
-    if kernels is None:
-        pytest.skip(why)
-    return kernels
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:

@@ -22,18 +22,8 @@ from podium import LLM, SamplingParams
 from podium_cpu import CpuPlatform
 from podium_cpu.embedding import NativeEmbedding
 from podium_cpu.graphs import MAX_GRAPH_BATCH, CpuGraphRunner, capturing
-from podium_cpu.native_kernels import load_kernels
 from podium_plugin_api import GraphCaptureUnsupported
 from podium_plugin_api.testing.attention_checks import check_graph_capture
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded, why = load_kernels()
-    if loaded is None:
-        pytest.skip(f"native kernels unavailable: {why}")
-    return loaded
-
 
 # SmolLM2-135M's linears: q|k|v, o, gate|up, down, lm_head (out_features, in_features)
 SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]

@@ -19,17 +19,8 @@ from podium_cpu.linear_packing import (
     fma_panels,
     pack_linear_layers,
 )
-from podium_cpu.native_kernels import load_kernels
 from podium_cpu.onednn_linear import PackedLinear, can_pack, packing_unavailable
 from podium_plugin_api import ops as reference
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    kernels, why = load_kernels()
-    if kernels is None:
-        pytest.skip(why)
-    return kernels
 
 
 def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -22,18 +22,10 @@ from podium_cpu.linear_packing import (
     pack_linear_layers,
     unpacked_weight,
 )
-from podium_cpu.native_kernels import load_kernels
 from podium_cpu.platform import CpuPlatform
 
 BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded, why = load_kernels()
-    if loaded is None:
-        pytest.skip(why)
-    return loaded
 
 
 @pytest.fixture(params=["amx-bfloat16", "avx512-bf16-bfloat16", "fma-bfloat16", "fma-float32"])

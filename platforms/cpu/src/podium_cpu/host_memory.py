@@ -87,7 +87,10 @@ def release_freed_heap() -> bool:
     if not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"):
         return False
     trim = _libc_function("malloc_trim", (ctypes.c_size_t,))
-    return trim is not None and trim(0) in (0, 1)
+    if trim is None:
+        return False
+    trim(0)  # (1 when it released memory, 0 when there was none to release)
+    return True
 
 
 def _populate_write(start: int, length: int) -> bool:
