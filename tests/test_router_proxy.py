@@ -26,10 +26,15 @@ from podium_router.settings import ReplicaSpec, RouterSettings
 pytestmark = pytest.mark.timeout(120)
 
 
+HALF_EVENT = 'data: {"choices": [{"index": 0, "te'
+
+
 def fake_replica(behaviour: str, seen: list) -> FastAPI:
     """An OpenAI-ish server: ``ok`` streams five chunks; ``busy`` answers 503; ``cut`` drops the
     connection after two chunks; ``dead-early`` drops it before the first; ``slow-checks`` streams
-    like ``ok`` but takes 1.5 s to answer a health check."""
+    like ``ok`` but takes 1.5 s to answer a health check; ``half`` drops the connection half-way
+    through its second event; ``limited`` answers 429 with a Retry-After; ``slow`` streams 200 chunks
+    20 ms apart and records ``("aborted", i)`` in ``seen`` if its client goes away at chunk i."""
     app = FastAPI()
 
     @app.get("/health")
@@ -44,6 +49,9 @@ def fake_replica(behaviour: str, seen: list) -> FastAPI:
         seen.append((request.headers.get("x-request-id"), body.get("prompt")))
         if behaviour == "busy":
             return JSONResponse({"error": {"message": "engine dead", "code": None}}, status_code=503)
+        if behaviour == "limited":
+            return JSONResponse({"error": {"message": "tenant over its limit", "code": "rate_limited"}},
+                                status_code=429, headers={"Retry-After": "7"})
         if not body.get("stream"):
             return {"choices": [{"index": 0, "text": "hello", "finish_reason": "length"}],
                     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
@@ -52,11 +60,25 @@ def fake_replica(behaviour: str, seen: list) -> FastAPI:
             for i in range(5):
                 if behaviour == "dead-early" or (behaviour == "cut" and i == 2):
                     raise ConnectionError("the replica died")
+                if behaviour == "half" and i == 1:
+                    yield HALF_EVENT
+                    await asyncio.sleep(0.05)
+                    raise ConnectionError("the replica died")
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
                 await asyncio.sleep(0.01)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(chunks(), media_type="text/event-stream")
+        async def slowly():
+            for i in range(200):
+                try:
+                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
+                    await asyncio.sleep(0.02)
+                except (asyncio.CancelledError, GeneratorExit):
+                    seen.append(("aborted", i))
+                    raise
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(slowly() if behaviour == "slow" else chunks(), media_type="text/event-stream")
 
     return app
 
@@ -144,6 +166,48 @@ def test_a_stream_cut_mid_way_ends_with_one_error_event(fleet):
     assert status == 200 and len(events) == 4, text
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t0", "t1"]
     assert json.loads(events[2])["error"]["code"] == "replica_failed" and events[3] == "[DONE]"
+
+
+def test_a_stream_cut_inside_an_event_ends_that_event_before_the_error_event(fleet):
+    router, _ = fleet("half")
+    status, text, _ = _stream(router.url)
+    first = f"data: {json.dumps({'choices': [{'index': 0, 'text': 't0'}]})}\n\n"
+    assert status == 200 and text.startswith(first + HALF_EVENT + "\n\ndata: "), text
+    events = text[len(first + HALF_EVENT + "\n\n"):].split("\n\n")
+    assert json.loads(events[0][len("data: "):])["error"]["code"] == "replica_failed"
+    assert events[1:] == ["data: [DONE]", ""]
+
+
+def test_streams_pass_through_byte_for_byte_with_the_replicas_content_type(fleet):
+    router, _ = fleet("ok")
+    replica_url = httpx.get(router.url + "/admin/replicas").json()["replicas"][0]["url"]
+    direct, routed = _stream(replica_url, headers={"X-Request-Id": "same"}), _stream(router.url)
+    assert routed[:2] == direct[:2] and routed[1].count("data: ") == 6
+    assert routed[2]["content-type"] == direct[2]["content-type"] == "text/event-stream; charset=utf-8"
+    assert routed[2]["x-podium-replica"] == "ok" and routed[2]["cache-control"] == "no-cache"
+
+
+def test_a_429_comes_back_as_the_replica_sent_it_with_its_retry_after(fleet):
+    router, seen = fleet("limited", "ok", policy="round-robin")
+    for _ in range(2):  # (one of the two goes to "limited")
+        response = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "t-1"})
+        if response.headers["x-podium-replica"] == "limited":
+            break
+    assert response.status_code == 429 and response.headers["retry-after"] == "7"
+    assert response.json()["error"]["code"] == "rate_limited" and response.headers["x-request-id"] == "t-1"
+    assert len(seen) <= 2  # not retried on the other replica
+
+
+def test_a_client_going_away_mid_stream_aborts_the_request_at_the_replica(fleet):
+    router, seen = fleet("slow")
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "hi", "stream": True},
+                      timeout=20) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+    # (leaving the block closed the client's connection after its first event)
+    aborted = wait_for(lambda: [i for what, i in seen if what == "aborted"], 10, "the replica to see its client go")
+    assert aborted[0] < 100  # long before the stream's end (200 chunks)
+    wait_for(lambda: re.search(r'^podium_router:requests_total\{outcome="client_gone",replica="slow"\} 1', httpx.get(
+        router.url + "/metrics").text, re.M), 10, "the client_gone outcome")
 
 
 def test_when_every_replica_fails_the_client_gets_a_503_not_a_hang(fleet):

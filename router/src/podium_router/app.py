@@ -1,6 +1,6 @@
 """The router's FastAPI app: ``create_app(settings)``; no global state.
 
-    POST /v1/chat/completions, /v1/completions   routed (proxy.py)
+    POST /v1/chat/completions, /v1/completions   routed (proxy.py), ahead of FastAPI (RouterApp)
     GET  /v1/models                              the models the healthy replicas serve, LoRA adapters
                                                  too (``parent``: their base model)
     GET  /health                                 200 while some replica is in routing, else 503
@@ -31,9 +31,14 @@ from .policy import Router
 from .pool import ReplicaPool
 from .proxy import Proxy, error_response
 from .settings import ReplicaFile, ReplicaSpec, RouterSettings
+from .upstream import Upstream
 
 logger = logging.getLogger("podium_router")
 _OPEN_PATHS = ("/health", "/metrics")
+_PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# idle connections to a replica dropped after 2 s: before any replica's server closes them (uvicorn's
+# default keep-alive is 5 s), so a reused connection is never one the replica just closed
+_KEEPALIVE_S = 2.0
 
 
 def create_app(settings: RouterSettings, on_start=None) -> FastAPI:
@@ -41,16 +46,15 @@ def create_app(settings: RouterSettings, on_start=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # idle connections dropped after 2 s: before any replica's server closes them (uvicorn's
-        # default keep-alive is 5 s), so a reused connection is never one the replica just closed
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=2.0)
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=_KEEPALIVE_S)
+        upstream = Upstream(settings.connect_timeout_s, settings.request_timeout_s, _KEEPALIVE_S)
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) as client:
             pool = ReplicaPool(settings, client)
             metrics = RouterMetrics()
             metrics.watch(lambda: list(pool.replicas))
             app.state.pool = pool
             app.state.proxy = Proxy(pool, Router(settings.policy, settings.default_prefill_rate,
-                                                 settings.decode_cap), metrics)
+                                                 settings.decode_cap), metrics, upstream)
             app.state.metrics = metrics
             for spec in settings.replicas:
                 pool.add(spec)
@@ -66,11 +70,31 @@ def create_app(settings: RouterSettings, on_start=None) -> FastAPI:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 await pool.close()
+                await upstream.close()
 
-    app = FastAPI(title="Podium router", version=__version__, lifespan=lifespan)
+    app = RouterApp(settings.api_key, title="Podium router", version=__version__, lifespan=lifespan)
     app.add_middleware(KeyMiddleware, api_key=settings.api_key)
     _add_routes(app)
     return app
+
+
+class RouterApp(FastAPI):
+    """FastAPI, but a POST to a proxied path goes straight to the proxy (after the key check): a
+    streamed chunk then costs one ``send`` to the server, not a trip through a response class and
+    every middleware. Everything else is FastAPI's."""
+
+    def __init__(self, api_key: str | None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._key = _expected_authorization(api_key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = _PROXIED.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+        elif not _authorized(scope, self._key):
+            await _refuse(scope, receive, send)
+        else:
+            await self.state.proxy.serve(scope, receive, send, endpoint)
 
 
 async def _watch_file(pool: ReplicaPool, watched: ReplicaFile) -> None:
@@ -85,12 +109,6 @@ async def _watch_file(pool: ReplicaPool, watched: ReplicaFile) -> None:
 
 
 def _add_routes(app: FastAPI) -> None:
-    async def chat(request: Request) -> Response:
-        return await request.app.state.proxy.handle(request, "chat")
-
-    async def completions(request: Request) -> Response:
-        return await request.app.state.proxy.handle(request, "completions")
-
     async def models(request: Request) -> JSONResponse:
         pool: ReplicaPool = request.app.state.pool
         cards: dict[str, dict] = {}
@@ -140,8 +158,6 @@ def _add_routes(app: FastAPI) -> None:
             return error_response(404, f"no replica {url!r}; GET /admin/replicas lists them")
         return JSONResponse(replica.describe())
 
-    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
@@ -155,16 +171,25 @@ class KeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._key = _expected_authorization(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._key is None or scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS or _authorized(scope, self._key):
             await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._key):
-            await self.app(scope, receive, send)
-            return
-        response = error_response(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                                  "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        else:
+            await _refuse(scope, receive, send)
+
+
+def _expected_authorization(api_key: str | None) -> bytes | None:
+    return f"Bearer {api_key}".encode() if api_key else None
+
+
+def _authorized(scope: Scope, key: bytes | None) -> bool:
+    """No key set, or the request's ``Authorization`` is it (compared in constant time)."""
+    return key is None or hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), key)
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+    response = error_response(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                              "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+    await response(scope, receive, send)

@@ -18,28 +18,30 @@ sent none) and returned, with ``X-Podium-Replica`` naming the replica that answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from .hashing import block_hashes, text_block_hashes
 from .metrics import RouterMetrics
 from .policy import Candidate, Router
 from .pool import ReplicaPool
 from .replica import Replica
+from .upstream import ConnectFailed, ConnectionLost, ResponseClosed, Upstream, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger("podium_router")
 _RETRYABLE_STATUS = {500, 502, 503, 504}
 _USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _CHARS_PER_TOKEN = 4  # a prompt's size in tokens when no replica could tokenize it
+_TAIL = 2048  # the end of a stream kept for its usage (generated tokens) and for ending a half-sent event
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
@@ -76,17 +78,23 @@ class Prompt:
 
 
 class Proxy:
-    def __init__(self, pool: ReplicaPool, router: Router, metrics: RouterMetrics) -> None:
-        self.pool, self.router, self.metrics = pool, router, metrics
+    def __init__(self, pool: ReplicaPool, router: Router, metrics: RouterMetrics, upstream: Upstream) -> None:
+        self.pool, self.router, self.metrics, self.upstream = pool, router, metrics, upstream
         settings = pool.settings
         self._max_attempts = settings.max_attempts
-        self._timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
         self._replica_auth = f"Bearer {settings.replica_api_key}" if settings.replica_api_key else None
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    async def serve(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+        """ASGI: answer one request to ``endpoint`` ("chat" or "completions")."""
+        body = await _request_body(receive)
+        if body is None:
+            return  # the client left before it finished sending
+        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
+        answer = await self.handle(request_id, body, endpoint)
+        await answer(scope, receive, send)
+
+    async def handle(self, request_id: str, body: bytes, endpoint: str) -> Response | Relay:
         ids = {"X-Request-Id": request_id}
-        body = await request.body()
         try:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -107,16 +115,16 @@ class Proxy:
             logger.debug("request %s (%d tokens): %s", request_id, prompt.num_tokens, "; ".join(
                 f"{c.replica.name} {1000 * c.ttft_s:.0f} ms, {c.cached_tokens} cached, {c.replica.queued_tokens} "
                 f"queued, {c.replica.in_flight} in flight" for c in candidates))
-        headers = {"content-type": "application/json", "x-request-id": request_id}
+        headers = [("content-type", "application/json"), ("x-request-id", request_id)]
         if self._replica_auth:
-            headers["authorization"] = self._replica_auth
+            headers.append(("authorization", self._replica_auth))
         stream = bool(data.get("stream"))
         last_error = None
         for attempt, candidate in enumerate(candidates[: self._max_attempts]):
             if attempt:
                 self.metrics.retries.labels(candidate.replica.name).inc()
             outcome = await self._attempt(candidate, prompt, endpoint, body, headers, stream, ids)
-            if isinstance(outcome, Response):
+            if not isinstance(outcome, str):
                 return outcome
             last_error = outcome
         self.metrics.requests.labels("none", "failed").inc()
@@ -166,9 +174,9 @@ class Proxy:
         return None
 
     # -- one attempt ----------------------------------------------------------------------------------
-    async def _attempt(self, candidate: Candidate, prompt: Prompt, endpoint: str, body: bytes, headers: dict,
-                       stream: bool, ids: dict) -> Response | str:
-        """The response to send, or why this replica failed before the client got a byte."""
+    async def _attempt(self, candidate: Candidate, prompt: Prompt, endpoint: str, body: bytes,
+                       headers: list[tuple[str, str]], stream: bool, ids: dict) -> Response | Relay | str:
+        """The answer to send, or why this replica failed before the client got a byte."""
         replica = candidate.replica
         hashes = prompt.hashes(replica) if prompt.num_tokens else []
         replica.routed_request(hashes, candidate.uncached_tokens)
@@ -176,31 +184,32 @@ class Proxy:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         upstream = None
         try:
-            upstream = await self.pool.client.send(
-                self.pool.client.build_request("POST", replica.url + path, content=body, headers=headers,
-                                               timeout=self._timeout), stream=True)
-            if upstream.status_code in _RETRYABLE_STATUS:
-                detail = (await upstream.aread())[:300].decode("utf-8", "replace")
-                raise _Retry(f"{replica.name} answered {upstream.status_code}: {detail}")
-            chunks = upstream.aiter_raw()
-            first = await anext(chunks, b"") if stream and upstream.status_code == 200 else None
+            upstream = await self.upstream.post(replica.url, path, body, headers)
+            if upstream.status in _RETRYABLE_STATUS:
+                detail = (await upstream.read())[:300].decode("utf-8", "replace")
+                raise _Retry(f"{replica.name} answered {upstream.status}: {detail}")
+            first = await upstream.next_chunk() if stream and upstream.status == 200 else None
             if first == b"":
                 raise _Retry(f"{replica.name} closed the stream before its first chunk")
             if first is None:  # not streaming (or an error status): the whole body, then answer
-                content = await upstream.aread()
-        except (httpx.HTTPError, _Retry) as exc:
+                content = await upstream.read()
+        except (UpstreamError, _Retry) as exc:
             if upstream is not None:
-                await upstream.aclose()
+                upstream.close()
             replica.first_byte(candidate.uncached_tokens)
             replica.finished_request(hashes)
             self.pool.finished(replica)
-            if isinstance(exc, httpx.ConnectError):  # nobody listens: out of routing until a check passes
+            if isinstance(exc, ConnectFailed):  # nobody listens: out of routing until a check passes
                 self.pool.suspect(replica, type(exc).__name__)
             # (a read error before the first byte may be one connection's end, not the replica's: the
             # request goes to the next candidate and the health checks judge the replica)
             logger.info("request %s: %s failed before its first byte (%s); trying another replica",
                         ids["X-Request-Id"], replica.name, exc)
             return str(exc) or type(exc).__name__
+        except BaseException:
+            if upstream is not None:
+                upstream.close()
+            raise
         replica.first_byte(candidate.uncached_tokens)
         self.metrics.routed(replica.name, candidate, time.perf_counter() - started)
         out_headers = {**ids, "X-Podium-Replica": replica.name,
@@ -208,46 +217,90 @@ class Proxy:
         if "retry-after" in upstream.headers:  # a replica's 429 (a tenant over its limit) says when to retry
             out_headers["Retry-After"] = upstream.headers["retry-after"]
         if first is None:
-            await upstream.aclose()
-            self._done(replica, hashes, "ok" if upstream.status_code < 400 else "client_error", content)
-            return Response(content, status_code=upstream.status_code, headers=out_headers)
+            upstream.close()
+            self.ended(replica, hashes, "ok" if upstream.status < 400 else "client_error", content)
+            return Response(content, status_code=upstream.status, headers=out_headers)
         out_headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(self._relay(replica, hashes, upstream, first, chunks, ids, time.perf_counter()),
-                                 status_code=upstream.status_code, headers=out_headers)
+        return Relay(self, replica, hashes, upstream, first, out_headers)
 
-    async def _relay(self, replica: Replica, hashes: list[str], upstream: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes], ids: dict, first_at: float) -> AsyncIterator[bytes]:
-        """The replica's stream as it comes; an error event if it breaks off."""
-        outcome, tail = "ok", first[-2048:]
-        try:
-            yield first
-            async for chunk in chunks:
-                tail = (tail + chunk)[-2048:]
-                yield chunk
-            replica.decode_time.add(time.perf_counter() - first_at, 1)
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "client_gone"  # closing the upstream below aborts the request at the replica
-            raise
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-            outcome = "cut"
-            logger.warning("request %s: the stream from %s broke off (%s)", ids["X-Request-Id"], replica.name, exc)
-            if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
-                self.pool.suspect(replica, type(exc).__name__)
-            event = error_body(503, f"the replica serving this request ({replica.name}) went away mid-stream: "
-                                    f"{type(exc).__name__}; the output so far is incomplete", "replica_failed")
-            separator = b"" if tail.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
-            yield separator + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            await upstream.aclose()
-            self._done(replica, hashes, outcome, tail)
-
-    def _done(self, replica: Replica, hashes: list[str], outcome: str, tail: bytes) -> None:
+    def ended(self, replica: Replica, hashes: list[str], outcome: str, tail: bytes) -> None:
         replica.finished_request(hashes)
         self.pool.finished(replica)
         self.metrics.requests.labels(replica.name, outcome).inc()
         match = _USAGE.findall(tail)
         if match:
             self.metrics.generation_tokens.labels(replica.name).inc(int(match[-1]))
+
+
+class Relay:
+    """The ASGI answer for a stream committed to its replica: the replica's bytes as they come, each
+    read sent straight to the server's ``send`` (no response class, no middleware per chunk); an error
+    event if the replica breaks off; the upstream closed (the replica aborts) if the client goes away."""
+
+    def __init__(self, proxy: Proxy, replica: Replica, hashes: list[str], upstream: UpstreamResponse, first: bytes,
+                 headers: dict[str, str]) -> None:
+        self.proxy, self.replica, self.hashes, self.upstream, self.first = proxy, replica, hashes, upstream, first
+        self.request_id = headers["X-Request-Id"]
+        self.headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.first_at = time.perf_counter()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome, tail = "ok", self.first[-_TAIL:]
+        watcher = asyncio.ensure_future(_on_disconnect(receive, self.upstream.close))
+        try:
+            await send({"type": "http.response.start", "status": self.upstream.status, "headers": self.headers})
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            while chunk := await self.upstream.next_chunk():
+                tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.replica.decode_time.add(time.perf_counter() - self.first_at, 1)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            outcome = "client_gone"
+            raise
+        except (ResponseClosed, OSError):  # the client went away (closing the upstream aborts the request)
+            outcome = "client_gone"
+        except UpstreamError as exc:
+            outcome = "cut"
+            await self._break_off(send, exc, tail)
+        finally:
+            watcher.cancel()
+            self.upstream.close()
+            self.proxy.ended(self.replica, self.hashes, outcome, tail)
+
+    async def _break_off(self, send: Send, exc: UpstreamError, tail: bytes) -> None:
+        replica = self.replica
+        logger.warning("request %s: the stream from %s broke off (%s)", self.request_id, replica.name, exc)
+        if isinstance(exc, ConnectionLost):
+            self.proxy.pool.suspect(replica, type(exc).__name__)
+        event = error_body(503, f"the replica serving this request ({replica.name}) went away mid-stream: "
+                                f"{type(exc).__name__}; the output so far is incomplete", "replica_failed")
+        separator = b"" if tail.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": separator + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()})
+
+
+async def _on_disconnect(receive: Receive, then) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    then()
+
+
+async def _request_body(receive: Receive) -> bytes | None:
+    """The request's body; None if the client disconnected first."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == name), None)
 
 
 class _Retry(Exception):
