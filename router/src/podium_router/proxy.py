@@ -13,6 +13,14 @@ through unchanged and unbuffered, and if the replica goes away mid-stream the cl
 OpenAI-shaped error event and ``[DONE]``, never a hang. A 4xx is the request's own problem and
 is returned as the replica sent it (with its ``Retry-After``). ``X-Request-Id`` is passed through (one is made if the client
 sent none) and returned, with ``X-Podium-Replica`` naming the replica that answered.
+
+The relay is the router's hot path: a decode step is a burst of one chunk per running stream, and a
+new request's first token waits behind whatever of the burst the one event loop has not relayed
+yet, so what a chunk costs here is what the router adds to time to first token. A proxied request
+comes to ``Proxy.serve`` straight from the server (``RouterApp``, ahead of FastAPI's middleware),
+the replica is asked through ``upstream.Upstream`` (asyncio protocols, httptools' C parser), and a
+committed stream is a ``Relay``: whatever one read from the replica brought is one ``send`` to the
+client. A client that goes away closes the upstream connection, which aborts the request at the replica.
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ class Proxy:
         await answer(scope, receive, send)
 
     async def handle(self, request_id: str, body: bytes, endpoint: str) -> Response | Relay:
+        """The answer (an ASGI callable) to a request's ``body``."""
         ids = {"X-Request-Id": request_id}
         try:
             data = json.loads(body)

@@ -33,6 +33,7 @@ import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import certifi
 import httptools
 
 _MAX_IDLE_PER_HOST = 512
@@ -161,12 +162,7 @@ class Upstream:
 
     def _ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:  # the CA bundle httpx verifies with, so both clients trust the same replicas
-            try:
-                import certifi
-
-                self._ssl = ssl.create_default_context(cafile=certifi.where())
-            except ImportError:  # pragma: no cover
-                self._ssl = ssl.create_default_context()
+            self._ssl = ssl.create_default_context(cafile=certifi.where())
         return self._ssl
 
     # -- the idle pool (called by the connections) ----------------------------------------------------
@@ -211,7 +207,7 @@ class UpstreamResponse:
         self._body: list[bytes] = []
         self.buffered = 0  # body bytes parsed and not taken yet
         self._max_buffered = max_buffered
-        self._paused = False
+        self.paused = False  # reading from the connection, while ``buffered`` is over the bound
         self.complete = False  # the whole response is parsed
         self._until_eof = False  # a body with neither length nor chunks ends with the connection
         self.reusable = False  # complete, and neither side asked to close the connection
@@ -245,8 +241,8 @@ class UpstreamResponse:
         chunk = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         self.buffered = 0
-        if self._paused:
-            self._paused = False
+        if self.paused:
+            self.paused = False
             self._connection.resume_reading()
         return chunk
 
@@ -263,6 +259,7 @@ class UpstreamResponse:
             return
         connection, self._connection = self._connection, None
         self._cancel_read_timer()
+        self._body.clear()
         if not self.complete and self._error is None:
             self._error = ResponseClosed("the response was closed")
         self._wake()
@@ -277,14 +274,10 @@ class UpstreamResponse:
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self.fail(ConnectionLost(f"the replica sent a malformed response ({exc})"))
             return
-        if self.buffered > self._max_buffered and not self._paused and self._connection is not None:
-            self._paused = True
+        if self.buffered > self._max_buffered and not self.paused and self._connection is not None:
+            self.paused = True
             self._connection.pause_reading()
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake()
 
     def lost(self, error: UpstreamError) -> None:
         """The connection closed under the response."""
@@ -315,7 +308,7 @@ class UpstreamResponse:
         if self.complete or self._error is not None:
             return
         now = self._loop.time()
-        due = (now if self._paused else self._last_read) + self._read_timeout  # paused: our reader is slow
+        due = (now if self.paused else self._last_read) + self._read_timeout  # paused: our reader is slow
         if due > now:
             self._read_timer = self._loop.call_at(due, self._check_read)
             return
@@ -368,7 +361,6 @@ class _Connection(asyncio.Protocol):
         self._response: UpstreamResponse | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self._exchanges = 0
-        self._reading_paused = False
 
     def send(self, response: UpstreamResponse, request: bytes) -> None:
         self._exchanges += 1
@@ -384,7 +376,8 @@ class _Connection(asyncio.Protocol):
         self._response = None
         transport = self._transport
         if response.reusable and transport is not None and not transport.is_closing() and self._upstream.park(self):
-            self.resume_reading()  # (paused if the body outgrew the bound before it ended)
+            if response.paused:  # (the body outgrew the bound before it ended)
+                transport.resume_reading()
             self._idle_timer = self.loop.call_later(self._upstream.keepalive_s, self.close)
         else:
             self.close()
@@ -397,13 +390,11 @@ class _Connection(asyncio.Protocol):
         return self._transport is not None and not self._transport.is_closing()
 
     def pause_reading(self) -> None:
-        if self._transport is not None and not self._reading_paused:
-            self._reading_paused = True
+        if self._transport is not None:
             self._transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._transport is not None and self._reading_paused:
-            self._reading_paused = False
+        if self._transport is not None:
             self._transport.resume_reading()
 
     def close(self) -> None:
