@@ -384,6 +384,23 @@ def test_native_linear_rows_do_not_depend_on_the_batch(native_kernel):
     assert torch.equal(layer(x.reshape(4, 25, 96)), batch.reshape(4, 25, 200))
 
 
+@pytest.mark.parametrize("features", [(576, 576), (576, 960), (1536, 200)])
+def test_native_linear_prefill_batches_are_exact_and_batch_invariant(native_kernel, features):
+    """Every kernel given prefill-sized batches (as the batch-invariant mode gives them), where AMX
+    meets blocks of 256 rows with groups of column blocks that stay in L2: every row rounded once from
+    its exact sum, and equal to the same row computed alone."""
+    in_features, out_features = features
+    torch.manual_seed(5)
+    linear = nn.Linear(in_features, out_features).to(native_kernel.dtype).requires_grad_(False)
+    layer = NativeLinear(linear, dataclasses.replace(native_kernel, max_rows=None))
+    x = torch.randn(1000, in_features).to(native_kernel.dtype)  # 3 full blocks of 256 rows and a partial one
+    batch = layer(x)
+    assert_rounded_once(batch, x, linear.weight, linear.bias, (native_kernel.name, features))
+    for i in (0, 255, 256, 511, 767, 768, 999):
+        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), i
+    assert torch.equal(layer(x[:600]), batch[:600])
+
+
 def test_native_linear_takes_the_batches_its_rule_says(native_kernel):
     torch.manual_seed(3)
     linear = nn.Linear(64, 48).to(native_kernel.dtype).requires_grad_(False)
