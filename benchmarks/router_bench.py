@@ -114,12 +114,13 @@ def bench(url: str, bench_args: list[str], log_dir: Path) -> dict:
     return bench_all([url], bench_args, log_dir)[0]
 
 
-def bench_all(urls: list[str], bench_args: list[str], log_dir: Path) -> list[dict]:
-    """The same workload against each URL at once (one client process each)."""
+def bench_all(urls: list[str], bench_args: list[str], log_dir: Path, more: list[list[str]] | None = None) -> list[dict]:
+    """The same workload against each URL at once (one client process each); ``more``: each URL's own
+    extra arguments (given last, so they win)."""
     outs = [Path(tempfile.mkstemp(suffix=".json", dir=log_dir)[1]) for _ in urls]
     procs = [subprocess.Popen([PODIUM, "bench", "serve", "--base-url", url, "--no-progress", "--percentiles", "50,99",
-                               "--json-out", str(out), *bench_args], stdout=subprocess.DEVNULL)
-             for url, out in zip(urls, outs)]
+                               "--json-out", str(out), *bench_args, *extra], stdout=subprocess.DEVNULL)
+             for url, out, extra in zip(urls, outs, more or [[] for _ in urls])]
     failed = [proc.args for proc in procs if proc.wait() != 0]
     if failed:
         raise subprocess.CalledProcessError(1, failed[0])
@@ -315,7 +316,16 @@ def run_overhead(args, log_dir: Path) -> None:
     rows, direct, routed = Rows("round", "path", "output_tok_s", "p50_ttft_ms", "p99_ttft_ms", "failed"), [], []
     with replicas(args, log_dir, 1) as urls, router(urls, "ttft", log_dir) as (router_url,):
         bench(urls[0], workload, log_dir)  # untimed: every timed run then meets the same prefix cache
-        for round_ in range(args.rounds):
+        if args.paired:  # both paths at once, each half the requests at half the rate: drift hits both
+            half = [*dataset, "--num-prompts", str(max(prompts // 2, 1)), "--request-rate",
+                    str(float(args.request_rate) / 2)]
+            for round_ in range(args.rounds):  # the two seeds' prompts swap paths every round
+                seeds = [["--seed", "0"], ["--seed", "1"]][:: 1 if round_ % 2 == 0 else -1]
+                for name, result in zip(("direct", "router"), bench_all([urls[0], router_url], half, log_dir, seeds)):
+                    (direct if name == "direct" else routed).append(result)
+                    rows.append([round_, name, f"{result['output_throughput']:.1f}",
+                                 f"{result['median_ttft_ms']:.2f}", f"{result['p99_ttft_ms']:.1f}", result["failed"]])
+        for round_ in range(0 if args.paired else args.rounds):
             order = [("direct", urls[0]), ("router", router_url)]
             for name, url in order if round_ % 2 == 0 else order[::-1]:
                 result = bench(url, workload, log_dir)
@@ -325,7 +335,8 @@ def run_overhead(args, log_dir: Path) -> None:
     mean = lambda results, key: sum(r[key] for r in results) / len(results)  # noqa: E731
     throughput = mean(routed, "output_throughput") / mean(direct, "output_throughput")
     added_p50 = mean(routed, "median_ttft_ms") - mean(direct, "median_ttft_ms")
-    report(f"router overhead ({dataset[1]}, {prompts} requests, rate {args.request_rate}): router/direct output "
+    paired = ", paired: both paths at once, half the requests and rate each" if args.paired else ""
+    report(f"router overhead ({dataset[1]}, {prompts} requests, rate {args.request_rate}{paired}): router/direct output "
            f"throughput = {throughput:.3f}, added p50 TTFT = {added_p50:.2f} ms", rows, args.summary)
 
 
@@ -369,6 +380,10 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--input-len", type=int, default=512, help="mixed: prompt tokens")
     parser.add_argument("--rounds", type=int, default=2, help="overhead: direct/router rounds, order alternating")
+    parser.add_argument("--paired", action="store_true",
+                        help="overhead: each round runs both paths at once (half the requests and the rate each, "
+                             "prompts of two seeds swapped between the paths every round), so the replica's drift "
+                             "over the run reaches both alike; needs a finite --request-rate")
     parser.add_argument("--fast-args", default="--device cuda", help="mixed: the fast replica's extra options")
     parser.add_argument("--slow-args", default="--device cpu", help="mixed: the slow replica's extra options")
     parser.add_argument("--slow-env", default="", help="mixed: environment of the slow replica alone, e.g. "
@@ -403,6 +418,8 @@ def main() -> int:
         args.rates = args.rates or "0.5,1,2,4,8,16"
     args.num_prompts = args.num_prompts or defaults[0]
     args.request_rate = args.request_rate or defaults[1]
+    if args.paired and float(args.request_rate) == float("inf"):
+        parser.error("--paired splits a finite --request-rate between the two paths; give one")
     args.output_len = args.output_len or defaults[2] or 16
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
         log_dir = args.log_dir or Path(tmp)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The router's benchmarks on one H200 in ONE device call of at most BUDGET seconds (default 530):
 #   overhead  one replica behind the router vs direct: sharegpt-like, 1,000 requests at once (or at
-#             OVERHEAD_RATE requests/s), an untimed warm-up, then OVERHEAD_ROUNDS (2) alternating rounds (goal: >= 97% of direct output throughput,
+#             OVERHEAD_RATE requests/s), an untimed warm-up, then OVERHEAD_ROUNDS (2) alternating rounds, or with
+#             OVERHEAD_PAIRED=1 rounds of both paths at once (half the rate each: the replica's drift cancels) (goal: >= 97% of direct output throughput,
 #             <= 2 ms added p50 TTFT)
 #   prefix    10 prefixes of 1,024 tokens + 256-token suffixes, 200 requests, over 3 replicas that
 #             each have KV room for 4.5 of the prefixes (cache pressure): ttft vs round-robin vs one
@@ -66,7 +67,8 @@ for step in $steps; do
     # at a rate the replica keeps up with, p50 TTFT is the path's own cost, not a queue's (1,000 at
     # 30/s: five rounds of 33 s with the warm-up, OVERHEAD_LIMIT=230)
     overhead) run_step overhead "${OVERHEAD_LIMIT:-170}" overhead --serve-args "$MODEL --device $DEVICE --max-num-seqs 256" \
-                --num-prompts 1000 --rounds "${OVERHEAD_ROUNDS:-2}" --request-rate "${OVERHEAD_RATE:-inf}" ;;
+                --num-prompts 1000 --rounds "${OVERHEAD_ROUNDS:-2}" --request-rate "${OVERHEAD_RATE:-inf}" \
+                ${OVERHEAD_PAIRED:+--paired} ;;
     # seven replicas started at once (each policy its own fresh caches), 64 sequences each
     prefix) run_step prefix 150 prefix --serve-args "$MODEL --device $DEVICE --max-num-seqs 64" \
               --num-prompts 200 --request-rate 16 --output-len 16 ;;
