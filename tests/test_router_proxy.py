@@ -226,6 +226,9 @@ def test_request_ids_pass_through_and_non_streaming_bodies_are_relayed(fleet):
         response.headers["x-request-id"]
     bad = httpx.post(router.url + "/v1/completions", content=b"{not json")
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    wrong = httpx.get(router.url + "/v1/chat/completions")  # the path is there, for POST only
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed" and len(seen) == 2  # nothing reached a replica
 
 
 def test_without_kv_events_a_prefix_follows_what_was_routed(fleet):

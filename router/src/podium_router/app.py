@@ -88,11 +88,15 @@ class RouterApp(FastAPI):
         self._key = _expected_authorization(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = _PROXIED.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        endpoint = _PROXIED.get(scope["path"]) if scope["type"] == "http" else None
         if endpoint is None:
             await super().__call__(scope, receive, send)
         elif not _authorized(scope, self._key):
             await _refuse(scope, receive, send)
+        elif scope["method"] != "POST":  # as an OpenAI server answers: the path exists, for POST only
+            response = error_response(405, f"{scope['method']} is not allowed on {scope['path']}; send a POST",
+                                      "method_not_allowed", {"Allow": "POST"})
+            await response(scope, receive, send)
         else:
             await self.state.proxy.serve(scope, receive, send, endpoint)
 
