@@ -20,7 +20,7 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"native kernels did 
 
 def activated(attention: str = "auto", invariant: bool = False) -> CpuPlatform:
     platform = CpuPlatform()
-    platform.activate({"attention": attention, "kv_cache_commit": False, "linears": "auto", "amx": True})
+    platform.activate({"attention": attention, "kv_cache_commit": False, "linears": "auto", "amx": True, "amx_plain_weights": False})
     if invariant:
         platform.use_batch_invariant_kernels()
     return platform

@@ -77,7 +77,7 @@ def test_commit_pages_keeps_the_contents(monkeypatch, populate):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_allocated_kv_cache_is_zeroed_aligned_and_resident_when_committed(dtype, commit):
     platform = CpuPlatform()
-    platform.activate({"attention": "auto", "kv_cache_commit": commit, "linears": "auto", "amx": True})
+    platform.activate({"attention": "auto", "kv_cache_commit": commit, "linears": "auto", "amx": True, "amx_plain_weights": False})
     element = torch.empty((), dtype=dtype).element_size()
     spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_size=64, block_size=16, dtype=dtype)
     blocks = LAYER_BYTES // (spec.bytes_per_block // spec.num_layers) + 1

@@ -283,7 +283,7 @@ def test_the_linears_option_forces_its_kernel_where_it_runs_and_refuses_elsewher
     computes = {dtype for dtype in (torch.bfloat16, torch.float32)
                 if ((forced, dtype) in runnable if forced != "onednn" else can_pack(dtype))}
     platform = CpuPlatform()
-    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": forced, "amx": True})
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": forced, "amx": True, "amx_plain_weights": False})
     if not computes:
         with pytest.raises(ValueError, match=f"linears option is {forced}, which runs no dtype here"):
             platform.linear_rules()
@@ -304,12 +304,12 @@ def test_the_amx_option_off_runs_the_cpu_as_one_without_amx(kernels):
     """Off: no linear on AMX tiles (the rule a CPU with AVX512-BF16 and no AMX has) and attention
     tiles without them; forcing the amx kernel then is an error."""
     platform = CpuPlatform()
-    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "auto", "amx": False})
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "auto", "amx": False, "amx_plain_weights": False})
     for rows in (1, 32, AMX_MAX_ROWS + 1):
         got = platform.linear_kernel(torch.bfloat16, 576, 1536, rows).kernel
         assert got != "amx" and got == ("avx512-bf16" if kernels.dpbf16_linear else got), (rows, got)
     assert platform.attention_backend().amx is False
-    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "amx", "amx": False})
+    platform.activate({"attention": "auto", "kv_cache_commit": False, "linears": "amx", "amx": False, "amx_plain_weights": False})
     with pytest.raises(ValueError, match="linears option is amx, which runs no dtype here"):
         platform.linear_rules()
 
@@ -421,10 +421,10 @@ def test_native_packing_keeps_parameters_and_ties(native_kernel):
     model = nn.ModuleDict({"embed": embedding, "head": head, "f16": nn.Linear(4, 4).to(other)})
     assert pack_linear_layers(model, {native_kernel.dtype: LinearRule("onednn", "test", native_kernel)}) == 1
     assert isinstance(model["head"], NativeLinear)
-    if native_kernel.every_batch:  # packed only: the tied embedding reads the head's packed weight
+    if native_kernel.packed_only:  # packed only: the tied embedding reads the head's packed weight
         assert not model["head"].keeps_weight and isinstance(model["embed"], PanelEmbedding)
         assert sorted(dict(model.named_parameters())) == ["f16.bias", "f16.weight"]
-    else:  # the plain weight stays for the batches above the kernel's rows, and with it the tie
+    else:  # no unpack: the plain weight stays for the batches above the kernel's rows, and with it the tie
         assert model["head"].weight is embedding.weight and model["embed"] is embedding
         assert sorted(dict(model.named_parameters())) == ["embed.weight", "f16.bias", "f16.weight"]
 

@@ -1,6 +1,7 @@
-"""One copy of each weight: a native linear whose kernel takes every batch keeps only its packed
-weight, ``unpacked()`` gives the plain one back exactly, and a tied embedding reads its rows from
-the head's packed weight (``PanelEmbedding``) instead of holding a second table."""
+"""One copy of each weight: a native linear keeps only its packed weight (a kernel with a row limit
+hands larger batches to oneDNN on a copy unpacked from its tiles for the call), ``unpacked()`` gives
+the plain one back exactly, and a tied embedding reads its rows from the head's packed weight
+(``PanelEmbedding``) instead of holding a second table."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from podium_cpu import linear_packing
 from podium_cpu.embedding import native_embeddings
 from podium_cpu.linear_choice import LinearRule, runnable_native_kernels
 from podium_cpu.linear_packing import (
@@ -23,6 +25,7 @@ from podium_cpu.linear_packing import (
     unpacked_weight,
 )
 from podium_cpu.platform import CpuPlatform
+from podium_plugin_api import resolve_options
 
 BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -56,6 +59,69 @@ def weights(shape: tuple[int, int], dtype: torch.dtype, seed: int = 0) -> torch.
 def test_unpacked_inverts_each_layout_exactly(layout, dtype, shape):
     w = weights(shape, dtype)
     assert same_bits(unpacked_weight(layout, layout(w), *shape), w)
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (100, 70), (33, 64), (16, 31), (1, 1), (72, 7), (40, 96)])
+def test_tile_unpack_rebuilds_any_rows_of_the_plain_weight_exactly(kernels, shape):
+    """fused_ops.c's unpack (AVX-512's in-register transpose, or the scalar loop) against the torch
+    inverse of the layout, for row ranges from any 16-row block, into rows wider than the weight."""
+    n, k = shape
+    w = weights(shape, torch.bfloat16, seed=4)
+    tiles = amx_tiles(w)
+    unpack = kernels.tile_unpack[torch.bfloat16]
+    for n0, n1 in {(0, n), (16 * (n // 32), n), (0, (n + 1) // 2), (16, min(n, 48)), (0, 0)}:
+        if n0 > n1:
+            continue
+        out = torch.full((n1 - n0, k + 3), 7.0, dtype=torch.bfloat16)  # ld = k + 3: the gap keeps its 7s
+        assert unpack(tiles.data_ptr(), n, k, n0, n1, out.data_ptr(), k + 3, 2) == 0
+        assert same_bits(out[:, :k].contiguous(), w[n0:n1]) and bool((out[:, k:] == 7).all()), (n0, n1)
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    for bad in ((8, n), (0, n + 1), (-16, n)):  # n0 off a 16-row block, past the weight, negative
+        assert unpack(tiles.data_ptr(), n, k, *bad, out.data_ptr(), k, 2) == -1
+
+
+@pytest.fixture
+def row_limited(kernels):
+    """A native kernel on AMX tiles with a row limit and the layout's unpack (AMX's rule; on a CPU
+    with AVX512-BF16 and no AMX its kernel stands in, the same layout and the same path above it)."""
+    tile_kernels = [k for k in runnable_native_kernels(kernels) if k.layout is amx_tiles]
+    if not tile_kernels:
+        pytest.skip("no native kernel reads AMX tiles on this CPU")
+    return dataclasses.replace(tile_kernels[0], max_rows=16, unpack=kernels.tile_unpack[torch.bfloat16])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_row_limited_layer_keeps_one_copy_and_gives_onednn_the_unpacked_weight(row_limited, bias):
+    linear = nn.Linear(576, 960, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    linear.weight.copy_(weights((960, 576), torch.bfloat16, seed=5).nan_to_num(0.0, 1.0, -1.0))
+    layer = NativeLinear(linear, row_limited, keep_weight=False)
+    assert not layer.keeps_weight and "weight" not in layer.state_dict()
+    for rows in (17, 300):  # above the kernel's rows: F.linear on the unpacked weight, bit for bit
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        assert same_bits(layer(x), F.linear(x, linear.weight, linear.bias))
+        assert same_bits(layer(x.view(1, rows, 576)), F.linear(x, linear.weight, linear.bias).view(1, rows, 960))
+        assert same_bits(layer(x.float()), F.linear(x, linear.weight, linear.bias).float())  # cast, as below it
+    assert not layer(torch.empty(0, 576, dtype=torch.bfloat16)).numel()
+    with pytest.raises(ValueError, match="row limit|no unpack"):
+        NativeLinear(linear, dataclasses.replace(row_limited, unpack=None), keep_weight=False)
+
+
+def test_a_weight_larger_than_the_scratch_is_unpacked_a_slice_of_rows_at_a_time(row_limited, monkeypatch):
+    """The LM head above the kernel's rows (prompt logprobs): slices of rows through the scratch,
+    each slice's columns of the output from oneDNN, so every element is one rounding of exact sums."""
+    monkeypatch.setattr(linear_packing, "UNPACK_SCRATCH_BYTES", 100 * 64 * 2)  # 96 rows a slice
+    linear = nn.Linear(64, 1000, bias=True).to(torch.bfloat16).requires_grad_(False)
+    linear.weight.copy_(torch.randn(1000, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16))
+    layer = NativeLinear(linear, row_limited, keep_weight=False)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    got = layer(x)
+    assert got.shape == (40, 1000)
+    want = x.double() @ linear.weight.double().T + linear.bias.double()  # float32 sums rounded once to bf16
+    magnitude = x.double().abs() @ linear.weight.double().abs().T + linear.bias.double().abs()
+    assert bool(((got.double() - want).abs() <= 2.0**-8 * want.abs() + 64 * 2.0**-23 * magnitude).all())
+    for n0 in (0, 96, 960):  # each slice is oneDNN's product of that slice
+        n1 = min(1000, n0 + 96)
+        assert same_bits(got[:, n0:n1].contiguous(), F.linear(x, linear.weight[n0:n1], linear.bias[n0:n1]))
 
 
 @pytest.mark.parametrize("shape", [(300, 64), (100, 70), (33, 17)])
@@ -139,8 +205,22 @@ def test_prepare_model_keeps_a_second_copy_only_where_its_rule_needs_the_plain_w
     model = tied_llama(dtype)
     plain = held_bytes(model)
     platform.prepare_model(model)
-    if rule.native is not None and rule.native.every_batch:
+    if rule.native is not None and rule.native.packed_only:
         assert held_bytes(model) <= 1.02 * plain
-    elif rule.native is not None:  # a row limit: the plain weights stay for the batches above it
+    elif rule.native is not None:  # a row limit and no unpack: the plain weights stay for the batches above it
         assert isinstance(model.lm_head, NativeLinear) and model.lm_head.keeps_weight
         assert held_bytes(model) <= 2.02 * plain
+
+
+def test_the_amx_plain_weights_option_keeps_the_plain_copy_for_prefill():
+    platform = CpuPlatform()
+    platform.activate(resolve_options("cpu", platform.options(), {"amx_plain_weights": "true"}))
+    rule = platform.linear_rules()[torch.bfloat16]
+    if rule.native is None or rule.native.every_batch:
+        pytest.skip("no row-limited (AMX) bf16 linear kernel on this CPU")
+    assert not rule.native.packed_only
+    model = tied_llama(torch.bfloat16)
+    plain = held_bytes(model)
+    platform.prepare_model(model)
+    assert isinstance(model.lm_head, NativeLinear) and model.lm_head.keeps_weight
+    assert 1.5 * plain <= held_bytes(model) <= 2.02 * plain

@@ -21,9 +21,11 @@ against oneDNN's packed matmul at SmolLM2's shapes and 1-512 rows):
 - AMX (Sapphire Rapids): ~20 us less fixed cost per call than oneDNN's packed path at decode
   sizes, so AMX up to 256 rows. Above, oneDNN: the AMX kernel takes any batch, but in one thread's
   CPU time it ran 1.0-1.4x oneDNN's time at 256 rows, 1.2-1.4x at 512, 1.4-1.8x at 2048 across the
-  four layer shapes (its 2x2 tile blocking reloads x's tiles from L2 for every 32 outputs). So
-  the AMX layers keep the plain weight beside the packed one for prefill, at a second copy of the
-  weights (256 MiB for SmolLM2-135M); the kernels without a row limit keep only the packed one.
+  four layer shapes (its 2x2 tile blocking reloads x's tiles from L2 for every 32 outputs). oneDNN
+  multiplies the plain weight unpacked from the tiles for the call (``unpacked_linear``: ~0.13 ms
+  for SmolLM2's largest layer against ~2.4 ms for its 2,048-row matmul; a 4 x 512-token prefill
+  measured alike with and without it), so the model holds one copy of its weights; the platform
+  option ``amx_plain_weights`` keeps the plain copy resident instead (256 MiB more for SmolLM2-135M).
 - AVX512-BF16 and float32 FMA (AMD Zen 4, one thread, CPU time on a loaded machine): 1.5-2.3x
   oneDNN's speed at 1 row, 0.9-1.15x its time at 32-512 rows across the five shapes. Equal within
   the noise where not faster, and then the graphs decide: a step of native calls replays without
@@ -81,7 +83,8 @@ class LinearRule:
             return f"{self.kernel}: {self.reason}"
         if self.native.max_rows is None:
             return f"{self.native.name} for every batch: {self.reason}"
-        return f"{self.native.name} up to {self.native.max_rows} rows, {self.kernel} above: {self.reason}"
+        above = f"{self.kernel} above" + (" (on the weight unpacked for the call)" if self.native.unpack else "")
+        return f"{self.native.name} up to {self.native.max_rows} rows, {above}: {self.reason}"
 
 
 def linear_rules(kernels: NativeKernels | None, why_not: str = "") -> dict[torch.dtype, LinearRule]:
@@ -122,7 +125,8 @@ def _native(kernels: NativeKernels, name: str, dtype: torch.dtype) -> NativeKern
     rows = kernels.tile_rows if tiles else kernels.panel_rows
     return NativeKernel(name, dtype, getattr(kernels, f"{prefix}_linear")[dtype],
                         getattr(kernels, f"{prefix}_fused_linear")[dtype], pack.get(dtype), layouts[dtype],
-                        AMX_MAX_ROWS if name == "amx" else None, rows.get(dtype))
+                        AMX_MAX_ROWS if name == "amx" else None, rows.get(dtype),
+                        kernels.tile_unpack.get(dtype) if tiles else None)
 
 
 def runnable_native_kernels(kernels: NativeKernels) -> list[NativeKernel]:

@@ -12,12 +12,17 @@ pads and permutes, the definition the packers are tested against):
     fma_panels   bf16 [N/16, K, 16]  panels of 16 outputs, k-major, a k's 16 columns in FMA_COLUMN_ORDER
     f32_panels   float32 [G*4, K, 16]  the same in natural column order, N padded to G * 64
 
-One copy of each weight. A native layer whose kernel takes every batch keeps only its packed
-weight (a non-persistent buffer, so ``weight_bytes_by_dtype`` counts it); ``unpacked()`` inverts the
-layout exactly for whatever needs the plain [out, in] weight back. Only a kernel with a row limit
-keeps the plain ``weight`` parameter beside it, for the batches above the limit (``F.linear``). A
-tied embedding (an ``nn.Embedding`` sharing the head's weight, as SmolLM2's does) then reads its
-rows from the head's packed copy (``PanelEmbedding``) instead of holding a second table.
+One copy of each weight. A native layer keeps only its packed weight (a non-persistent buffer, so
+``weight_bytes_by_dtype`` counts it); ``unpacked()`` inverts the layout exactly for whatever needs
+the plain [out, in] weight back. A kernel with a row limit (AMX's) hands the batches above it to
+oneDNN (``F.linear``) on the plain weight rebuilt from the tiles for that call
+(``unpacked_linear``: the layout's native unpack into one shared scratch of at most
+``UNPACK_SCRATCH_BYTES``, the LM head a slice of rows at a time), so the plain copy need not stay
+resident: the unpack is a transpose of 32-bit words, against a matmul of hundreds of rows that
+reads each weight element once per row. Where the layout has no native unpack the layer keeps the
+plain ``weight`` parameter beside the packed one. A tied embedding (an ``nn.Embedding`` sharing the
+head's weight, as SmolLM2's does) reads its rows from the head's packed copy (``PanelEmbedding``)
+instead of holding a second table.
 
 This is a transformation applied to a loaded model (``pack_linear_layers``): the modules keep their
 names, so nothing else changes, but a packed-only layer has no ``weight`` in its state_dict.
@@ -26,6 +31,7 @@ Re-loading weights afterwards would leave the packed copies stale: pack last.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -121,30 +127,68 @@ class NativeKernel:
     layout: Callable[..., torch.Tensor]  # (weight, pack) -> packed weight
     max_rows: int | None = None
     rows: Callable | None = None  # embedding rows gathered from the layout (fused_ops.c's panel/tile rows)
+    unpack: Callable | None = None  # plain rows rebuilt from the layout (fused_ops.c's tile unpack)
 
     def takes(self, rows: int) -> bool:
         return rows > 0 and (self.max_rows is None or rows <= self.max_rows)
 
     @property
     def every_batch(self) -> bool:
-        """Whether the kernel takes every batch: its layers need no plain weight beside the packed one."""
+        """Whether the kernel takes every batch."""
         return self.max_rows is None
+
+    @property
+    def packed_only(self) -> bool:
+        """Whether its layers need no plain weight beside the packed one: the kernel takes every batch,
+        or the layout rebuilds the plain weight for the batches it does not (``unpacked_linear``)."""
+        return self.max_rows is None or self.unpack is not None
+
+
+UNPACK_SCRATCH_BYTES = 8 << 20  # a decoder layer's largest weight fits (SmolLM2's gate_up: 3.4 MiB)
+_scratch_lock = threading.Lock()
+_scratch: list[torch.Tensor] = []  # the one shared unpack buffer, grown on demand
+
+
+def unpacked_linear(unpack: Callable, packed: torch.Tensor, x: torch.Tensor, n: int, k: int,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` with w [n, k] rebuilt by ``unpack`` from ``packed`` into the shared
+    scratch, ``UNPACK_SCRATCH_BYTES`` at most at a time (slices of rows for a larger weight). x: [M, k]
+    of the weight's dtype."""
+    step = max(16, UNPACK_SCRATCH_BYTES // (k * packed.element_size()) // 16 * 16)  # rows a slice
+    threads = torch.get_num_threads()
+    with _scratch_lock:
+        size = min(n, step) * k
+        if not _scratch or _scratch[0].numel() < size or _scratch[0].dtype != packed.dtype:
+            _scratch[:] = [torch.empty(size, dtype=packed.dtype)]
+        buffer = _scratch[0]
+        out = None if n <= step else torch.empty((x.shape[0], n), dtype=x.dtype)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            w = buffer[:(n1 - n0) * k].view(n1 - n0, k)
+            if unpack(packed.data_ptr(), n, k, n0, n1, w.data_ptr(), k, threads) != 0:
+                raise ValueError(f"cannot unpack rows {n0}-{n1} of a [{n}, {k}] packed weight")
+            part = F.linear(x, w, None if bias is None else bias[n0:n1])
+            if out is None:
+                return part
+            out[:, n0:n1] = part
+        return out
 
 
 class NativeLinear(nn.Module):
     """Drop-in for an ``nn.Linear``: ``kernel`` over weights packed once at load. With ``keep_weight``
     the plain ``weight`` parameter stays for the batches the kernel does not take (``F.linear``);
-    without it the kernel computes every input (cast and made contiguous where needed) and the plain
-    weight exists only as ``unpacked()``."""
+    without it the kernel computes every input it takes (cast and made contiguous where needed), the
+    batches above its rows go to ``unpacked_linear``, and the plain weight exists only as
+    ``unpacked()``."""
 
     def __init__(self, linear: nn.Linear, kernel: NativeKernel, keep_weight: bool = True) -> None:
         super().__init__()
         if linear.weight.dtype != kernel.dtype or linear.weight.device.type != "cpu":
             raise ValueError(f"the {kernel.name} linear kernel needs a {kernel.dtype} CPU weight, got "
                              f"{linear.weight.dtype} on {linear.weight.device}")
-        if not keep_weight and not kernel.every_batch:
-            raise ValueError(f"the {kernel.name} linear kernel takes up to {kernel.max_rows} rows; its layers keep "
-                             "the plain weight for larger batches")
+        if not keep_weight and not kernel.packed_only:
+            raise ValueError(f"the {kernel.name} linear kernel takes up to {kernel.max_rows} rows and its layout has "
+                             "no unpack; its layers keep the plain weight for larger batches")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if keep_weight:
             self.weight = linear.weight
@@ -183,6 +227,10 @@ class NativeLinear(nn.Module):
                 return F.linear(x, self.weight, self.bias)
             if rows.shape[0] == 0:
                 return x.new_empty(*x.shape[:-1], self.out_features)
+            if not self.kernel.takes(rows.shape[0]):  # above the kernel's rows: oneDNN on the unpacked weight
+                out = unpacked_linear(self.kernel.unpack, self.packed, rows.to(self.kernel.dtype), self.out_features,
+                                      self.in_features, self.bias)
+                return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
             return self(rows.to(self.kernel.dtype).contiguous()).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if rows.shape[1] != self.in_features:
             raise ValueError(f"input has {rows.shape[1]} features; this layer takes {self.in_features}")
@@ -247,7 +295,7 @@ def pack_linear_layers(model: nn.Module, rules: Mapping[torch.dtype, LinearRule]
                 packed = PackedLinear(child)
             else:
                 kernel = rule.native
-                packed = NativeLinear(child, kernel, keep_weight=not kernel.every_batch
+                packed = NativeLinear(child, kernel, keep_weight=not kernel.packed_only
                                       or (bool(embeddings) and kernel.rows is None))
             setattr(parent, name, packed)
             count += 1

@@ -97,6 +97,8 @@ class NativeKernels:
     # the same lookup from a tied head's packed weight: FMA panels (f32, bf16) and AMX tiles (bf16)
     panel_rows: dict = field(default_factory=dict)
     tile_rows: dict = field(default_factory=dict)
+    # AMX tiles back to plain rows (the weight oneDNN multiplies above the AMX kernel's rows)
+    tile_unpack: dict = field(default_factory=dict)
     token_bitmask: dict = field(default_factory=dict)  # structured output's mask, in place
     argmax: dict = field(default_factory=dict)  # greedy sampling's first index of each row's maximum
     # GGUF blocks kept quantized (gguf_linear.c): {ggml type id: {dtype: entry}}
@@ -248,6 +250,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_embed_rows": (_ROWS, ("f32", "bf16")),
     "podium_panel_rows": (_ROWS, ("f32", "bf16")),
     "podium_tile_rows": (_ROWS, ("bf16",)),
+    "podium_tile_unpack": ([_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _INT], ("bf16",)),
     "podium_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT], ("f32", "bf16")),
     "podium_argmax": ([_PTR, _I64, _I64, _I64, _PTR, _INT], ("f32", "bf16")),
     **{f"podium_gguf_{name}_linear": (_LINEAR, ("f32", "bf16")) for name in GGUF_TYPES.values()},
@@ -342,6 +345,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         embed_rows=entries["podium_embed_rows"],
         panel_rows=entries["podium_panel_rows"],
         tile_rows=entries["podium_tile_rows"],
+        tile_unpack=entries["podium_tile_unpack"],
         token_bitmask=entries["podium_token_bitmask"],
         argmax=entries["podium_argmax"],
         gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},

@@ -78,6 +78,10 @@ AMX_OPTION = PlatformOption(
     "amx", bool, True, "use AMX tiles where the CPU has them (bf16 linears up to 256 rows, bf16 prefill "
     "attention); off: the CPU runs as one with AVX512-BF16 and no AMX (the avx512-bf16 linear kernel for every "
     "batch, AVX512-BF16 attention tiles), to measure that kind on an AMX machine")
+PLAIN_WEIGHTS_OPTION = PlatformOption(
+    "amx_plain_weights", bool, False, "keep each AMX linear's plain bf16 weight beside its tiles, for oneDNN's "
+    "batches above 256 rows (prefill); off: those batches multiply a copy unpacked from the tiles for the call, "
+    "and the model holds one copy of its weights")
 LINEARS_OPTION = PlatformOption(
     "linears", str, "auto", "the kernel of the linear layers (auto: the rule per dtype and batch, see `podium "
     "platforms --verbose`); a named kernel replaces the rule of every dtype it computes (amx, avx512-bf16: "
@@ -95,6 +99,7 @@ class CpuPlatform(Platform):
         self._commit_kv = False  # the kv_cache_commit option
         self._linears = "auto"  # the linears option
         self._amx = True  # the amx option
+        self._plain_weights = False  # the amx_plain_weights option
         self._backend: AttentionBackend | None = None
         self._backend_note = ""
         self._capabilities: Capabilities | None = None
@@ -102,7 +107,7 @@ class CpuPlatform(Platform):
         self._invariant = False  # the batch-invariant mode (use_batch_invariant_kernels)
 
     def options(self) -> tuple[PlatformOption, ...]:
-        return (ATTENTION_OPTION, KV_COMMIT_OPTION, LINEARS_OPTION, AMX_OPTION)
+        return (ATTENTION_OPTION, KV_COMMIT_OPTION, LINEARS_OPTION, AMX_OPTION, PLAIN_WEIGHTS_OPTION)
 
     def activate(self, options: Mapping[str, Any]) -> None:
         """Take the attention choice, the KV commit and the linears' kernel (nothing process-wide to
@@ -111,6 +116,7 @@ class CpuPlatform(Platform):
         self._commit_kv = options["kv_cache_commit"]
         self._linears = options["linears"]
         self._amx = options["amx"]
+        self._plain_weights = options["amx_plain_weights"]
         self._backend, self._capabilities, self._linear_rules = None, None, None
 
     def capabilities(self) -> Capabilities:
@@ -189,6 +195,8 @@ class CpuPlatform(Platform):
             if kernels is not None and not self._amx:  # the amx option off: as a CPU without AMX
                 kernels = dataclasses.replace(kernels, amx_linear={}, amx_fused_linear={})
                 why_not = why_not or "AMX is off (the amx option)"
+            if kernels is not None and self._plain_weights:  # no unpack: the AMX layers keep the plain weight
+                kernels = dataclasses.replace(kernels, tile_unpack={})
             if self._invariant:
                 self._linear_rules = batch_invariant_rules(kernels, why_not, self._linears)
             else:

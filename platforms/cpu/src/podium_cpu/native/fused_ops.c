@@ -19,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
 #include "prologue.h"
@@ -131,6 +134,72 @@ int podium_tile_rows_bf16(const bf16_t *tiles, int64_t num_rows, int64_t dim, co
         const bf16_t *block = tiles + (ids[i] >> 4) * kb * 512 + (ids[i] & 15) * 2;
         bf16_t *dst = out + i * dim;
         for (int64_t k = 0; k < dim; k++) dst[k] = block[(k >> 5) * 512 + ((k & 31) >> 1) * 32 + (k & 1)];
+    }
+    return 0;
+}
+
+#ifdef __AVX512F__
+/* v[i] (16 words each) -> v[j] holding the old v[0..15]'s word j: 32-bit interleaves, then 64-bit,
+ * then two rounds of 128-bit lane shuffles (64 shuffles for 1 KiB). */
+static inline void transpose_16x16_words(__m512i v[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  /* b[4i + c], lane l: word 4l + c of rows 4i .. 4i + 3 */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {  /* word 4l + c: lane l of b[c], b[4 + c], b[8 + c], b[12 + c] */
+        __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+        __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+        __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+        v[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
+        v[4 + c] = _mm512_shuffle_i32x4(e0, f0, 0xDD);
+        v[8 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
+        v[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xDD);
+    }
+}
+#endif
+
+/* The plain [n, k] weight's rows [n0, n1) (n0 a multiple of 16) rebuilt from its AMX tiles
+ * (linear_packing.amx_tiles: [N/16, K/32, 16 pairs, 16 rows, 2]) into out (leading dimension ld):
+ * what oneDNN multiplies above the AMX kernel's rows, so the plain weight need not stay resident.
+ * A tile's pair p of row r is one 32-bit word, so a full 32-column tile is a 16 x 16 transpose of
+ * words (AVX-512: in registers; else 16 word loads at a stride of 16 words a row); padded column
+ * blocks go element by element. */
+int podium_tile_unpack_bf16(const bf16_t *tiles, int64_t n, int64_t k, int64_t n0, int64_t n1, bf16_t *out,
+                            int64_t ld, int num_threads) {
+    if (n0 < 0 || n1 > n || n0 > n1 || (n0 & 15) || ld < k) return -1;
+    const int64_t kb_count = (k + 31) / 32, full = k / 32;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((n1 - n0) * k >= 4 * PARALLEL_MIN)
+    for (int64_t b = n0 >> 4; b < (n1 + 15) >> 4; b++) {
+        const int64_t rows = b * 16 + 16 <= n1 ? 16 : n1 - b * 16;
+        for (int64_t kb = 0; kb < kb_count; kb++) {
+            const bf16_t *tile = tiles + (b * kb_count + kb) * 512;
+            bf16_t *dst = out + (b * 16 - n0) * ld + kb * 32;
+#ifdef __AVX512F__
+            if (kb < full) {
+                __m512i v[16];
+                for (int p = 0; p < 16; p++) v[p] = _mm512_loadu_si512((const void *)(tile + p * 32));
+                transpose_16x16_words(v);  /* v[r]: row r's 16 pairs */
+                for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512((void *)(dst + r * ld), v[r]);
+                continue;
+            }
+#endif
+            for (int64_t r = 0; r < rows; r++) {
+                if (kb < full) {
+                    uint32_t line[16];
+                    for (int p = 0; p < 16; p++) memcpy(&line[p], tile + p * 32 + r * 2, 4);
+                    memcpy(dst + r * ld, line, 64);
+                } else {
+                    for (int64_t c = 0; c < k - kb * 32; c++) dst[r * ld + c] = tile[(c >> 1) * 32 + r * 2 + (c & 1)];
+                }
+            }
+        }
     }
     return 0;
 }
