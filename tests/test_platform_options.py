@@ -134,7 +134,7 @@ def test_llm_takes_platform_options_and_validates_them_at_start(tiny, monkeypatc
     monkeypatch.delenv("PODIUM_CPU_ATTENTION", raising=False)
     llm = LLM(tiny, device="cpu", dtype="float32", platform_options={"attention": "torch"}, enforce_eager=True)
     assert llm.engine.runner.backend.name == "cpu-paged"
-    with pytest.raises(ValueError, match=r"platform 'cpu' has no option 'tuning'; its options: amx, attention, kv_cache_commit, linears"):
+    with pytest.raises(ValueError, match=r"platform 'cpu' has no option 'tuning'; its options: amx, amx_plain_weights, attention, kv_cache_commit, linears"):
         LLM(tiny, device="cpu", platform_options={"tuning": "decode=16/64/4/2"})
     with pytest.raises(ValueError, match=r"attention='flash' \('cpu'\).*choose one of auto, native, ipex, torch"):
         LLM(tiny, device="cpu", platform_options={"attention": "flash"})
@@ -199,7 +199,7 @@ def test_the_engine_activates_once_then_binds_its_device_through_one_plugin_mana
     LLM(tiny, dtype="float32", enforce_eager=True, platform_options={"attention": "torch"})
     assert loads == [1]  # one discovery, one plugin manager, per engine
     assert platform.calls[:3] == [("activate", {"attention": "torch", "kv_cache_commit": False, "linears": "auto",
-                                                  "amx": True}), ("device_count",),
+                                                  "amx": True, "amx_plain_weights": False}), ("device_count",),
                                  ("set_device", 0)]
     assert ("custom_ops",) in platform.calls[3:]
 
