@@ -102,7 +102,12 @@ def test_a_replica_reports_its_adapters_and_the_router_hashes_an_adapter_request
         return set(client.get("/podium/v1/kv_events").json()["block_hashes"]) - before
 
     with TestClient(create_app(ServerSettings(engine_mode="thread"), llm.engine)) as client:
-        assert client.get("/podium/v1/replica").json()["lora"] == {"enabled": True, "adapters": []}
+        first = client.get("/podium/v1/replica").json()
+        assert first["lora"] == {"enabled": True, "adapters": []}
+        # the hardware's identity, which the router groups co-located replicas by: this host's cores
+        import socket
+        assert first["device_key"] == llm.engine.platform.device_key(0)
+        assert first["device_key"].startswith(f"{socket.gethostname()}/cpu:")
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path / "sql")})
         assert loaded.status_code == 200, loaded.text
         report = client.get("/podium/v1/replica").json()

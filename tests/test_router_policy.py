@@ -91,6 +91,31 @@ def test_replicas_of_one_hardware_class_share_their_measured_rate():
         pytest.approx(len(PROMPT) / 50.0)
 
 
+def test_replicas_sharing_a_device_count_its_queue_as_one():
+    """Servers on one GPU (one device_key) time-share it: the holder of the prefix keeps the request
+    whatever is queued on it, since a neighbour on the same card waits behind the same work; on
+    separate devices the same queue sends it to the idle one."""
+    def on(name: str, key: str | None, **kwargs) -> Replica:
+        r = podium_replica(name, "cuda", rate=1000.0, **kwargs)
+        if key:
+            r.report = {**r.report, "device_key": key}
+        return r
+
+    shared = [on("a", "cuda:GPU-1"), on("b", "cuda:GPU-1", holds=30, queued=600), on("c", "cuda:GPU-1")]
+    ranked = Router().rank(shared, len(PROMPT), lambda r: block_hashes(PROMPT, r.block_size))
+    assert [c.replica.name for c in ranked][0] == "b"
+    assert ranked[0].ttft_s == pytest.approx((600 + len(PROMPT) - 480) / 1000.0)
+    assert ranked[1].ttft_s == pytest.approx((600 + len(PROMPT)) / 1000.0)  # the neighbours' queue is b's
+    # one device each (other keys, or none reported): the idle replica answers sooner, as before
+    for keys in (("cuda:GPU-1", "cuda:GPU-2", "cuda:GPU-3"), (None, None, None)):
+        apart = [on("a", keys[0]), on("b", keys[1], holds=30, queued=600), on("c", keys[2])]
+        assert best(Router(), apart) in ("a", "c")
+    # two cards: b's neighbour a shares its queue, c on the other card is idle
+    mixed = [on("a", "cuda:GPU-1"), on("b", "cuda:GPU-1", holds=30, queued=600), on("c", "cuda:GPU-2")]
+    assert best(Router(), mixed) == "c"
+    assert best(Router(), [on("a", "cuda:GPU-1"), on("b", "cuda:GPU-1", holds=30, queued=600)]) == "b"
+
+
 def test_replicas_at_their_decode_cap_come_last():
     a, b = replica("a", max_num_seqs=2, holds=40), replica("b")
     a.in_flight = 2

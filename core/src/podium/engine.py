@@ -149,6 +149,8 @@ class LLMEngine:
                                             self.quantization, pooling=self.pooler is not None, companion=companion)
             self.dtype, self.kv_cache_dtype, self.device, self.ops = shard.dtype, shard.kv_cache_dtype, shard.device, \
                 shard.ops
+            # the hardware this engine computes on (rank 0's), which a router groups co-located replicas by
+            self.device_key = platform.device_key(self.device.index or 0)
             self.model, self.kv_caches, self.runner = shard.model, shard.kv_caches, shard.runner
             self.weight_bytes = shard.weight_bytes
             self.num_kv_blocks, self.kv_capacity_tokens = shard.num_kv_blocks, shard.kv_capacity_tokens

@@ -102,3 +102,18 @@ def test_engine_kv_cache_is_resident_before_the_first_request_with_the_option(tm
     assert [tensor_resident(cache) for cache in engine.kv_caches] == [1.0, 1.0, 1.0]
     lazy = LLMEngine(**common)
     assert max(tensor_resident(cache) for cache in lazy.kv_caches) < 0.01
+
+
+def test_the_device_key_names_the_host_and_the_cores_this_process_may_use():
+    import os
+    import socket
+
+    platform = CpuPlatform()
+    key = platform.device_key(0)
+    host, cores = key.rsplit("/cpu:", 1)
+    assert host == socket.gethostname()
+    listed = set()
+    for span in cores.split(","):
+        first, _, last = span.partition("-")
+        listed.update(range(int(first), int(last or first) + 1))
+    assert listed == set(os.sched_getaffinity(0))

@@ -14,6 +14,7 @@ then ``device_count()`` / ``set_device(index)``, and uses the rest.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -154,6 +155,14 @@ class Platform:
     def set_device(self, index: int) -> None:
         """Bind this process to device ``index`` (< ``device_count()``); the engine calls it at startup."""
         return None
+
+    def device_key(self, index: int = 0) -> str:
+        """An identity of the hardware device ``index`` runs on, equal in every process that shares it
+        and different for devices that compute side by side (a router counts the queued work of
+        replicas with one key as one device's: they time-share it). Called after ``set_device``.
+        Added in API 2.7; default: the host's name, the device type and the index (a platform whose
+        index is not the physical device, or whose devices a host splits, overrides it)."""
+        return f"{socket.gethostname()}/{self.device_type}:{index}"
 
     def synchronize(self) -> None:
         return None

@@ -37,11 +37,14 @@ Minor versions:
 - 2.6: ``LoRAMapping.num_slotted_rows`` (how many rows of an eager step have an adapter slot, None
   in a captured graph), so a LoRA kernel's grid can cover only those rows. A 2.0 to 2.5 plugin
   ignores it.
+- 2.7: ``Platform.device_key`` (which hardware device a process computes on, equal for processes
+  that share it), reported to a router so co-located replicas' queues count as one device's. A 2.0
+  to 2.6 plugin inherits the default (host, device type, index).
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.6.0"
+API_VERSION = "2.7.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:

@@ -2,13 +2,16 @@
 
 For each healthy replica r, estimate the request's time to first token:
 
-    ttft(r) = (queued_tokens(r) + uncached_prompt_tokens(r)) / prefill_rate(r)
+    ttft(r) = (queued_tokens(device(r)) + uncached_prompt_tokens(r)) / prefill_rate(r)
               + decode_step(r)                      if requests are running there
               + ahead(r) * request_decode(r) / slots(r)
 
 ``queued_tokens``: the work ahead of the request there, in tokens (the larger of the replica's
 own report and the router's pending count, updated on every routed request and first byte: see
-``replica``). ``uncached_prompt_tokens``: the prompt less the leading blocks that replica holds in
+``replica``), summed over the replicas on r's hardware device: Podium replicas reporting one
+``device_key`` (several servers on one GPU, or on one host's cores) time-share it, so work queued
+on a neighbour delays r as much as its own, and moving a request from the holder of its prefix to
+a neighbour saves no queue while it recomputes the prefix and evicts another one. ``uncached_prompt_tokens``: the prompt less the leading blocks that replica holds in
 its prefix cache (exact from its KV events). ``prefill_rate``: tokens per second, learned from the
 replica's own metrics (prompt tokens computed over the step seconds they took), so a slow replica
 (a CPU beside GPUs) takes a request only when it would really answer it sooner. The decode terms
@@ -93,7 +96,7 @@ class Router:
 
     def estimate(self, replica: Replica, uncached_tokens: int, terms: _ClassTerms) -> float:
         """The rule (module docstring) for one replica, in seconds."""
-        prefill = (replica.queued_tokens + uncached_tokens) / terms.rate(replica)
+        prefill = (terms.queued_tokens(replica) + uncached_tokens) / terms.rate(replica)
         requests = replica.requests
         decode_step = terms.step_time(replica) if requests else 0.0
         slots = replica.max_num_seqs or self.decode_cap
@@ -117,8 +120,14 @@ class _ClassTerms:
     def __init__(self, replicas: list[Replica], default_rate: float) -> None:
         self.fleet = _Fallbacks(replicas, default_rate)
         self._classes: dict[tuple, list[Replica]] = {}
+        self._queued: dict[tuple, int] = {}  # queued tokens per hardware device
         for r in replicas:
             self._classes.setdefault(hardware_class(r), []).append(r)
+            self._queued[device_of(r)] = self._queued.get(device_of(r), 0) + r.queued_tokens
+
+    def queued_tokens(self, replica: Replica) -> int:
+        """The work queued on ``replica``'s hardware device: its own and its co-located neighbours'."""
+        return self._queued.get(device_of(replica), replica.queued_tokens)
 
     def _peers(self, replica: Replica) -> list[Replica]:
         return self._classes.get(hardware_class(replica), [replica])
@@ -140,6 +149,13 @@ def hardware_class(replica: Replica) -> tuple:
         return ("replica", replica.id)
     report = replica.report
     return ("podium", replica.model, report.get("platform"), report.get("device"), report.get("device_description"))
+
+
+def device_of(replica: Replica) -> tuple:
+    """The hardware device a replica computes on: a Podium replica's reported ``device_key``; a
+    replica that reports none is a device of its own."""
+    key = replica.report.get("device_key") if replica.is_podium else None
+    return ("device", key) if key else ("replica", replica.id)
 
 
 def _mean(values: list[float | None], default: float) -> float:

@@ -220,6 +220,7 @@ class Replica:
                 "podium": self.is_podium, "model": self.model, "lora_adapters": sorted(self.adapters),
                 "platform": self.report.get("platform"),
                 "device": self.report.get("device_description") or self.report.get("device"),
+                "device_key": self.report.get("device_key"),
                 "exact_prefixes": self.exact_prefixes, "cached_blocks": len(self.cached),
                 "prefill_rate": self.rate.value, "decode_step_s": self.step_time.value,
                 "request_decode_s": self.decode_time.value, "queued_tokens": self.queued_tokens,

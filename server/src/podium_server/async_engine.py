@@ -61,6 +61,7 @@ class EngineInfo:
     # and the prefix cache's block hash scheme (None: prefix caching off)
     device: str = ""
     device_description: str = ""
+    device_key: str = ""  # the hardware device (Platform.device_key): equal for replicas that share it
     block_size: int = 16
     max_num_seqs: int = 0
     block_hash_scheme: str | None = None
@@ -76,6 +77,7 @@ class EngineInfo:
                    engine.platform_name, engine.kv_capacity_tokens, engine.tokenizer,
                    device=str(getattr(engine, "device", "")),
                    device_description=platform.availability().reason if platform is not None else "",
+                   device_key=str(getattr(engine, "device_key", "")),
                    block_size=getattr(config, "block_size", 16), max_num_seqs=getattr(config, "max_num_seqs", 0),
                    block_hash_scheme=getattr(engine, "block_hash_scheme", None),
                    pooling=bool(getattr(engine, "is_pooling", False)),

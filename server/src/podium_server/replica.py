@@ -1,6 +1,7 @@
 """What a replica tells a router (``podium router``): a small, versioned API under ``/podium/v1``.
 
-``GET /podium/v1/replica``: the model, platform and device, the KV cache's capacity in tokens,
+``GET /podium/v1/replica``: the model, platform and device (``device_key``: the hardware's
+identity from ``Platform.device_key``, equal for replicas that share it), the KV cache's capacity in tokens,
 the load in tokens (``queued_tokens``: what every unfinished request still has to compute, the
 work ahead of a new one, where a waiting prompt's cached leading blocks do not count;
 ``running_tokens``: the running batch's tokens, its decode load), the
@@ -105,6 +106,7 @@ def replica_report(app: FastAPI) -> dict:
         "platform": info.platform_name,
         "device": info.device,
         "device_description": info.device_description,
+        "device_key": info.device_key,
         "kv_capacity_tokens": info.kv_capacity_tokens,
         "max_num_seqs": info.max_num_seqs,
         "alive": ctx.engine.alive and not app.state.drain.draining,

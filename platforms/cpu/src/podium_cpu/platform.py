@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -157,6 +159,18 @@ class CpuPlatform(Platform):
         cores = usable_cores()
         if torch.get_num_threads() > cores:
             torch.set_num_threads(cores)
+
+    def device_key(self, index: int = 0) -> str:
+        """The host and the cores this process may run on: replicas pinned to disjoint cores compute side
+        by side, unpinned ones share every core."""
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        spans, start = [], None
+        for i, core in enumerate(cores):  # 0-3,8 style
+            start = core if start is None else start
+            if i + 1 == len(cores) or cores[i + 1] != core + 1:
+                spans.append(str(start) if start == core else f"{start}-{core}")
+                start = None
+        return f"{socket.gethostname()}/cpu:{','.join(spans) or index}"
 
     def rank_device(self, rank: int, world_size: int) -> int:
         """Every tensor-parallel rank runs on the host's one device (the core splits the threads)."""

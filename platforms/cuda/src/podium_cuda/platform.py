@@ -150,6 +150,11 @@ class CudaPlatform(Platform):
     def set_device(self, index: int) -> None:
         torch.cuda.set_device(index)
 
+    def device_key(self, index: int = 0) -> str:
+        """The GPU's UUID: the same card under any CUDA_VISIBLE_DEVICES numbering, in any process."""
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        return f"{self.device_type}:{uuid}" if uuid else super().device_key(index)
+
     def torch_device(self, index: int | None = None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device() if index is None else index)
 
