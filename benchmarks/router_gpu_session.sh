@@ -17,7 +17,8 @@
 # The image has torch, triton, transformers (and its tqdm), safetensors, pluggy, numpy and prometheus-client;
 # wheels/ (carried with the tree) brings what the server, router and client import besides, for Python 3.12:
 # fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection typing-extensions
-# opentelemetry-api anyio idna uvicorn click h11 httpx httpcore certifi httptools
+# opentelemetry-api anyio idna uvicorn click h11 httpx httpcore certifi httptools uvloop (uvicorn runs its loop
+#   when installed, as it is with podium-server and podium-router: without it both paths measure asyncio's own loop)
 #   (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels ...)
 # Tables go to $OUT/summary.txt, each step's log to $OUT/STEP.log, server logs to $OUT/STEP-logs/.
 # Check on a CPU (small workloads, each limit LIMIT_SCALE times longer: a few minutes on 2 cores):
@@ -34,7 +35,7 @@ mkdir -p "$OUT"
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
   if ls wheels/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --find-links wheels fastapi uvicorn httpx httptools 2>&1 | grep -v -i warning | tail -3
+    python3 -m pip install -q --no-index --find-links wheels fastapi uvicorn httpx httptools uvloop 2>&1 | grep -v -i warning | tail -3
   fi
   python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu \
     -e ./platforms/cuda -e ./server -e ./bench -e ./router 2>&1 | grep -v -i warning | tail -3

@@ -49,7 +49,7 @@ if [ "$DEVICE" = cuda ]; then
   links=""
   for dir in wheels .whl; do ls "$dir"/*.whl >/dev/null 2>&1 && links="$links --find-links $dir"; done
   if [ -n "$links" ]; then
-    python3 -m pip install -q --no-index $links fastapi uvicorn httpx 2>&1 | grep -v -i warning | tail -3
+    python3 -m pip install -q --no-index $links fastapi uvicorn httpx httptools uvloop 2>&1 | grep -v -i warning | tail -3
   fi
   python3 -m pip install -q --no-deps --no-build-isolation -e ./plugin_api -e ./core -e ./platforms/cpu \
     -e ./platforms/cuda -e ./server -e ./bench -e ./router 2>&1 | grep -v -i warning | tail -3
