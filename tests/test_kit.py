@@ -445,6 +445,13 @@ def test_memory_and_version_facts():
     with pytest.raises(ConformanceError, match="free=2, total=1"):
         check_device_and_memory(Inverted())
 
+    class Nameless(Platform):
+        def device_key(self, index=0):
+            return ""
+
+    with pytest.raises(ConformanceError, match=r"device_key\(0\) returned ''"):
+        check_device_and_memory(Nameless())
+
     class Future(Platform):
         api_version = "3.0.0"
 

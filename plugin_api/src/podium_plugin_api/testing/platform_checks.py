@@ -67,6 +67,10 @@ def check_device_and_memory(platform: Platform) -> None:
             f"torch_device() returned {device!r}; expected a torch.device of type {platform.device_type!r}"
         )
     guarded("set_device(0)", platform.set_device, 0)
+    key = guarded("device_key(0)", platform.device_key, 0)
+    if not isinstance(key, str) or not key or key != guarded("device_key(0)", platform.device_key, 0):
+        raise ConformanceError(f"device_key(0) returned {key!r}; expected the same non-empty str on every call "
+                               "(the hardware's identity, which a router groups co-located replicas by)")
     guarded("synchronize()", platform.synchronize)
     guarded("seed(0)", platform.seed, 0)
     info = guarded("memory_info()", platform.memory_info)
