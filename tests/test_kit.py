@@ -150,7 +150,7 @@ def test_lookup_activates_the_platform_with_its_options(monkeypatch):
     assert find_platform("cpu").platform.attention_backend().name == "cpu-paged"
     with pytest.raises(KitSetupError, match=r"attention='flash'.*choose one of auto, native, ipex, torch"):
         find_platform("cpu", {"attention": "flash"})
-    with pytest.raises(KitSetupError, match=r"platform 'cpu' has no option 'tuning'; its options: amx, attention, kv_cache_commit, linears"):
+    with pytest.raises(KitSetupError, match=r"platform 'cpu' has no option 'tuning'; its options: amx, amx_plain_weights, attention, kv_cache_commit, linears"):
         find_platform("cpu", {"tuning": "decode=16/64/4/2"})
 
 

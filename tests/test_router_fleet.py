@@ -199,7 +199,16 @@ def test_killing_a_replica_under_64_streams_retries_what_had_not_started(fleet, 
     victim = replicas[1]
 
     async def kill_soon():
-        await asyncio.sleep(1.0)  # some streams are mid-way, many still queued
+        # as soon as the router has requests on the victim with no byte back yet (its pending prefill):
+        # those are the ones to retry; others are mid-way by then or soon after. A fixed delay would
+        # guess at the machine's speed and at how the rule spread the requests.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while loop.time() < deadline:
+            seen = await asyncio.to_thread(replicas_seen_by, router)
+            if seen[victim.url]["pending_prefill_tokens"] > 0 and seen[victim.url]["in_flight"] >= 2:
+                break
+            await asyncio.sleep(0.01)
         victim.proc.send_signal(signal.SIGKILL)
 
     results = asyncio.run(_concurrent(router.url, PROMPTS, on_started=kill_soon))
