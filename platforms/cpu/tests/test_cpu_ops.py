@@ -294,8 +294,8 @@ def test_the_linears_option_forces_its_kernel_where_it_runs_and_refuses_elsewher
             got = platform.linear_kernel(dtype, 576, 1536, rows)
             if dtype not in computes:
                 assert got == auto.linear_kernel(dtype, 576, 1536, rows)
-            elif forced == "amx" and rows > AMX_MAX_ROWS:
-                assert got.kernel == "onednn"
+            elif (native := platform.linear_rules()[dtype].native) is not None and not native.takes(rows):
+                assert got.kernel == "onednn" and native.name == forced  # a row limit (AMX; float32 FMA on AMX)
             else:
                 assert got.kernel == forced and "forced by the linears option" in got.reason, (dtype, rows, got)
 

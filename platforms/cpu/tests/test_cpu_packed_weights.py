@@ -61,47 +61,56 @@ def test_unpacked_inverts_each_layout_exactly(layout, dtype, shape):
     assert same_bits(unpacked_weight(layout, layout(w), *shape), w)
 
 
+UNPACKS = [(amx_tiles, torch.bfloat16, "tile_unpack"), (f32_panels, torch.float32, "panel_unpack")]
+
+
+@pytest.mark.parametrize("layout,dtype,entry", UNPACKS, ids=["amx_tiles", "f32_panels"])
 @pytest.mark.parametrize("shape", [(960, 576), (100, 70), (33, 64), (16, 31), (1, 1), (72, 7), (40, 96)])
-def test_tile_unpack_rebuilds_any_rows_of_the_plain_weight_exactly(kernels, shape):
-    """fused_ops.c's unpack (AVX-512's in-register transpose, or the scalar loop) against the torch
-    inverse of the layout, for row ranges from any 16-row block, into rows wider than the weight."""
+def test_native_unpack_rebuilds_any_rows_of_the_plain_weight_exactly(kernels, layout, dtype, entry, shape):
+    """fused_ops.c's unpacks (AVX-512's in-register transposes, or the scalar loops) against the
+    weight the layout packed, for row ranges from any 16-row block, into rows wider than the weight."""
     n, k = shape
-    w = weights(shape, torch.bfloat16, seed=4)
-    tiles = amx_tiles(w)
-    unpack = kernels.tile_unpack[torch.bfloat16]
+    w = weights(shape, dtype, seed=4)
+    packed = layout(w)
+    unpack = getattr(kernels, entry)[dtype]
     for n0, n1 in {(0, n), (16 * (n // 32), n), (0, (n + 1) // 2), (16, min(n, 48)), (0, 0)}:
         if n0 > n1:
             continue
-        out = torch.full((n1 - n0, k + 3), 7.0, dtype=torch.bfloat16)  # ld = k + 3: the gap keeps its 7s
-        assert unpack(tiles.data_ptr(), n, k, n0, n1, out.data_ptr(), k + 3, 2) == 0
+        out = torch.full((n1 - n0, k + 3), 7.0, dtype=dtype)  # ld = k + 3: the gap keeps its 7s
+        assert unpack(packed.data_ptr(), n, k, n0, n1, out.data_ptr(), k + 3, 2) == 0
         assert same_bits(out[:, :k].contiguous(), w[n0:n1]) and bool((out[:, k:] == 7).all()), (n0, n1)
-    out = torch.empty(n, k, dtype=torch.bfloat16)
+    out = torch.empty(n, k, dtype=dtype)
     for bad in ((8, n), (0, n + 1), (-16, n)):  # n0 off a 16-row block, past the weight, negative
-        assert unpack(tiles.data_ptr(), n, k, *bad, out.data_ptr(), k, 2) == -1
+        assert unpack(packed.data_ptr(), n, k, *bad, out.data_ptr(), k, 2) == -1
 
 
-@pytest.fixture
-def row_limited(kernels):
-    """A native kernel on AMX tiles with a row limit and the layout's unpack (AMX's rule; on a CPU
-    with AVX512-BF16 and no AMX its kernel stands in, the same layout and the same path above it)."""
-    tile_kernels = [k for k in runnable_native_kernels(kernels) if k.layout is amx_tiles]
-    if not tile_kernels:
-        pytest.skip("no native kernel reads AMX tiles on this CPU")
-    return dataclasses.replace(tile_kernels[0], max_rows=16, unpack=kernels.tile_unpack[torch.bfloat16])
+@pytest.fixture(params=["amx_tiles", "f32_panels"])
+def row_limited(kernels, request):
+    """A native kernel with a row limit and its layout's unpack: AMX's rule on its tiles (on a CPU with
+    AVX512-BF16 and no AMX its kernel stands in, the same layout and the same path above it), and
+    float32 FMA's on an AMX CPU."""
+    layout, dtype, entry = next(u for u in UNPACKS if u[0].__name__ == request.param)
+    found = [k for k in runnable_native_kernels(kernels) if k.layout is layout and k.dtype == dtype]
+    if not found:
+        pytest.skip(f"no native kernel reads {request.param} on this CPU")
+    return dataclasses.replace(found[0], max_rows=16, unpack=getattr(kernels, entry)[dtype])
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_row_limited_layer_keeps_one_copy_and_gives_onednn_the_unpacked_weight(row_limited, bias):
-    linear = nn.Linear(576, 960, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    linear.weight.copy_(weights((960, 576), torch.bfloat16, seed=5).nan_to_num(0.0, 1.0, -1.0))
+    dtype = row_limited.dtype
+    linear = nn.Linear(576, 960, bias=bias).to(dtype).requires_grad_(False)
+    linear.weight.copy_(weights((960, 576), dtype, seed=5).nan_to_num(0.0, 1.0, -1.0))
     layer = NativeLinear(linear, row_limited, keep_weight=False)
     assert not layer.keeps_weight and "weight" not in layer.state_dict()
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     for rows in (17, 300):  # above the kernel's rows: F.linear on the unpacked weight, bit for bit
-        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
         assert same_bits(layer(x), F.linear(x, linear.weight, linear.bias))
         assert same_bits(layer(x.view(1, rows, 576)), F.linear(x, linear.weight, linear.bias).view(1, rows, 960))
-        assert same_bits(layer(x.float()), F.linear(x, linear.weight, linear.bias).float())  # cast, as below it
-    assert not layer(torch.empty(0, 576, dtype=torch.bfloat16)).numel()
+        cast = x.to(other)  # cast to the kernel's dtype, as below its rows
+        assert same_bits(layer(cast), F.linear(cast.to(dtype), linear.weight, linear.bias).to(other))
+    assert not layer(torch.empty(0, 576, dtype=dtype)).numel()
     with pytest.raises(ValueError, match="row limit|no unpack"):
         NativeLinear(linear, dataclasses.replace(row_limited, unpack=None), keep_weight=False)
 
@@ -109,16 +118,19 @@ def test_a_row_limited_layer_keeps_one_copy_and_gives_onednn_the_unpacked_weight
 def test_a_weight_larger_than_the_scratch_is_unpacked_a_slice_of_rows_at_a_time(row_limited, monkeypatch):
     """The LM head above the kernel's rows (prompt logprobs): slices of rows through the scratch,
     each slice's columns of the output from oneDNN, so every element is one rounding of exact sums."""
-    monkeypatch.setattr(linear_packing, "UNPACK_SCRATCH_BYTES", 100 * 64 * 2)  # 96 rows a slice
-    linear = nn.Linear(64, 1000, bias=True).to(torch.bfloat16).requires_grad_(False)
-    linear.weight.copy_(torch.randn(1000, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16))
+    dtype = row_limited.dtype
+    size = torch.tensor([], dtype=dtype).element_size()
+    monkeypatch.setattr(linear_packing, "UNPACK_SCRATCH_BYTES", 100 * 64 * size)  # 96 rows a slice
+    linear = nn.Linear(64, 1000, bias=True).to(dtype).requires_grad_(False)
+    linear.weight.copy_(torch.randn(1000, 64, generator=torch.Generator().manual_seed(6)).to(dtype))
     layer = NativeLinear(linear, row_limited, keep_weight=False)
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
     got = layer(x)
     assert got.shape == (40, 1000)
-    want = x.double() @ linear.weight.double().T + linear.bias.double()  # float32 sums rounded once to bf16
+    want = x.double() @ linear.weight.double().T + linear.bias.double()  # float32 sums rounded once
     magnitude = x.double().abs() @ linear.weight.double().abs().T + linear.bias.double().abs()
-    assert bool(((got.double() - want).abs() <= 2.0**-8 * want.abs() + 64 * 2.0**-23 * magnitude).all())
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+    assert bool(((got.double() - want).abs() <= unit * want.abs() + 64 * 2.0**-23 * magnitude).all())
     for n0 in (0, 96, 960):  # each slice is oneDNN's product of that slice
         n1 = min(1000, n0 + 96)
         assert same_bits(got[:, n0:n1].contiguous(), F.linear(x, linear.weight[n0:n1], linear.bias[n0:n1]))

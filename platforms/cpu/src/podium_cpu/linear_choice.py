@@ -6,7 +6,8 @@ the tests (``CpuPlatform.linear_kernel``).
               dot products (dpbf16_linear.c) for every batch; else oneDNN's packed matmul where it
               has a bf16 matmul; else the FMA units with bf16 weights widened in registers
               (fma_linear.c), for every batch (AVX2 without AVX-512, where oneDNN has none)
-    float32   the FMA units (fma_linear.c: AVX-512 or AVX2) for every batch; else oneDNN packed
+    float32   the FMA units (fma_linear.c: AVX-512 or AVX2) for every batch, except on a CPU with AMX
+              (Sapphire Rapids and later): up to F32_MAX_ROWS rows, oneDNN above; else oneDNN packed
     other     F.linear
 
 Kernels:  ``amx``, ``avx512-bf16``, ``fma`` (native: a decode step whose every op is native replays
@@ -26,6 +27,11 @@ against oneDNN's packed matmul at SmolLM2's shapes and 1-512 rows):
   for SmolLM2's largest layer against ~2.4 ms for its 2,048-row matmul; a 4 x 512-token prefill
   measured alike with and without it), so the model holds one copy of its weights; the platform
   option ``amx_plain_weights`` keeps the plain copy resident instead (256 MiB more for SmolLM2-135M).
+- float32 FMA on the AMX Xeon (two threads, a quiet machine): 0.94-1.06x oneDNN's packed matmul's
+  time at 32 rows, 1.21-1.42x at 128, 1.11-1.33x at 256-2048 across the five shapes (the prefill
+  of 32 x 48 tokens: 1.43 s against 1.23 s on oneDNN). So oneDNN above F32_MAX_ROWS there, on the
+  weight unpacked from the panels for the call (``unpacked_linear``); the steps above it are never
+  captured anyway. Unmeasured elsewhere, so every batch stays on the FMA kernel on other CPUs.
 - AVX512-BF16 and float32 FMA (AMD Zen 4, one thread, CPU time on a loaded machine): 1.5-2.3x
   oneDNN's speed at 1 row, 0.9-1.15x its time at 32-512 rows across the five shapes. Equal within
   the noise where not faster, and then the graphs decide: a step of native calls replays without
@@ -53,6 +59,10 @@ from .native_kernels import NativeKernels
 from .onednn_linear import packing_unavailable
 
 AMX_MAX_ROWS = 256  # AMX's kernel up to this many rows, oneDNN above (measured alike at 256-512)
+# float32 on the FMA kernel up to this many rows where measured slower above (the AMX Xeon), oneDNN
+# above: the largest decode step captured as a CPU graph (graphs.MAX_GRAPH_BATCH), so every captured
+# step stays native
+F32_MAX_ROWS = 64
 NATIVE = ("amx", "avx512-bf16", "fma")
 LINEAR_CHOICES = ("auto", *NATIVE, "onednn")  # the platform option ``linears``
 
@@ -123,10 +133,12 @@ def _native(kernels: NativeKernels, name: str, dtype: torch.dtype) -> NativeKern
     tiles = layouts[dtype] is amx_tiles
     pack = kernels.amx_pack if tiles else kernels.fma_pack
     rows = kernels.tile_rows if tiles else kernels.panel_rows
+    max_rows = AMX_MAX_ROWS if name == "amx" else \
+        F32_MAX_ROWS if name == "fma" and dtype == torch.float32 and kernels.amx_linear else None
+    unpack = (kernels.tile_unpack if tiles else kernels.panel_unpack).get(dtype) if max_rows else None
     return NativeKernel(name, dtype, getattr(kernels, f"{prefix}_linear")[dtype],
                         getattr(kernels, f"{prefix}_fused_linear")[dtype], pack.get(dtype), layouts[dtype],
-                        AMX_MAX_ROWS if name == "amx" else None, rows.get(dtype),
-                        kernels.tile_unpack.get(dtype) if tiles else None)
+                        max_rows, rows.get(dtype), unpack)
 
 
 def runnable_native_kernels(kernels: NativeKernels) -> list[NativeKernel]:

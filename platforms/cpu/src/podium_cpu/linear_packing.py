@@ -14,8 +14,9 @@ pads and permutes, the definition the packers are tested against):
 
 One copy of each weight. A native layer keeps only its packed weight (a non-persistent buffer, so
 ``weight_bytes_by_dtype`` counts it); ``unpacked()`` inverts the layout exactly for whatever needs
-the plain [out, in] weight back. A kernel with a row limit (AMX's) hands the batches above it to
-oneDNN (``F.linear``) on the plain weight rebuilt from the tiles for that call
+the plain [out, in] weight back. A kernel with a row limit (AMX's; float32 FMA's on an AMX CPU)
+hands the batches above it to oneDNN (``F.linear``) on the plain weight rebuilt from the tiles or
+panels for that call
 (``unpacked_linear``: the layout's native unpack into one shared scratch of at most
 ``UNPACK_SCRATCH_BYTES``, the LM head a slice of rows at a time), so the plain copy need not stay
 resident: the unpack is a transpose of 32-bit words, against a matmul of hundreds of rows that

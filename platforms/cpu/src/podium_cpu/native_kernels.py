@@ -99,6 +99,7 @@ class NativeKernels:
     tile_rows: dict = field(default_factory=dict)
     # AMX tiles back to plain rows (the weight oneDNN multiplies above the AMX kernel's rows)
     tile_unpack: dict = field(default_factory=dict)
+    panel_unpack: dict = field(default_factory=dict)  # float32 FMA panels back to plain rows
     token_bitmask: dict = field(default_factory=dict)  # structured output's mask, in place
     argmax: dict = field(default_factory=dict)  # greedy sampling's first index of each row's maximum
     # GGUF blocks kept quantized (gguf_linear.c): {ggml type id: {dtype: entry}}
@@ -251,6 +252,7 @@ SIGNATURES = {  # C function prefix -> (argtypes, dtypes it exists for)
     "podium_panel_rows": (_ROWS, ("f32", "bf16")),
     "podium_tile_rows": (_ROWS, ("bf16",)),
     "podium_tile_unpack": ([_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _INT], ("bf16",)),
+    "podium_panel_unpack": ([_PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _INT], ("f32",)),
     "podium_token_bitmask": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _INT], ("f32", "bf16")),
     "podium_argmax": ([_PTR, _I64, _I64, _I64, _PTR, _INT], ("f32", "bf16")),
     **{f"podium_gguf_{name}_linear": (_LINEAR, ("f32", "bf16")) for name in GGUF_TYPES.values()},
@@ -346,6 +348,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         panel_rows=entries["podium_panel_rows"],
         tile_rows=entries["podium_tile_rows"],
         tile_unpack=entries["podium_tile_unpack"],
+        panel_unpack=entries["podium_panel_unpack"],
         token_bitmask=entries["podium_token_bitmask"],
         argmax=entries["podium_argmax"],
         gguf_linear={t: entries[f"podium_gguf_{name}_linear"] for t, name in GGUF_TYPES.items()},

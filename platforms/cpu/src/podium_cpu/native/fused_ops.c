@@ -204,6 +204,33 @@ int podium_tile_unpack_bf16(const bf16_t *tiles, int64_t n, int64_t k, int64_t n
     return 0;
 }
 
+/* The plain [n, k] float32 weight's rows [n0, n1) (n0 a multiple of 16) rebuilt from its FMA panels
+ * (linear_packing.f32_panels: [panels][K][16], a k's 16 columns contiguous) into out (leading
+ * dimension ld): 16 k's of a panel are a 16 x 16 transpose (AVX-512: in registers), the K tail and
+ * other builds element by element. */
+int podium_panel_unpack_f32(const float *panels, int64_t n, int64_t k, int64_t n0, int64_t n1, float *out,
+                            int64_t ld, int num_threads) {
+    if (n0 < 0 || n1 > n || n0 > n1 || (n0 & 15) || ld < k) return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if ((n1 - n0) * k >= 4 * PARALLEL_MIN)
+    for (int64_t p = n0 >> 4; p < (n1 + 15) >> 4; p++) {
+        const int64_t rows = p * 16 + 16 <= n1 ? 16 : n1 - p * 16;
+        const float *panel = panels + p * k * 16;
+        float *dst = out + (p * 16 - n0) * ld;
+        int64_t k0 = 0;
+#ifdef __AVX512F__
+        for (; k0 + 16 <= k; k0 += 16) {
+            __m512i v[16];
+            for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512((const void *)(panel + (k0 + i) * 16));
+            transpose_16x16_words(v);  /* v[j]: column j's 16 k's */
+            for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512((void *)(dst + r * ld + k0), v[r]);
+        }
+#endif
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t kk = k0; kk < k; kk++) dst[r * ld + kk] = panel[kk * 16 + r];
+    }
+    return 0;
+}
+
 /* Structured output's mask, in place: logits[rows[i]][t] = -inf where bit t % 32 of word t / 32 of
  * mask row i is clear (a forbidden token), for t < vocab; rows may be NULL (row i for mask row i).
  * Only forbidden entries are written; a word of all-allowed tokens (all bits set, the common case
