@@ -121,6 +121,10 @@ EOF
 }
 
 FIGURES="^check|^default|^time|^layer|^sweep|rule|^tuning|^failed|rror|Traceback"
+# the 8B runs of every mode: the model, the 256 x 512/256 throughput run, batch-1 latency
+MODEL=(--model llama-3.1-8b-shape --max-model-len 1024 --kv-cache-dtype fp8 --no-progress)
+THROUGHPUT=(--dataset random --input-len 512 --output-len 256 --num-prompts 256)
+LATENCY=(--max-num-seqs 1 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3)
 if [ "$MODE" = one_row ]; then
   KEEP=$FIGURES TAIL=400 run_step one_row "$BUDGET" python3 benchmarks/quant_gpu_one_row.py
   finish
@@ -129,8 +133,6 @@ fi
 if [ "$MODE" = accum ]; then
   KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 110 python3 -m pytest -q -p no:cacheprovider -rfE \
     platforms/cuda/tests/test_fp8_kernels.py platforms/cuda/tests/test_fp8_quant.py
-  MODEL=(--model llama-3.1-8b-shape --max-model-len 1024 --kv-cache-dtype fp8 --no-progress)
-  THROUGHPUT=(--dataset random --input-len 512 --output-len 256 --num-prompts 256)
   for round in 1 2; do
     for accum in 0 1; do
       KEEP="Output tokens/s|rror" TAIL=4 run_step "throughput_fp8_accum${accum}_r$round" 100 \
@@ -144,9 +146,6 @@ if [ "$MODE" = accum ]; then
   exit 0
 fi
 if [ "$MODE" = targets ]; then
-  MODEL=(--model llama-3.1-8b-shape --max-model-len 1024 --kv-cache-dtype fp8 --no-progress)
-  THROUGHPUT=(--dataset random --input-len 512 --output-len 256 --num-prompts 256)
-  LATENCY=(--max-num-seqs 1 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3)
   for run in fp8_r1 bf16 fp8_r2; do
     QUANT=(); [ "${run#fp8}" != "$run" ] && QUANT=(--quantization fp8)
     KEEP="Output tokens/s|rror" TAIL=4 run_step "throughput_$run" 100 podium bench throughput "${MODEL[@]}" \
@@ -176,9 +175,6 @@ KEEP=$FIGURES TAIL=400 run_step one_row 170 python3 benchmarks/quant_gpu_one_row
 MEASURED=$(grep -oE "PODIUM_CUDA_TUNING=[^ ]+" "$OUT/one_row.log" 2>/dev/null | tail -1 | cut -d= -f2-)
 echo "measured tuning: ${MEASURED:-none (the one_row step gave none: the defaults)}" | tee -a "$SUMMARY"
 
-MODEL=(--model llama-3.1-8b-shape --max-model-len 1024 --kv-cache-dtype fp8 --no-progress)
-THROUGHPUT=(--dataset random --input-len 512 --output-len 256 --num-prompts 256)
-LATENCY=(--max-num-seqs 1 --batch-size 1 --input-len 32 --output-len 128 --num-iters 3)
 KEEP_T="Output tokens/s|rror"
 KEEP_L="Decode per token|rror"
 

@@ -11,8 +11,9 @@ own report and the router's pending count, updated on every routed request and f
 ``replica``), summed over the replicas on r's hardware device: Podium replicas reporting one
 ``device_key`` (several servers on one GPU, or on one host's cores) time-share it, so work queued
 on a neighbour delays r as much as its own, and moving a request from the holder of its prefix to
-a neighbour saves no queue while it recomputes the prefix and evicts another one. ``uncached_prompt_tokens``: the prompt less the leading blocks that replica holds in
-its prefix cache (exact from its KV events). ``prefill_rate``: tokens per second, learned from the
+a neighbour saves no queue while it recomputes the prefix and evicts another one.
+``uncached_prompt_tokens``: the prompt less the leading blocks that replica holds in its prefix
+cache (exact from its KV events). ``prefill_rate``: tokens per second, learned from the
 replica's own metrics (prompt tokens computed over the step seconds they took), so a slow replica
 (a CPU beside GPUs) takes a request only when it would really answer it sooner. The decode terms
 keep short prompts from piling onto one replica: the request's prefill step carries the running
@@ -127,7 +128,7 @@ class _ClassTerms:
 
     def queued_tokens(self, replica: Replica) -> int:
         """The work queued on ``replica``'s hardware device: its own and its co-located neighbours'."""
-        return self._queued.get(device_of(replica), replica.queued_tokens)
+        return self._queued[device_of(replica)]
 
     def _peers(self, replica: Replica) -> list[Replica]:
         return self._classes.get(hardware_class(replica), [replica])

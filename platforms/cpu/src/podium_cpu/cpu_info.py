@@ -70,10 +70,14 @@ def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     return None
 
 
+def usable_cpus() -> set[int]:
+    """The logical CPUs this process may run on (its affinity; every CPU where the OS has none)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def usable_cores() -> int:
     """Threads worth running: physical cores we may use, capped by the cgroup quota (>= 1)."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    cores = physical_cores(cpus)
+    cores = physical_cores(usable_cpus())
     limit = cgroup_cpu_limit()
     if limit is not None:
         cores = min(cores, max(1, math.ceil(limit)))

@@ -16,10 +16,9 @@ One copy of each weight. A native layer keeps only its packed weight (a non-pers
 ``weight_bytes_by_dtype`` counts it); ``unpacked()`` inverts the layout exactly for whatever needs
 the plain [out, in] weight back. A kernel with a row limit (AMX's; float32 FMA's on an AMX CPU)
 hands the batches above it to oneDNN (``F.linear``) on the plain weight rebuilt from the tiles or
-panels for that call
-(``unpacked_linear``: the layout's native unpack into one shared scratch of at most
-``UNPACK_SCRATCH_BYTES``, the LM head a slice of rows at a time), so the plain copy need not stay
-resident: the unpack is a transpose of 32-bit words, against a matmul of hundreds of rows that
+panels for that call (``unpacked_linear``: the layout's native unpack into one shared scratch of at
+most ``UNPACK_SCRATCH_BYTES``, the LM head a slice of rows at a time), so the plain copy need not
+stay resident: the unpack is a transpose of 32-bit words, against a matmul of hundreds of rows that
 reads each weight element once per row. Where the layout has no native unpack the layer keeps the
 plain ``weight`` parameter beside the packed one. A tied embedding (an ``nn.Embedding`` sharing the
 head's weight, as SmolLM2's does) reads its rows from the head's packed copy (``PanelEmbedding``)
@@ -128,7 +127,7 @@ class NativeKernel:
     layout: Callable[..., torch.Tensor]  # (weight, pack) -> packed weight
     max_rows: int | None = None
     rows: Callable | None = None  # embedding rows gathered from the layout (fused_ops.c's panel/tile rows)
-    unpack: Callable | None = None  # plain rows rebuilt from the layout (fused_ops.c's tile unpack)
+    unpack: Callable | None = None  # plain rows rebuilt from the layout (fused_ops.c's tile / panel unpack)
 
     def takes(self, rows: int) -> bool:
         return rows > 0 and (self.max_rows is None or rows <= self.max_rows)
@@ -147,7 +146,7 @@ class NativeKernel:
 
 UNPACK_SCRATCH_BYTES = 8 << 20  # a decoder layer's largest weight fits (SmolLM2's gate_up: 3.4 MiB)
 _scratch_lock = threading.Lock()
-_scratch: list[torch.Tensor] = []  # the one shared unpack buffer, grown on demand
+_scratch = torch.empty(0)  # the one shared unpack buffer, grown on demand (under the lock)
 
 
 def unpacked_linear(unpack: Callable, packed: torch.Tensor, x: torch.Tensor, n: int, k: int,
@@ -155,23 +154,24 @@ def unpacked_linear(unpack: Callable, packed: torch.Tensor, x: torch.Tensor, n: 
     """``F.linear(x, w, bias)`` with w [n, k] rebuilt by ``unpack`` from ``packed`` into the shared
     scratch, ``UNPACK_SCRATCH_BYTES`` at most at a time (slices of rows for a larger weight). x: [M, k]
     of the weight's dtype."""
+    global _scratch
     step = max(16, UNPACK_SCRATCH_BYTES // (k * packed.element_size()) // 16 * 16)  # rows a slice
     threads = torch.get_num_threads()
     with _scratch_lock:
-        size = min(n, step) * k
-        if not _scratch or _scratch[0].numel() < size or _scratch[0].dtype != packed.dtype:
-            _scratch[:] = [torch.empty(size, dtype=packed.dtype)]
-        buffer = _scratch[0]
-        out = None if n <= step else torch.empty((x.shape[0], n), dtype=x.dtype)
-        for n0 in range(0, n, step):
-            n1 = min(n, n0 + step)
-            w = buffer[:(n1 - n0) * k].view(n1 - n0, k)
+        if _scratch.numel() < min(n, step) * k or _scratch.dtype != packed.dtype:
+            _scratch = torch.empty(min(n, step) * k, dtype=packed.dtype)
+
+        def rows(n0: int, n1: int) -> torch.Tensor:  # x . w[n0:n1]^T + bias[n0:n1]
+            w = _scratch[:(n1 - n0) * k].view(n1 - n0, k)
             if unpack(packed.data_ptr(), n, k, n0, n1, w.data_ptr(), k, threads) != 0:
                 raise ValueError(f"cannot unpack rows {n0}-{n1} of a [{n}, {k}] packed weight")
-            part = F.linear(x, w, None if bias is None else bias[n0:n1])
-            if out is None:
-                return part
-            out[:, n0:n1] = part
+            return F.linear(x, w, None if bias is None else bias[n0:n1])
+
+        if n <= step:
+            return rows(0, n)
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)
+        for n0 in range(0, n, step):
+            out[:, n0:n0 + step] = rows(n0, min(n, n0 + step))
         return out
 
 

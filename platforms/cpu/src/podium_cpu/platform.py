@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 from collections.abc import Mapping
 from functools import partial
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from podium_plugin_api import AttentionBackend, Capabilities, GraphRunner, KVCac
 
 from .attention import CpuAttentionBackend
 from .attention_plan import EVERY_TOKEN_ALONE, TILE_MIN_QUERY
-from .cpu_info import has_native_bf16, usable_cores
+from .cpu_info import has_native_bf16, usable_cores, usable_cpus
 from .embedding import native_embeddings
 from .fused_ops import cpu_ops
 from .graphs import CpuGraphRunner
@@ -163,14 +163,9 @@ class CpuPlatform(Platform):
     def device_key(self, index: int = 0) -> str:
         """The host and the cores this process may run on: replicas pinned to disjoint cores compute side
         by side, unpinned ones share every core."""
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        spans, start = [], None
-        for i, core in enumerate(cores):  # 0-3,8 style
-            start = core if start is None else start
-            if i + 1 == len(cores) or cores[i + 1] != core + 1:
-                spans.append(str(start) if start == core else f"{start}-{core}")
-                start = None
-        return f"{socket.gethostname()}/cpu:{','.join(spans) or index}"
+        runs = [[c for _, c in run] for _, run in groupby(enumerate(sorted(usable_cpus())), lambda ic: ic[1] - ic[0])]
+        spans = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]  # 0-3,8 style
+        return f"{socket.gethostname()}/cpu:{','.join(spans)}"
 
     def rank_device(self, rank: int, world_size: int) -> int:
         """Every tensor-parallel rank runs on the host's one device (the core splits the threads)."""

@@ -138,11 +138,13 @@ int podium_tile_rows_bf16(const bf16_t *tiles, int64_t num_rows, int64_t dim, co
     return 0;
 }
 
+/* Rows 0 .. rows-1 of dst (dst_stride bytes apart) get words r of src's 16 rows of 16 32-bit words
+ * (64 bytes apart): a 16 x 16 transpose of words. AVX-512: in registers (32-bit interleaves, then
+ * 64-bit, then two rounds of 128-bit lane shuffles: 64 shuffles for 1 KiB); else word by word. */
+static inline void transpose_words(const void *src, void *dst, int64_t dst_stride, int64_t rows) {
 #ifdef __AVX512F__
-/* v[i] (16 words each) -> v[j] holding the old v[0..15]'s word j: 32-bit interleaves, then 64-bit,
- * then two rounds of 128-bit lane shuffles (64 shuffles for 1 KiB). */
-static inline void transpose_16x16_words(__m512i v[16]) {
-    __m512i a[16], b[16];
+    __m512i v[16], a[16], b[16];
+    for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512((const char *)src + 64 * i);
     for (int i = 0; i < 8; i++) {
         a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
         a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
@@ -162,15 +164,21 @@ static inline void transpose_16x16_words(__m512i v[16]) {
         v[8 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
         v[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xDD);
     }
-}
+    for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512((char *)dst + r * dst_stride, v[r]);
+#else
+    for (int64_t r = 0; r < rows; r++) {
+        uint32_t line[16];
+        for (int i = 0; i < 16; i++) memcpy(&line[i], (const char *)src + 64 * i + 4 * r, 4);
+        memcpy((char *)dst + r * dst_stride, line, 64);
+    }
 #endif
+}
 
 /* The plain [n, k] weight's rows [n0, n1) (n0 a multiple of 16) rebuilt from its AMX tiles
  * (linear_packing.amx_tiles: [N/16, K/32, 16 pairs, 16 rows, 2]) into out (leading dimension ld):
  * what oneDNN multiplies above the AMX kernel's rows, so the plain weight need not stay resident.
  * A tile's pair p of row r is one 32-bit word, so a full 32-column tile is a 16 x 16 transpose of
- * words (AVX-512: in registers; else 16 word loads at a stride of 16 words a row); padded column
- * blocks go element by element. */
+ * words; padded column blocks go element by element. */
 int podium_tile_unpack_bf16(const bf16_t *tiles, int64_t n, int64_t k, int64_t n0, int64_t n1, bf16_t *out,
                             int64_t ld, int num_threads) {
     if (n0 < 0 || n1 > n || n0 > n1 || (n0 & 15) || ld < k) return -1;
@@ -181,24 +189,12 @@ int podium_tile_unpack_bf16(const bf16_t *tiles, int64_t n, int64_t k, int64_t n
         for (int64_t kb = 0; kb < kb_count; kb++) {
             const bf16_t *tile = tiles + (b * kb_count + kb) * 512;
             bf16_t *dst = out + (b * 16 - n0) * ld + kb * 32;
-#ifdef __AVX512F__
-            if (kb < full) {
-                __m512i v[16];
-                for (int p = 0; p < 16; p++) v[p] = _mm512_loadu_si512((const void *)(tile + p * 32));
-                transpose_16x16_words(v);  /* v[r]: row r's 16 pairs */
-                for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512((void *)(dst + r * ld), v[r]);
+            if (kb < full) {  /* 16 pairs (rows of the tile) of 16 rows' words -> 16 rows of 16 pairs */
+                transpose_words(tile, dst, 2 * ld, rows);
                 continue;
             }
-#endif
-            for (int64_t r = 0; r < rows; r++) {
-                if (kb < full) {
-                    uint32_t line[16];
-                    for (int p = 0; p < 16; p++) memcpy(&line[p], tile + p * 32 + r * 2, 4);
-                    memcpy(dst + r * ld, line, 64);
-                } else {
-                    for (int64_t c = 0; c < k - kb * 32; c++) dst[r * ld + c] = tile[(c >> 1) * 32 + r * 2 + (c & 1)];
-                }
-            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < k - kb * 32; c++) dst[r * ld + c] = tile[(c >> 1) * 32 + r * 2 + (c & 1)];
         }
     }
     return 0;
@@ -206,8 +202,7 @@ int podium_tile_unpack_bf16(const bf16_t *tiles, int64_t n, int64_t k, int64_t n
 
 /* The plain [n, k] float32 weight's rows [n0, n1) (n0 a multiple of 16) rebuilt from its FMA panels
  * (linear_packing.f32_panels: [panels][K][16], a k's 16 columns contiguous) into out (leading
- * dimension ld): 16 k's of a panel are a 16 x 16 transpose (AVX-512: in registers), the K tail and
- * other builds element by element. */
+ * dimension ld): 16 k's of a panel are a 16 x 16 transpose of words, the K tail element by element. */
 int podium_panel_unpack_f32(const float *panels, int64_t n, int64_t k, int64_t n0, int64_t n1, float *out,
                             int64_t ld, int num_threads) {
     if (n0 < 0 || n1 > n || n0 > n1 || (n0 & 15) || ld < k) return -1;
@@ -217,14 +212,8 @@ int podium_panel_unpack_f32(const float *panels, int64_t n, int64_t k, int64_t n
         const float *panel = panels + p * k * 16;
         float *dst = out + (p * 16 - n0) * ld;
         int64_t k0 = 0;
-#ifdef __AVX512F__
-        for (; k0 + 16 <= k; k0 += 16) {
-            __m512i v[16];
-            for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512((const void *)(panel + (k0 + i) * 16));
-            transpose_16x16_words(v);  /* v[j]: column j's 16 k's */
-            for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512((void *)(dst + r * ld + k0), v[r]);
-        }
-#endif
+        for (; k0 + 16 <= k; k0 += 16)  /* 16 k's of 16 columns -> 16 columns of 16 k's */
+            transpose_words(panel + k0 * 16, dst + k0, 4 * ld, rows);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t kk = k0; kk < k; kk++) dst[r * ld + kk] = panel[kk * 16 + r];
     }
