@@ -17,7 +17,7 @@ from podium_cpu import CpuPlatform
 from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.ipex_support import ipex_status
 from podium_cpu.native_kernels import load_kernels
-from podium_plugin_api import AttentionMetadata
+from podium_plugin_api import AttentionMetadata, KVCacheSpec
 from podium_plugin_api.testing.batches import AttentionCase, build_batch
 from podium_plugin_api.testing.report import check_close
 
@@ -183,3 +183,39 @@ def test_fused_rotary_rejects_positions_beyond_the_table(platform):
     rotary = RotaryInputs(torch.tensor([19, 8]), rotary_table(10, case.head_size), _exploding_rotate)
     with pytest.raises(ValueError, match=r"positions must be in \[0, 10\)"):
         backend.forward_rotary(case.layer(), batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, rotary)
+
+
+def _tile_backend(platform):
+    """The native backend as a CPU without AMX runs it (AMX machines: their AVX512-BF16 tiles)."""
+    kernels, why = load_kernels()
+    if kernels is None:
+        pytest.skip(why)
+    return CpuAttentionBackend(kernels, amx=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 37], ids=["causal", "window37"])
+def test_a_prompt_rows_do_not_depend_on_how_it_was_chunked(platform, dtype, window):
+    """A query row's prefill result is the same bits whether its prompt came whole or in chunks over
+    the cached rest: its tile's other rows, where the tiles start and how many keys a tile sees
+    change nothing (the tiles' online softmax is per row, its steps aligned to the cache blocks)."""
+    from podium_plugin_api import AttentionLayerSpec
+
+    backend = _tile_backend(platform)
+    heads, kv_heads, head_size, block, total = 9, 3, 64, 16, 150
+    layer = AttentionLayerSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, scale=head_size**-0.5,
+                               sliding_window=window or None)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(total, heads, head_size, generator=gen).to(dtype)
+    k, v = (torch.randn(total, kv_heads, head_size, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(12, generator=gen)[: -(-total // block)].tolist()
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_size=head_size, block_size=block, dtype=dtype)
+    cache = torch.zeros(backend.kv_cache_shape(spec, 12), dtype=dtype)
+
+    def prefill(start: int, end: int) -> torch.Tensor:
+        meta = AttentionMetadata.from_lengths([end - start], [end], [table], block)
+        return backend.forward(layer, q[start:end], k[start:end], v[start:end], cache, backend.prepare_metadata(meta))
+
+    whole = prefill(0, total)
+    for start, end in ((0, 21), (21, 26), (26, 101), (101, 150)):  # tiles of 1 to 3 vectors of rows
+        assert torch.equal(prefill(start, end), whole[start:end]), (start, end)

@@ -36,8 +36,15 @@
 #include "amx_attention.h"
 #include "attention_math.h"
 #include "bf16.h"
+#include "dpbf16_attention.h"
 #include "rotary.h"
 #include "scratch.h"
+
+/* decode items a thread takes at a time (OpenMP's dynamic chunk): within a chunk, each item asks for
+ * the next one's key tiles while it sums its values, so memory stays busy through that pass */
+#ifndef ITEM_CHUNK
+#define ITEM_CHUNK 4
+#endif
 
 typedef struct { /* one layer's call: its strides (elements) and attention parameters */
     int64_t q_token_stride, o_token_stride, k_token_stride, v_token_stride;
@@ -71,7 +78,8 @@ typedef struct { /* one step's batch, the same for every layer */
 /* scratch: qf [G*D], tile [B*D], row [G*B], acc [G*D], scores [G*n] */
 #define DEFINE_ITEM(NAME, T, SCORES, ACCUMULATE, LOAD, STORE)                                             \
 static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *table,             \
-                 int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch) {             \
+                 int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch,               \
+                 const int32_t *next_table, int64_t next_pos, int64_t next_h) {                       \
     const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, B = s->block_size;            \
     const int64_t lo = (s->window > 0 && pos - s->window + 1 > 0) ? pos - s->window + 1 : 0;          \
     const int64_t n = pos - lo + 1, first = lo / B, last = pos / B, tile_size = B * D;                \
@@ -97,12 +105,17 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     }                                                                                                 \
     for (int64_t g = 0; g < G; g++) softmax_row(scores + g * n, n, s->soft_cap);                     \
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;                                                 \
+    const int64_t next_lo = (s->window > 0 && next_pos - s->window + 1 > 0) ? next_pos - s->window + 1 : 0; \
+    const int64_t next_first = next_lo / B, next_last = next_pos / B;                                 \
     for (int64_t b = first; b <= last; b++) {                                                         \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
         const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
         if (b + V_AHEAD <= last) /* L2 -> L1 while this tile accumulates */                           \
             prefetch_tile(vc + ((int64_t)table[b + V_AHEAD] * s->num_kv_heads + h) * tile_size,         \
                           tile_size * (int64_t)sizeof(T), 3);                                         \
+        if (next_table && b - first + next_first <= next_last) /* the next item's keys, into L2 */      \
+            prefetch_tile(kc + ((int64_t)next_table[b - first + next_first] * s->num_kv_heads + next_h) \
+                                   * tile_size, tile_size * (int64_t)sizeof(T), 2);                   \
         ACCUMULATE(scores, n, b * B - lo, vc + base, acc, G, D, t0, t1);                                \
     }                                                                                                 \
     T *o = out + token * s->o_token_stride + h * G * D;                                               \
@@ -183,30 +196,47 @@ int podium_attention_amx(int on) {
     return amx_tiles_on;
 }
 
-/* the floats of scratch a bf16 call's AMX tiles need, for tiles of up to R rows (0: none run) */
-static size_t amx_floats(int64_t R, const Shape *s, const Step *st) {
+/* the floats of scratch a bf16 call's AMX or AVX512-BF16 lane tiles need, for tiles of up to R rows
+ * (0: neither runs) */
+static size_t bf16_tile_floats(int64_t R, const Shape *s, const Step *st) {
+#if HAVE_DPBF16_TILE
+    const size_t lanes = dpbf16_tile_fits(R, s->head_size, s->block_size, s->soft_cap)
+                             ? dpbf16_tile_floats(R, s->head_size, s->block_size) : 0;
+#else
+    const size_t lanes = 0;
+#endif
 #if HAVE_AMX_ATTENTION
-    if (!amx_tiles_on || !s->amx_tiles || !amx_tile_fits(s->head_size, s->block_size)) return 0;
+    if (!amx_tiles_on || !s->amx_tiles || !amx_tile_fits(s->head_size, s->block_size)) return lanes;
     int64_t blocks = 1; /* the most key blocks one tile reads */
     for (int64_t i = 0; i < st->num_tiles; i++) {
         const int64_t pos0 = st->tiles[4 * i + 2], last = (pos0 + st->tiles[4 * i + 3] - 1) / s->block_size;
         const int64_t lo = s->window > 0 && pos0 - s->window + 1 > 0 ? pos0 - s->window + 1 : 0;
         blocks = last - lo / s->block_size + 1 > blocks ? last - lo / s->block_size + 1 : blocks;
     }
-    return amx_tile_floats(R, blocks);
+    const size_t amx = amx_tile_floats(R, blocks);
+    return amx > lanes ? amx : lanes;
 #else
-    (void)R, (void)s, (void)st;
-    return 0;
+    (void)st;
+    return lanes;
 #endif
 }
 
-/* a bf16 prefill tile: on AMX tiles where they run this shape, else DEFINE_TILE's */
+/* a bf16 prefill tile: on AMX tiles where they run this shape, else with rows across the lanes where
+ * AVX512-BF16 runs it (dpbf16_attention.h), else DEFINE_TILE's */
 static void tile_bf16_any(const bf16_t *query, const bf16_t *kc, const bf16_t *vc, bf16_t *out, const int32_t *table,
                           int64_t tok0, int64_t pos0, int64_t count, int64_t h, const Shape *s, float *scratch) {
 #if HAVE_AMX_ATTENTION
     if (amx_tiles_on && s->amx_tiles && amx_tile_fits(s->head_size, s->block_size)) {
         amx_tile(query, kc, vc, out, table, tok0, pos0, count, h, s->num_heads / s->num_kv_heads, s->num_kv_heads,
                  s->q_token_stride, s->o_token_stride, s->window, s->scale, s->soft_cap, scratch);
+        return;
+    }
+#endif
+#if HAVE_DPBF16_TILE
+    const int64_t G = s->num_heads / s->num_kv_heads;
+    if (dpbf16_tile_fits(count * G, s->head_size, s->block_size, s->soft_cap)) {
+        dpbf16_tile(query, kc, vc, out, table, tok0, pos0, count, G, s->num_kv_heads, h, s->q_token_stride,
+                    s->o_token_stride, s->head_size, s->block_size, s->window, s->scale, scratch);
         return;
     }
 #endif
@@ -288,20 +318,24 @@ int NAME(const T *query, const T *key, const T *value, T *kc, T *vc, T *out, con
             TILE(q, kc, vc, out, st->block_tables + tile[0] * st->bt_stride, tile[1], tile[2], tile[3], \
                  it % Hkv, &sq, scratch);                                                             \
         }                                                                                             \
-        _Pragma("omp for schedule(dynamic, 4)")                                                       \
+        _Pragma("omp for schedule(dynamic, ITEM_CHUNK)")                                              \
         for (int64_t it = 0; it < items; it++) {                                                      \
             if (!scratch || failed) continue;                                                         \
             const int64_t i = it / Hkv, h = it % Hkv, seq = st->seqs[i];                              \
             const int64_t pos = st->seq_lens ? (int64_t)st->seq_lens[seq] - 1 : st->positions[i];     \
+            /* the item this thread takes next, when its chunk of ITEM_CHUNK has one */              \
+            const int64_t nx = (it + 1) % ITEM_CHUNK && it + 1 < items ? it + 1 : -1;                 \
+            const int64_t ni = nx < 0 ? 0 : nx / Hkv, nseq = st->seqs[ni];                            \
+            const int64_t npos = nx < 0 ? 0 : st->seq_lens ? (int64_t)st->seq_lens[nseq] - 1 : st->positions[ni]; \
             ITEM(q, kc, vc, out, st->block_tables + seq * st->bt_stride, st->tokens[i], pos, h, &sq,  \
-                 scratch);                                                                            \
+                 scratch, nx < 0 ? NULL : st->block_tables + nseq * st->bt_stride, npos, nx < 0 ? 0 : nx % Hkv); \
         }                                                                                             \
     }                                                                                                 \
     return failed ? -1 : 0;                                                                           \
 }
 
 DEFINE_ENTRY(podium_paged_attention_f32, item_f32, tile_f32, no_amx_floats, write_token_f32, rotate_f32, float)
-DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, tile_bf16_any, amx_floats, write_token_bf16, rotate_bf16, bf16_t)
+DEFINE_ENTRY(podium_paged_attention_bf16, item_bf16, tile_bf16_any, bf16_tile_floats, write_token_bf16, rotate_bf16, bf16_t)
 
 /* Only the writes: new rows [T, H_kv, D] (token strides k_stride / v_stride) at slots (negative: skip) */
 #define DEFINE_WRITE(NAME, T, WRITE)                                                                  \
