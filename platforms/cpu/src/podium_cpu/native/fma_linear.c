@@ -28,6 +28,7 @@
  * the rounding follows all of them (with the sums of one block in a small local, GCC 12 kept a
  * weight vector in memory and reloaded it in each FMA).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,14 +113,15 @@ static inline Ahead ahead_of(const void *next, int64_t bytes, int64_t b, int64_t
     return ahead;
 }
 
-/* c[r][0..GROUP_COLS) = sum_k x[r][k] * w[k][...] for R rows of float32 x (row stride xs) and one
- * group of float32 panels (panel stride K * 16); R a constant after inlining */
-static inline __attribute__((always_inline)) void row_block_f32(const float *restrict x, int64_t xs, int64_t K,
-                                                                 const float *restrict w, float *restrict c,
-                                                                 const int R, const Ahead ahead) {
+/* c[r][0..NP * 16) = sum_k x[r][k] * w[k][...] for R rows of float32 x (row stride xs) and NP
+ * float32 panels (panel stride K * 16); R and NP constants after inlining */
+static inline __attribute__((always_inline)) void row_block_np(const float *restrict x, int64_t xs, int64_t K,
+                                                                const float *restrict w, float *restrict c,
+                                                                const int R, const Ahead ahead, const int NP) {
+    const int NV = NP * PANEL_VECTORS;
     vf a[ROWS][GROUP_VECTORS];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < GROUP_VECTORS; j++) a[r][j] = (vf){0};
+        for (int j = 0; j < NV; j++) a[r][j] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
 #if VL == 16
         ask_ahead(&ahead, k);
@@ -127,15 +129,27 @@ static inline __attribute__((always_inline)) void row_block_f32(const float *res
         (void)ahead;
 #endif
         vf wv[GROUP_VECTORS];
-        for (int j = 0; j < GROUP_VECTORS; j++)
+        for (int j = 0; j < NV; j++)
             wv[j] = loadv(w + (j / PANEL_VECTORS) * K * PANEL + k * PANEL + (j % PANEL_VECTORS) * VL);
         for (int r = 0; r < R; r++) {
             const vf xr = bcastv(x + r * xs + k);
-            for (int j = 0; j < GROUP_VECTORS; j++) a[r][j] = fmav(xr, wv[j], a[r][j]);
+            for (int j = 0; j < NV; j++) a[r][j] = fmav(xr, wv[j], a[r][j]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < GROUP_VECTORS; j++) storev(c + r * GROUP_COLS + j * VL, a[r][j]);
+        for (int j = 0; j < NV; j++) storev(c + r * NP * PANEL + j * VL, a[r][j]);
+}
+
+/* a register group's panels, and two of them (a thread's last item of a decode batch's even split) */
+static inline __attribute__((always_inline)) void row_block_f32(const float *restrict x, int64_t xs, int64_t K,
+                                                                 const float *restrict w, float *restrict c,
+                                                                 const int R, const Ahead ahead) {
+    row_block_np(x, xs, K, w, c, R, ahead, GROUP_PANELS);
+}
+static inline __attribute__((always_inline)) void row_block_f32_pair(const float *restrict x, int64_t xs, int64_t K,
+                                                                      const float *restrict w, float *restrict c,
+                                                                      const int R, const Ahead ahead) {
+    row_block_np(x, xs, K, w, c, R, ahead, 2);
 }
 
 /* The same for bf16 panels (SLOT order, one panel a group) widened in registers, on AVX2 */
@@ -162,11 +176,11 @@ static inline __attribute__((always_inline)) void row_block_bf16(const float *re
     }
 }
 
-/* Rows [m0, m0 + rows) of float32 input xf (row stride xs) x one column group g: register blocks
+/* Rows [m0, m0 + rows) of float32 input xf (row stride xs) x one column group from column n0: register blocks
  * of ROWS rows into the item's sums, then bias, the rounding and the store (columns past N
  * dropped). WIDTH: the group's columns; W_T: the weights' type. */
 #define DEFINE_ITEM(NAME, W_T, T, BLOCK, WIDTH, STORE)                                                  \
-static void NAME(const float *xf, int64_t xs, int64_t K, const W_T *group, int64_t g, int64_t N,         \
+static void NAME(const float *xf, int64_t xs, int64_t K, const W_T *group, int64_t n0, int64_t N,        \
                  const float *bias, T *out, int64_t out_stride, int64_t m0, int64_t rows,                \
                  const void *next, int64_t next_bytes) {                                                 \
     float c[CHUNK * WIDTH]; /* the item's sums, [rows][WIDTH] */                                         \
@@ -186,7 +200,6 @@ static void NAME(const float *xf, int64_t xs, int64_t K, const W_T *group, int64
             default: BLOCK(x, xs, K, group, cr, 1, ahead); break;                                        \
         }                                                                                                \
     }                                                                                                    \
-    const int64_t n0 = g * WIDTH;                                                                        \
     for (int64_t r = 0; r < rows; r++)                                                                   \
         for (int64_t j = 0; j < WIDTH && n0 + j < N; j += PANEL) {                                       \
             const int64_t cols = N - n0 - j < PANEL ? N - n0 - j : PANEL;                                \
@@ -194,6 +207,9 @@ static void NAME(const float *xf, int64_t xs, int64_t K, const W_T *group, int64
         }                                                                                                \
 }
 DEFINE_ITEM(item_f32, float, float, row_block_f32, GROUP_COLS, store_sums_f32)
+#if VL == 16
+DEFINE_ITEM(item_f32_pair, float, float, row_block_f32_pair, 2 * PANEL, store_sums_f32)
+#endif
 DEFINE_ITEM(item_bf16, bf16_t, bf16_t, row_block_bf16, PANEL, store_sums_bf16)
 
 /* bf16: every input row (the prologue's, else x's) widened into the float32 rows xf [M, K] */
@@ -220,7 +236,7 @@ int podium_fma_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t ch = it / panels, p = it % panels, m0 = ch * CHUNK;
-            item_bf16(xf, K, K, packed + p * K * PANEL, p, N, bias, out, out_stride, m0,
+            item_bf16(xf, K, K, packed + p * K * PANEL, p * PANEL, N, bias, out, out_stride, m0,
                       M - m0 < CHUNK ? M - m0 : CHUNK, NULL, 0);
         }
     }
@@ -242,13 +258,31 @@ int podium_fma_fused_linear_f32(FUSED_LINEAR_PARAMS(float)) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) input_row_f32(x, x_stride, &pro, m, K, h + m * K);
         } /* the loop's barrier: every input row is ready before any item reads it */
+#if VL == 16
+        if (chunks == 1) { /* a decode batch: each thread an even share of the panels, in pairs (a static
+                            * split of 4-panel groups left one thread a group more: 5 of 9 at N = 576) */
+            const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), pairs = ((N + PANEL - 1) / PANEL + 1) / 2;
+            const int64_t p1 = 2 * (pairs * (t + 1) / T);
+            for (int64_t p = 2 * (pairs * t / T); p < p1;) {
+                const int64_t np = p1 - p >= GROUP_PANELS ? GROUP_PANELS : 2, after = p + np;
+                const int64_t next_np = p1 - after >= GROUP_PANELS ? GROUP_PANELS : p1 - after;
+                const float *w = packed + p * K * PANEL, *next = next_np > 0 ? packed + after * K * PANEL : NULL;
+                const int64_t bytes = (int64_t)sizeof(float) * next_np * K * PANEL;
+                if (np == GROUP_PANELS)
+                    item_f32(xf, xs, K, w, p * PANEL, N, bias, out, out_stride, 0, M, next, bytes);
+                else
+                    item_f32_pair(xf, xs, K, w, p * PANEL, N, bias, out, out_stride, 0, M, next, bytes);
+                p = after;
+            }
+        } else
+#endif
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t ch = it / groups, g = it % groups, m0 = ch * CHUNK;
             /* the weights of this thread's next item (the next group; a new chunk starts again at 0) */
             const int64_t bytes = (int64_t)sizeof(float) * GROUP_PANELS * K * PANEL;
             const float *next = g + 1 < groups ? packed + (g + 1) * GROUP_PANELS * K * PANEL : NULL;
-            item_f32(xf, xs, K, packed + g * GROUP_PANELS * K * PANEL, g, N, bias, out, out_stride, m0,
+            item_f32(xf, xs, K, packed + g * GROUP_PANELS * K * PANEL, g * GROUP_COLS, N, bias, out, out_stride, m0,
                      M - m0 < CHUNK ? M - m0 : CHUNK, next, bytes);
         }
     }
