@@ -204,6 +204,7 @@ static size_t bf16_tile_floats(int64_t R, const Shape *s, const Step *st) {
                              ? dpbf16_tile_floats(R, s->head_size, s->block_size) : 0;
 #else
     const size_t lanes = 0;
+    (void)R, (void)s;
 #endif
 #if HAVE_AMX_ATTENTION
     if (!amx_tiles_on || !s->amx_tiles || !amx_tile_fits(s->head_size, s->block_size)) return lanes;
