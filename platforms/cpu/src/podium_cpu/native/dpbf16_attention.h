@@ -51,12 +51,6 @@ static inline size_t dpbf16_tile_floats(int64_t R, int64_t D, int64_t B) {
     return (size_t)(D / 2 * L + D * L + K * L + K / 2 * L + K * D / 2 + 32);
 }
 
-static inline __m512 bcast_pair(const bf16_t *p) { /* p[0], p[1] as one 32-bit pair in every lane */
-    uint32_t u;
-    memcpy(&u, p, sizeof u);
-    return (__m512)_mm512_set1_epi32((int)u);
-}
-
 /* S[t][v] for keys t0k..t0k + KT of one key tile kt [D/2][B][2]: KT x RV accumulators, one chain each */
 static inline __attribute__((always_inline)) void dpb_scores(const uint32_t *restrict qp, const bf16_t *restrict kt,
                                                              float *restrict S, int64_t L, int64_t P, int64_t B,
@@ -68,7 +62,7 @@ static inline __attribute__((always_inline)) void dpb_scores(const uint32_t *res
         __m512bh q[3];
         for (int v = 0; v < RV; v++) q[v] = (__m512bh)_mm512_loadu_si512(qp + p * L + 16 * v);
         for (int k = 0; k < KT; k++) {
-            const __m512bh kb = (__m512bh)bcast_pair(kt + p * 2 * B + 2 * (t0k + k));
+            const __m512bh kb = (__m512bh)pair_broadcast(kt + p * 2 * B + 2 * (t0k + k));
             for (int v = 0; v < RV; v++) a[k][v] = _mm512_dpbf16_ps(a[k][v], q[v], kb);
         }
     }
@@ -89,7 +83,7 @@ static inline __attribute__((always_inline)) void dpb_values(float *restrict acc
         __m512bh w[3];
         for (int v = 0; v < RV; v++) w[v] = (__m512bh)_mm512_loadu_si512(pp + j * L + 16 * v);
         for (int dd = 0; dd < DB; dd++) {
-            const __m512bh vb = (__m512bh)bcast_pair(vp + j * 2 * D + 2 * (d0 + dd));
+            const __m512bh vb = (__m512bh)pair_broadcast(vp + j * 2 * D + 2 * (d0 + dd));
             for (int v = 0; v < RV; v++) a[dd][v] = _mm512_dpbf16_ps(a[dd][v], w[v], vb);
         }
     }
