@@ -68,15 +68,8 @@ static inline size_t amx_tile_floats(int64_t R, int64_t blocks) {
 
 /* value block v [B][D] (keys 0..15) -> vp [8 pairs][D][2]: dims of keys 2j and 2j + 1 side by side */
 static inline void amx_value_pairs(const bf16_t *v, bf16_t *vp) {
-    __m512i lo, hi;
-    for (int k = 0; k < 32; k++)
-        ((int16_t *)&lo)[k] = (int16_t)(k / 2 + (k % 2) * 32), ((int16_t *)&hi)[k] = (int16_t)(16 + k / 2 + (k % 2) * 32);
     for (int j = 0; j < AMX_B / 2; j++)
-        for (int d = 0; d < AMX_D; d += 32) {
-            const __m512i a = _mm512_loadu_si512(v + 2 * j * AMX_D + d), b = _mm512_loadu_si512(v + (2 * j + 1) * AMX_D + d);
-            _mm512_storeu_si512(vp + j * 2 * AMX_D + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
-            _mm512_storeu_si512(vp + j * 2 * AMX_D + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, b));
-        }
+        interleave_key_pair(v + 2 * j * AMX_D, v + (2 * j + 1) * AMX_D, vp + j * 2 * AMX_D, AMX_D);
 }
 
 /* online_softmax_row for one row of the 32-key window, with the window in two registers and no

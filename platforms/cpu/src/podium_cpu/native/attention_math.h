@@ -381,6 +381,25 @@ static inline __attribute__((always_inline)) void weigh_pairs(float *restrict ac
         for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * v, a[r][v]);
 }
 
+/* vpermt2w indices putting dims d of key rows a and b side by side: dims 0-15 (LO), 16-31 (HI) */
+static const int16_t PAIR_LO[32] __attribute__((aligned(64))) = {
+    0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const int16_t PAIR_HI[32] __attribute__((aligned(64))) = {
+    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+/* dst [D][2] = (a[d], b[d]): two keys' value rows as one vdpbf16ps operand a dim; D a multiple of 32 */
+static inline void interleave_key_pair(const bf16_t *restrict a, const bf16_t *restrict b, bf16_t *restrict dst,
+                                       int64_t D) {
+    const __m512i lo = _mm512_load_si512(PAIR_LO), hi = _mm512_load_si512(PAIR_HI);
+    for (int64_t d = 0; d < D; d += 32) {
+        const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(x, hi, y));
+    }
+}
+
 /* all R rows, NV = D / 16 vectors a row, in groups of as many rows as the registers hold */
 #define WEIGH_PAIRS_ROWS(NR, NV)                                                                      \
     for (; r + NR <= R; r += NR) weigh_pairs(acc, pb, ps, vp, D, j0, j1, r, NR, NV);                  \
@@ -398,15 +417,7 @@ static inline void weigh_values_bf16(float *w, const bf16_t *v, float *vt, float
     if (D % 32 == 0 && D <= 128 && B % 16 == 0) {
         bf16_t *vp = (bf16_t *)vt, *pb = (bf16_t *)w;
         const int64_t j0 = t0 / 2, j1 = (t1 + 1) / 2, ps = 2 * B; /* pb: each row's bf16 in its own floats */
-        __m512i lo, hi; /* vpermt2w indices: dims d of key 2j (a) and key 2j + 1 (b) side by side */
-        for (int k = 0; k < 32; k++) ((int16_t *)&lo)[k] = (int16_t)(k / 2 + (k % 2) * 32),
-                                      ((int16_t *)&hi)[k] = (int16_t)(16 + k / 2 + (k % 2) * 32);
-        for (int64_t j = j0; j < j1; j++)
-            for (int64_t d = 0; d < D; d += 32) {
-                const __m512i a = _mm512_loadu_si512(v + 2 * j * D + d), b = _mm512_loadu_si512(v + (2 * j + 1) * D + d);
-                _mm512_storeu_si512(vp + j * 2 * D + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
-                _mm512_storeu_si512(vp + j * 2 * D + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, b));
-            }
+        for (int64_t j = j0; j < j1; j++) interleave_key_pair(v + 2 * j * D, v + (2 * j + 1) * D, vp + j * 2 * D, D);
         for (int64_t r = 0; r < R; r++) /* weights outside [t0, t1) are 0; in place, 16 at a time */
             for (int64_t c = 0; c < B; c += 16) {
                 const int64_t first = t0 - c < 0 ? 0 : t0 - c < 16 ? t0 - c : 16, end = t1 - c < 0 ? 0 : t1 - c < 16 ? t1 - c : 16;

@@ -125,9 +125,6 @@ static inline __attribute__((always_inline)) void dpb_tile_rv(
     }
     const int32_t min_pos = (int32_t)pos0, max_lo = lo_of[R - 1];
     const int64_t lo = lo_of[0], first = lo / B, last = last_pos / B;
-    __m512i lo_idx, hi_idx; /* vpermt2w indices: dims d of key 2j and key 2j + 1 side by side */
-    for (int k = 0; k < 32; k++) ((int16_t *)&lo_idx)[k] = (int16_t)(k / 2 + (k % 2) * 32),
-                                 ((int16_t *)&hi_idx)[k] = (int16_t)(16 + k / 2 + (k % 2) * 32);
     __m512i pair_idx; /* after cvtne2ps: lanes 0-15 key 2j, 16-31 key 2j + 1 -> (2j, 2j + 1) pairs */
     for (int k = 0; k < 32; k++) ((int16_t *)&pair_idx)[k] = (int16_t)(k / 2 + (k % 2) * 16);
     const __m512 margin = _mm512_set1_ps(RESCALE_MARGIN), one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
@@ -198,11 +195,7 @@ static inline __attribute__((always_inline)) void dpb_tile_rv(
             }
         for (int64_t j = j0; j < j1; j++) { /* keys 2j, 2j + 1: rows of one block's value tile */
             const bf16_t *v0 = vt[2 * j / B] + (2 * j % B) * D;
-            for (int64_t d = 0; d < D; d += 32) {
-                const __m512i a = _mm512_loadu_si512(v0 + d), c = _mm512_loadu_si512(v0 + D + d);
-                _mm512_storeu_si512(vp + j * 2 * D + 2 * d, _mm512_permutex2var_epi16(a, lo_idx, c));
-                _mm512_storeu_si512(vp + j * 2 * D + 2 * d + 32, _mm512_permutex2var_epi16(a, hi_idx, c));
-            }
+            interleave_key_pair(v0, v0 + D, vp + j * 2 * D, D);
         }
         for (int64_t d = 0; d < D; d += DB) dpb_values(accT, pp, vp, L, D, j0, j1, d, RV, DB);
     }
