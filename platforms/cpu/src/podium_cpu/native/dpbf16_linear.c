@@ -20,7 +20,6 @@
  * zero after the last input); then they are staged in the calling thread's scratch, K rounded up
  * to even, in the same OpenMP region as the matmul.
  */
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -152,10 +151,9 @@ int podium_dpbf16_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
                 if (ks > K) row[K] = 0;
             }
         } /* the loop's barrier: every input row is ready before any item reads it */
-        if (chunks == 1) { /* a decode batch: each thread an even share of the column blocks (a static
-                            * split of 4-block groups left one thread a group more: 5 of 9 at N = 576) */
-            const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), bp = blocks / 2;
-            const int64_t b0 = 2 * (bp * t / T), b1 = 2 * (bp * (t + 1) / T);
+        if (chunks == 1) { /* a decode batch: each thread an even share of the column blocks */
+            int64_t b0, b1;
+            even_pair_share(blocks, &b0, &b1);
             for (int64_t first = b0; first < b1;) {
                 const int64_t c = b1 - first >= GROUP ? GROUP : 2, after = first + c;
                 const int64_t next_blocks = b1 - after >= GROUP ? GROUP : b1 - after;

@@ -28,7 +28,6 @@
  * the rounding follows all of them (with the sums of one block in a small local, GCC 12 kept a
  * weight vector in memory and reloaded it in each FMA).
  */
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -259,11 +258,10 @@ int podium_fma_fused_linear_f32(FUSED_LINEAR_PARAMS(float)) {
             for (int64_t m = 0; m < M; m++) input_row_f32(x, x_stride, &pro, m, K, h + m * K);
         } /* the loop's barrier: every input row is ready before any item reads it */
 #if VL == 16
-        if (chunks == 1) { /* a decode batch: each thread an even share of the panels, in pairs (a static
-                            * split of 4-panel groups left one thread a group more: 5 of 9 at N = 576) */
-            const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), pairs = ((N + PANEL - 1) / PANEL + 1) / 2;
-            const int64_t p1 = 2 * (pairs * (t + 1) / T);
-            for (int64_t p = 2 * (pairs * t / T); p < p1;) {
+        if (chunks == 1) { /* a decode batch: each thread an even share of the panels */
+            int64_t p0, p1;
+            even_pair_share((N + PANEL - 1) / PANEL, &p0, &p1);
+            for (int64_t p = p0; p < p1;) {
                 const int64_t np = p1 - p >= GROUP_PANELS ? GROUP_PANELS : 2, after = p + np;
                 const int64_t next_np = p1 - after >= GROUP_PANELS ? GROUP_PANELS : p1 - after;
                 const float *w = packed + p * K * PANEL, *next = next_np > 0 ? packed + after * K * PANEL : NULL;

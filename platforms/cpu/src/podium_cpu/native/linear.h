@@ -12,6 +12,7 @@
 #ifndef PODIUM_LINEAR_H
 #define PODIUM_LINEAR_H
 
+#include <omp.h>
 #include <stdint.h>
 
 #include "bf16.h"
@@ -30,6 +31,14 @@ typedef struct {
 } Prologue;
 
 static inline int has_prologue(const Prologue *pro) { return pro->norm_w || pro->silu; }
+
+/* The calling OpenMP thread's share [*lo, *hi) of `units` column units (blocks, panels), the units
+ * split evenly between the threads in pairs: a decode batch's items, where a static split of
+ * 4-unit groups left one thread a group more (5 of 9 at N = 576) */
+static inline void even_pair_share(int64_t units, int64_t *lo, int64_t *hi) {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num(), pairs = (units + 1) / 2;
+    *lo = 2 * (pairs * t / T), *hi = 2 * (pairs * (t + 1) / T);
+}
 
 /* The linear's input row m of K values: x's own row (no prologue), or the prologue's output
  * computed into h (K values), exactly as the op alone would store it. Returns the row. */
