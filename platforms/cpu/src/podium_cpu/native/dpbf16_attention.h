@@ -32,6 +32,7 @@
 
 #include "attention_math.h"
 #include "bf16.h"
+#include "transpose.h"
 
 #if defined(__AVX512BF16__) && VL == 16
 #include <immintrin.h>
@@ -111,11 +112,13 @@ static inline __attribute__((always_inline)) void dpb_tile_rv(
         lo_of[r] = (int32_t)(window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0);
     }
     const bf16_t *q0 = query + tok0 * q_stride + h * G * D;
-    for (int v = 0; v < RV; v++) { /* Q^T pairs, 16 rows a gather */
-        const __m512i at = _mm512_loadu_si512(at_of + 16 * v);
-        for (int64_t p = 0; p < P; p++)
-            _mm512_storeu_si512(qp + p * L + 16 * v, _mm512_i32gather_epi32(at, (const void *)(q0 + 2 * p), 2));
-    }
+    for (int v = 0; v < RV; v++) /* Q^T pairs: 16 rows' words p0 .. p0 + 15 a transpose */
+        for (int64_t p0 = 0; p0 < P; p0 += 16) {
+            __m512i w[16];
+            for (int i = 0; i < 16; i++) w[i] = _mm512_loadu_si512(q0 + at_of[16 * v + i] + 2 * p0);
+            transpose16_words(w);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(qp + (p0 + j) * L + 16 * v, w[j]);
+        }
     memset(accT, 0, sizeof(float) * (size_t)(D * L));
     __m512 m[3], l[3];
     __m512i posv[3], lov[3];
@@ -200,20 +203,22 @@ static inline __attribute__((always_inline)) void dpb_tile_rv(
         for (int64_t d = 0; d < D; d += DB) dpb_values(accT, pp, vp, L, D, j0, j1, d, RV, DB);
     }
     bf16_t *o0 = out + tok0 * o_stride + h * G * D;
-    for (int v = 0; v < RV; v++) { /* O^T / l back to rows: dims d, d + 1 of 16 rows a scatter */
+    for (int v = 0; v < RV && 16 * v < R; v++) { /* O^T / l back to rows: 16 rows' words p0 .. p0 + 15 a transpose */
         const __m512 inv = _mm512_div_ps(one, l[v]);
-        const __mmask16 real = (__mmask16)(R - 16 * v >= 16 ? 0xffff : (1u << (R - 16 * v)) - 1);
-        int32_t at[16];
-        for (int i = 0; i < 16; i++) {
-            const int64_t r = 16 * v + i < R ? 16 * v + i : R - 1;
-            at[i] = (int32_t)((r / G) * o_stride + (r % G) * D);
-        }
-        const __m512i atv = _mm512_loadu_si512(at);
-        for (int64_t d = 0; d < D; d += 2) {
-            const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(accT + d * L + 16 * v), inv);
-            const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(accT + (d + 1) * L + 16 * v), inv);
-            const __m512i pair = _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-            _mm512_mask_i32scatter_epi32((void *)(o0 + d), real, atv, pair, 2);
+        const int64_t rows = R - 16 * v < 16 ? R - 16 * v : 16;
+        for (int64_t p0 = 0; p0 < P; p0 += 16) {
+            __m512i w[16]; /* lane i of w[j]: dims 2 (p0 + j), + 1 of row 16 v + i, a bf16 pair */
+            for (int j = 0; j < 16; j++) {
+                const int64_t d = 2 * (p0 + j);
+                const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(accT + d * L + 16 * v), inv);
+                const __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(accT + (d + 1) * L + 16 * v), inv);
+                w[j] = _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+            }
+            transpose16_words(w);
+            for (int64_t i = 0; i < rows; i++) {
+                const int64_t r = 16 * v + i;
+                _mm512_storeu_si512(o0 + (r / G) * o_stride + (r % G) * D + 2 * p0, w[i]);
+            }
         }
     }
 }

@@ -26,6 +26,7 @@
 #include "bf16.h"
 #include "prologue.h"
 #include "rotary.h"
+#include "transpose.h"
 
 #define PARALLEL_MIN 65536       /* elements of a norm or rotary call */
 #define SILU_PARALLEL_MIN 16384  /* output elements of silu_and_mul: e^x and a division each */
@@ -139,31 +140,12 @@ int podium_tile_rows_bf16(const bf16_t *tiles, int64_t num_rows, int64_t dim, co
 }
 
 /* Rows 0 .. rows-1 of dst (dst_stride bytes apart) get words r of src's 16 rows of 16 32-bit words
- * (64 bytes apart): a 16 x 16 transpose of words. AVX-512: in registers (32-bit interleaves, then
- * 64-bit, then two rounds of 128-bit lane shuffles: 64 shuffles for 1 KiB); else word by word. */
+ * (64 bytes apart): a 16 x 16 transpose of words (transpose.h with AVX-512, else word by word). */
 static inline void transpose_words(const void *src, void *dst, int64_t dst_stride, int64_t rows) {
 #ifdef __AVX512F__
-    __m512i v[16], a[16], b[16];
+    __m512i v[16];
     for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_si512((const char *)src + 64 * i);
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {  /* b[4i + c], lane l: word 4l + c of rows 4i .. 4i + 3 */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {  /* word 4l + c: lane l of b[c], b[4 + c], b[8 + c], b[12 + c] */
-        __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
-        __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
-        __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
-        v[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
-        v[4 + c] = _mm512_shuffle_i32x4(e0, f0, 0xDD);
-        v[8 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
-        v[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xDD);
-    }
+    transpose16_words(v);
     for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512((char *)dst + r * dst_stride, v[r]);
 #else
     for (int64_t r = 0; r < rows; r++) {
