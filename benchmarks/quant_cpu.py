@@ -13,8 +13,8 @@ compiles for ~11 minutes), or imported here where installed.
 batch: ``--batch`` prompts x ``--batch-tokens`` output tokens, output tokens/s, the same variants.
 --formats: the kept variants' files, Q4_1 the embedded one, the others written from it by
 benchmarks/gguf_requantize.py (gguf-py; Q4_K only where rows are whole 256-weight blocks, SmolLM2's
-down projections). --vector-path: each kept variant also with the GGUF batches off AMX-INT8 tiles (the
-AVX2 / VNNI kernels), where AMX runs. Ratios are against the fastest dequantized variant; trials interleave every variant (llama.cpp too)
+down projections). --vector-path: each kept variant also with the GGUF batches off the 512-bit path
+(AMX-INT8 tiles, or their layout on AVX-512 VNNI) on the AVX2 / VNNI-256 kernels, where the 512-bit one runs. Ratios are against the fastest dequantized variant; trials interleave every variant (llama.cpp too)
 so that a busy machine slows them alike, and the best trial counts. Leave OMP_WAIT_POLICY unset, as
 for any benchmark.
 """
@@ -103,13 +103,23 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--llama-python", default=None, help="a python with llama-cpp-python installed")
     parser.add_argument("--formats", nargs="+", default=["Q4_1"], choices=["Q4_1", "Q8_0", "Q4_K"])
-    parser.add_argument("--vector-path", action="store_true", help="kept variants also off AMX tiles")
+    parser.add_argument("--vector-path", action="store_true",
+                        help="kept variants also off the AMX / AVX-512 VNNI batch path")
     args = parser.parse_args()
     threads = len(os.sched_getaffinity(0))
     from podium_cpu.native_kernels import load_kernels
 
     kernels, _ = load_kernels()
     amx = kernels is not None and bool(kernels.amx_linear) and bool(kernels.gguf_amx(1))
+    vnni512 = kernels is not None and not amx and bool(kernels.gguf_vnni512(1))
+    wide = "AMX tiles" if amx else "AVX-512 VNNI" if vnni512 else None
+
+    def batches_wide(on: bool) -> None:  # the 512-bit batch path on or off (the AVX2 / VNNI-256 rows)
+        if amx:
+            kernels.gguf_amx(1 if on else 0)
+        elif vnni512:
+            kernels.gguf_vnni512(1 if on else 0)
+
     folder = tempfile.TemporaryDirectory()
     engines = {f"none {dtype}": (LLM("smollm2-135m-instruct", device="cpu", dtype=dtype, quantization="none"), True)
                for dtype in args.dtypes}
@@ -117,23 +127,21 @@ def main() -> None:
         for dtype in args.dtypes:
             llm = LLM(model, device="cpu", dtype=dtype, quantization="gguf")
             engines[f"gguf {fmt} {dtype}"] = (llm, True)
-            if args.vector_path and amx:
+            if args.vector_path and wide:
                 engines[f"gguf {fmt} {dtype} vectors"] = (llm, False)
     rates: dict[str, list[float]] = {}
     for _ in range(args.trials):
         for name, (llm, tiles) in engines.items():
-            if amx:
-                kernels.gguf_amx(1 if tiles else 0)
+            batches_wide(tiles)
             rates.setdefault(f"decode {name}", []).append(podium_rate(llm, 1, args.decode_tokens))
             rates.setdefault(f"batch {name}", []).append(podium_rate(llm, args.batch, args.batch_tokens))
-        if amx:
-            kernels.gguf_amx(1)
+        batches_wide(True)
         cpp = llama_cpp_rate(args.llama_python, args.decode_tokens, threads)
         if cpp is not None:
             rates.setdefault("decode llama.cpp", []).append(cpp)
     best = {name: max(values) for name, values in rates.items()}
     print(f"SmolLM2-135M (kept: {' '.join(args.formats)}), {threads} threads, best of {args.trials}, "
-          f"GGUF batches on AMX tiles: {'yes' if amx else 'no'}; ratios against the fastest dequantized path")
+          f"GGUF batches on the 512-bit path: {wide or 'no'}; ratios against the fastest dequantized path")
     for kind in ("decode", "batch"):
         base = max(rate for name, rate in best.items() if name.startswith(f"{kind} none"))
         for name, rate in best.items():

@@ -81,13 +81,26 @@ def test_zero_and_large_activations(kernels):
     assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
-@pytest.fixture
-def amx(kernels):
-    """The AMX-INT8 batch path on (skipped where this CPU, build or process has none); on again afterwards."""
-    if not kernels.amx_linear or not kernels.gguf_amx(1):  # amx_linear: the OS granted this process AMX
+@pytest.fixture(params=["amx", "vnni512"])
+def batch_path(request, kernels):
+    """(kernels, use): one of the 512-bit batch paths (gguf_amx.h: AMX-INT8 tiles, or its layout on
+    AVX-512 VNNI), skipped where this CPU, build or process has none; use(True) runs batches on it,
+    use(False) on the AVX2 / VNNI-256 rows. The load-time switches are restored afterwards."""
+
+    def use(on: bool) -> None:
+        kernels.gguf_amx(1 if on and request.param == "amx" else 0)
+        kernels.gguf_vnni512(1 if on and request.param == "vnni512" else 0)
+
+    if request.param == "amx" and (not kernels.amx_linear or not kernels.gguf_amx(1)):  # the OS granted AMX
         pytest.skip("no AMX-INT8 tiles here")
-    yield kernels
-    kernels.gguf_amx(1)
+    kernels.gguf_amx(0)
+    if request.param == "vnni512" and not kernels.gguf_vnni512(1):
+        kernels.gguf_amx(1 if kernels.amx_linear else 0)
+        pytest.skip("no AVX-512 VNNI here")
+    use(True)
+    yield kernels, use
+    kernels.gguf_amx(1 if kernels.amx_linear else 0)
+    kernels.gguf_vnni512(1)
 
 
 def gguf_py_weights(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -103,33 +116,34 @@ def gguf_py_weights(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[NAMES[t] for t in TYPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_batches_equal_the_vector_path(amx, ggml_type, dtype):
-    """AMX-INT8 tiles sum the same integers and scale them in the same float order as the AVX2 / VNNI
-    batch path, so the results agree bit for bit: 8 rows (the smallest AMX call), 16, and 50 (a short
-    last tile of x rows); 61 output columns (a short last group of 16 weight rows); K of an odd number
-    of chunks, so the last step of sums is short."""
+def test_512_bit_batches_equal_the_vector_path(batch_path, ggml_type, dtype):
+    """AMX-INT8 tiles, or vpdpbusd over their layout, sum the same integers and scale them in the same
+    float order as the AVX2 / VNNI batch path, so the results agree bit for bit: 8 rows (the smallest
+    such call), 16, and 50 (a short last tile of x rows); 61 output columns (a short last group of 16
+    weight rows); K of an odd number of chunks, so the last step of sums is short."""
+    kernels, use = batch_path
     gen = torch.Generator().manual_seed(100 + ggml_type)
     k = columns_for(ggml_type) + (BLOCKS[ggml_type][0] if BLOCKS[ggml_type][0] == 256 else 0)
     weight = random_rows(ggml_type, 61, k, gen)
     bias = torch.randn(61, generator=gen)
     for rows in (8, 16, 50):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        amx.gguf_amx(1)
-        tiles = gguf_ops.gguf_linear(amx, x, weight, ggml_type, bias)
-        amx.gguf_amx(0)
-        vectors = gguf_ops.gguf_linear(amx, x, weight, ggml_type, bias)
+        use(True)
+        tiles = gguf_ops.gguf_linear(kernels, x, weight, ggml_type, bias)
+        use(False)
+        vectors = gguf_ops.gguf_linear(kernels, x, weight, ggml_type, bias)
         assert torch.equal(tiles, vectors), (rows, (tiles.double() - vectors.double()).abs().max().item())
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=[NAMES[t] for t in TYPES])
-def test_amx_batches_against_gguf_py(amx, ggml_type):
-    """32 rows on AMX tiles (strided x, as a model's slices give) against x's int8-per-32 approximation
-    times gguf-py's dequantized weights in float64, and against the unquantized float product."""
+def test_512_bit_batches_against_gguf_py(batch_path, ggml_type):
+    """32 rows on AMX tiles or AVX-512 VNNI (strided x, as a model's slices give) against x's int8-per-32
+    approximation times gguf-py's dequantized weights in float64, and against the unquantized float product."""
     gen = torch.Generator().manual_seed(200 + ggml_type)
     k = columns_for(ggml_type)
     weight = random_rows(ggml_type, 96, k, gen)
     x = torch.randn(32, k + 64, generator=gen)[:, 16:16 + k]
-    got = gguf_ops.gguf_linear(amx, x, weight, ggml_type)
+    got = gguf_ops.gguf_linear(batch_path[0], x, weight, ggml_type)
     dense = gguf_py_weights(weight, ggml_type)
     want = quantized_activations(x) @ dense.t()
     scale = want.abs().max().item()

@@ -112,6 +112,9 @@ class NativeKernels:
     # gguf_linear.c's podium_gguf_amx(on) -> on: GGUF batches on AMX-INT8 tiles (set at load where AMX
     # runs; the tests turn it off to compare with the AVX2 / VNNI paths)
     gguf_amx: ctypes._CFuncPtr | None = None
+    # gguf_linear.c's podium_gguf_vnni512(on) -> on: GGUF batches AMX does not take in gguf_amx.h's
+    # layout on AVX-512 VNNI (on where the build has it; the tests turn it off to compare likewise)
+    gguf_vnni512: ctypes._CFuncPtr | None = None
 
 
 def cache_dir() -> Path:
@@ -324,6 +327,8 @@ def _load() -> tuple[NativeKernels | None, str]:
         attention_amx(1 if amx_ready else 0)  # bf16 prefill tiles on AMX where the process may use it
         gguf_amx = _switch_entry(libs, "podium_gguf_amx")
         gguf_amx(1 if amx_ready else 0)  # GGUF batches on AMX-INT8 tiles likewise (the build must have them)
+        gguf_vnni512 = _switch_entry(libs, "podium_gguf_vnni512")
+        gguf_vnni512(1)  # else on AVX-512 VNNI, where the build has it
         fma_ready = _ready(libs, "podium_fma_ready") == 1
         dpbf16_ready = _ready(libs, "podium_dpbf16_ready") == 1
         replay = _replay_entry(libs)
@@ -356,6 +361,7 @@ def _load() -> tuple[NativeKernels | None, str]:
         replay=replay,
         attention_amx=attention_amx,
         gguf_amx=gguf_amx,
+        gguf_vnni512=gguf_vnni512,
     ), ""
 
 
@@ -375,7 +381,7 @@ def _replay_entry(libs: list[ctypes.CDLL]):
 
 def _switch_entry(libs: list[ctypes.CDLL], name: str):
     """A kernel's ``int name(int on)`` switch (paged_attention.c's podium_attention_amx, gguf_linear.c's
-    podium_gguf_amx): it answers whether the kernel is on."""
+    podium_gguf_amx and podium_gguf_vnni512): it answers whether the kernel is on."""
     fn = _symbol(libs, name)
     if fn is None:
         raise AttributeError(f"native library lacks {name}")

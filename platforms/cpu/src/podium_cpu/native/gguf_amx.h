@@ -21,13 +21,31 @@
  * Work: threads take 16 weight rows at a time; each unpacks its rows' chunks and scales once
  * (A tiles [C][16][32] in its scratch) and walks the x rows 16 at a time, four sums in flight.
  * Tiles: 0-3 C, 4-5 A, 6-7 B, configured and released by each thread of a call; the process holds
- * AMX permission before podium_gguf_amx turns this on (native_kernels.py). Included by
- * gguf_linear.c only. */
+ * AMX permission before podium_gguf_amx turns this on (native_kernels.py).
+ *
+ * Without AMX, AVX-512 VNNI computes the same C from the same A and B (vnni_sums): row n of C is 16
+ * lanes (the x rows), and each 4-deep step of it is one vpdpbusd of A's 4 bytes of weight row n in
+ * every lane against B's 64-byte row (16 x rows x 4 q_x). vpdpbusd's first operand is unsigned: the
+ * q of Q4_0, Q4_1, Q4_K and Q5_K are (0..31); signed q (Q8_0, Q6_K) are unpacked with 128 added
+ * (q ^ 0x80) and 128 sum(q_x) over the chunk (or half), 4 more vpdpbusd of B against ones, comes off.
+ * The same exact int32 sums, then the same scaling as the tiles: 8 vpdpbusd a chunk for 16 x 16 sums
+ * of 64 products each, where the AVX2 path takes a 32-product vpdpbusd and a reduction per chunk and
+ * pair of rows. Included by gguf_linear.c only. */
 #ifndef PODIUM_GGUF_AMX_H
 #define PODIUM_GGUF_AMX_H
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX2__)
 #define HAVE_GGUF_AMX 1
+#else
+#define HAVE_GGUF_AMX 0
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX2__)
+#define HAVE_GGUF_VNNI512 1
+#else
+#define HAVE_GGUF_VNNI512 0
+#endif
+
+#if HAVE_GGUF_AMX || HAVE_GGUF_VNNI512
 #include <immintrin.h>
 
 #include "gguf_unpack.h"
@@ -43,6 +61,7 @@ typedef struct {
 } gguf_tile_config;
 
 /* depth: bytes of K a product takes, 32 (a chunk) or 16 (a Q6_K half) */
+#if HAVE_GGUF_AMX
 static void gguf_configure_tiles(int depth) {
     gguf_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -52,9 +71,10 @@ static void gguf_configure_tiles(int depth) {
     for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(depth / 4), cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
+#endif
 
-/* A weight row group's chunks unpacked: q [C][16][32] int8, scale and bias_c [C][16] float32, Q6_K's
- * multipliers [C][2][16] float32 */
+/* A weight row group's chunks unpacked: q [C][16][32] int8 (for vnni_sums, signed q with 128 added,
+ * as uint8), scale and bias_c [C][16] float32, Q6_K's multipliers [C][2][16] float32 */
 typedef struct {
     int8_t *q;
     float *scale, *bias, *mult;
@@ -132,6 +152,7 @@ static inline void scales16_q6_k(group16 g, int64_t c, __m512 *d, __m512 *b, __m
     *m1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 24));
 }
 
+#if HAVE_GGUF_AMX
 /* Up to AMX_SUMS sums of a step, each into C tile U through A tile TA and B tile TB (literals: GCC's
  * tile intrinsics paste them into the instruction), then stored to isum [U][16][16]: sum U is chunk
  * c0 + U / per_chunk (its half U % per_chunk for Q6_K). The stores come after all products: a
@@ -151,6 +172,49 @@ static inline void tile_sums(const int8_t *aq, const int8_t *xb, int64_t c0, int
     TILE_PRODUCT(0, 4, 6) TILE_PRODUCT(1, 5, 7) TILE_PRODUCT(2, 4, 6) TILE_PRODUCT(3, 5, 7)
     TILE_STORE(0) TILE_STORE(1) TILE_STORE(2) TILE_STORE(3)
 }
+#endif
+
+#if HAVE_GGUF_VNNI512
+/* -128 sum(q_x) of the 16 x rows over B's first `steps` rows (4 q_x of each x row a row): where A holds
+ * signed q + 128, the sums' start */
+static inline __m512i minus_128_x(const int8_t *b, int steps) {
+    __m512i xsum = _mm512_setzero_si512();
+    for (int t = 0; t < steps; t++)
+        xsum = _mm512_dpbusd_epi32(xsum, _mm512_set1_epi8(1), _mm512_loadu_si512(b + 64 * t));
+    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(xsum, 7));
+}
+
+/* sum[n] (lanes: the 16 x rows) += A's weight row n (at a + 32 n) . B, over B's first `steps` rows, n < R */
+static inline __attribute__((always_inline)) void dpbusd_rows(__m512i *sum, const int8_t *a, const int8_t *b,
+                                                              int steps, const int R) {
+    for (int t = 0; t < steps; t++) {
+        const __m512i bt = _mm512_loadu_si512(b + 64 * t);
+#pragma GCC unroll 16
+        for (int n = 0; n < R; n++) {
+            int32_t w4;
+            memcpy(&w4, a + 32 * n + 4 * t, 4);
+            sum[n] = _mm512_dpbusd_epi32(sum[n], _mm512_set1_epi32(w4), bt);
+        }
+    }
+}
+
+/* tile_sums' sums without tiles (see the top): sum U of the step from chunk c0 into isum [U][16][16],
+ * row n's 16 lanes the x rows; SIGNED: A holds q + 128 */
+static inline void vnni_sums(const int8_t *aq, const int8_t *xb, int64_t c0, int64_t C, const int per_chunk,
+                             const int SIGNED, int32_t *isum) {
+    const int64_t sums = (C - c0) * per_chunk < AMX_SUMS ? (C - c0) * per_chunk : AMX_SUMS;
+    const int steps = 8 / per_chunk; /* B's rows in a sum */
+    for (int64_t u = 0; u < sums; u++) {
+        const int64_t c = c0 + u / per_chunk, h = u % per_chunk;
+        const int8_t *a = aq + 512 * c + 16 * h, *b = xb + 512 * c + 256 * h;
+        const __m512i start = SIGNED ? minus_128_x(b, steps) : _mm512_setzero_si512();
+        __m512i acc[16];
+        for (int n = 0; n < 16; n++) acc[n] = start;
+        dpbusd_rows(acc, a, b, steps, 16);
+        for (int n = 0; n < 16; n++) _mm512_store_si512(isum + 256 * u + 16 * n, acc[n]);
+    }
+}
+#endif
 
 /* r[i][l] <- r[l][i]: bit k of the row and lane indices swapped for k = 8, 4, 2, 1, each a permute of
  * row pairs (i, i + k) by constant indices (built at run time, their stores stalled the loads) */
@@ -192,16 +256,75 @@ static inline void store_tile(__m512 acc[16], int64_t rows, int64_t n0, int64_t 
     }
 }
 
-#define DEFINE_AMX(TYPE, HAS_BIAS, MULT)                                                                 \
+#if HAVE_GGUF_VNNI512
+/* amx_rows without tiles or isum, for formats with one sum a chunk (not Q6_K): out rows m0 .. m0 + 15
+ * (those below M) of the group's columns. A chunk's 16 sums are made and scaled 8 weight rows at a
+ * time in registers (8 int32 sums, 16 float32 accumulators: lanes the x rows), by amx_chunk's float
+ * operations in its order, so the results are the tiles' and the AVX2 path's bit for bit. */
+static inline __attribute__((always_inline)) void vnni_rows(atiles a, const xtiles *xt, int64_t m0, int64_t M,
+                                                            int64_t C, int64_t n0, int64_t cols, const float *bias,
+                                                            void *out, int64_t out_stride, int is_bf16,
+                                                            const int SIGNED, const int HAS_BIAS) {
+    const int8_t *xb = xt->q + m0 * C * 32; /* (m0 / 16) * C * 512 */
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int n = 0; n < 16; n++) acc[n] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        const int8_t *aq = a.q + 512 * c, *b = xb + 512 * c;
+        const __m512 dx = _mm512_loadu_ps(xt->d + c * xt->Mp + m0), sx = _mm512_loadu_ps(xt->s + c * xt->Mp + m0);
+        const __m512i start = SIGNED ? minus_128_x(b, 8) : _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int g = 0; g < 16; g += 8) { /* unrolled: acc stays in registers */
+            __m512i sum[8];
+            for (int n = 0; n < 8; n++) sum[n] = start;
+            dpbusd_rows(sum, aq + 32 * g, b, 8, 8);
+#pragma GCC unroll 8
+            for (int n = 0; n < 8; n++) {
+                const __m512 f = _mm512_cvtepi32_ps(sum[n]);
+                const int64_t at = 16 * c + g + n;
+                acc[g + n] = _mm512_fmadd_ps(_mm512_mul_ps(f, dx), _mm512_set1_ps(a.scale[at]), acc[g + n]);
+                if (HAS_BIAS) acc[g + n] = _mm512_fmadd_ps(sx, _mm512_set1_ps(a.bias[at]), acc[g + n]);
+            }
+        }
+    }
+    store_tile(acc, M - m0 < 16 ? M - m0 : 16, n0, cols, bias, (char *)out + m0 * out_stride * (is_bf16 ? 2 : 4),
+               out_stride, is_bf16);
+}
+#define VNNI_ROWS(a, xt, m0, M, C, n0, cols, bias, out, out_stride, is_bf16, SIGNED, HAS_BIAS)           \
+    vnni_rows(a, xt, m0, M, C, n0, cols, bias, out, out_stride, is_bf16, SIGNED, HAS_BIAS)
+#else
+#define VNNI_ROWS(a, xt, m0, M, C, n0, cols, bias, out, out_stride, is_bf16, SIGNED, HAS_BIAS) ((void)0)
+#endif
+
+/* A step's sums on the tiles or by vnni_sums (tiles: which), and the tiles' setup, in a build with either */
+#if HAVE_GGUF_AMX && HAVE_GGUF_VNNI512
+#define STEP_SUMS(tiles, SIGNED, a, xb, c0, C, per_chunk, isum)                                          \
+    ((tiles) ? tile_sums((a).q, xb, c0, C, per_chunk, isum) : vnni_sums((a).q, xb, c0, C, per_chunk, SIGNED, isum))
+#elif HAVE_GGUF_AMX
+#define STEP_SUMS(tiles, SIGNED, a, xb, c0, C, per_chunk, isum) tile_sums((a).q, xb, c0, C, per_chunk, isum)
+#else
+#define STEP_SUMS(tiles, SIGNED, a, xb, c0, C, per_chunk, isum) vnni_sums((a).q, xb, c0, C, per_chunk, SIGNED, isum)
+#endif
+#if HAVE_GGUF_AMX
+#define CONFIGURE_TILES(depth) gguf_configure_tiles(depth)
+#define RELEASE_TILES() _tile_release()
+#else
+#define CONFIGURE_TILES(depth) ((void)0)
+#define RELEASE_TILES() ((void)0)
+#endif
+
+#define DEFINE_AMX(TYPE, SIGNED, HAS_BIAS, MULT)                                                         \
 /* The group's rows are contiguous: read them in order (q first, then the scales from cache) and ask \
  * for the next group's bytes meanwhile (next: 16 rows of it, or NULL), so the weights stream from    \
  * memory at its bandwidth rather than its latency */                                                  \
 static void amx_unpack_##TYPE(const uint8_t *const rows[16], group16 g, int64_t C, int64_t row_bytes,   \
-                              const uint8_t *next, atiles a) {                                           \
+                              const uint8_t *next, atiles a, int tiles) {                                \
+    const __m256i plus128 = _mm256_set1_epi8((char)(SIGNED && !tiles ? 0x80 : 0)); /* vnni_sums' bytes */ \
     for (int j = 0; j < 16; j++) {                                                                       \
         for (int64_t l = 0; next && l < row_bytes; l += 64) _mm_prefetch((const char *)next + j * row_bytes + l, _MM_HINT_T1); \
         for (int64_t c = 0; c < C; c++)                                                                  \
-            _mm256_store_si256((__m256i *)(a.q + 512 * c + 32 * j), q_##TYPE##_v(rows[j], c));          \
+            _mm256_store_si256((__m256i *)(a.q + 512 * c + 32 * j),                                      \
+                               _mm256_xor_si256(q_##TYPE##_v(rows[j], c), plus128));                     \
     }                                                                                                    \
     for (int64_t c = 0; c < C; c++) {                                                                    \
         __m512 d, b, m0 = _mm512_setzero_ps(), m1 = m0;                                                  \
@@ -228,16 +351,18 @@ INLINE void amx_chunk_##TYPE(atiles a, const xtiles *xt, int64_t m0, int64_t c, 
  * row n . the x rows over every chunk, kept in registers; a step's sums are on the tiles while the    \
  * step before is scaled (two isum buffers) */                                                           \
 static void amx_rows_##TYPE(atiles a, const xtiles *xt, int64_t m0, int64_t M, int64_t C, int64_t n0,    \
-                            int64_t cols, const float *bias, void *out, int64_t out_stride, int is_bf16) { \
+                            int64_t cols, const float *bias, void *out, int64_t out_stride, int is_bf16,  \
+                            int tiles) {                                                                 \
     const int per_chunk = MULT ? 2 : 1, step = AMX_SUMS / per_chunk;                                     \
+    (void)tiles; /* a build with one of the two paths */                                                 \
     const int8_t *xb = xt->q + m0 * C * 32;  /* (m0 / 16) * C * 512 */                                   \
     int32_t isum[2][AMX_SUMS * 256] __attribute__((aligned(64)));                                        \
     __m512 acc[16];                                                                                      \
     _Pragma("GCC unroll 16")                                                                             \
     for (int n = 0; n < 16; n++) acc[n] = _mm512_setzero_ps();                                           \
-    tile_sums(a.q, xb, 0, C, per_chunk, isum[0]);                                                        \
+    STEP_SUMS(tiles, SIGNED, a, xb, 0, C, per_chunk, isum[0]);                                           \
     for (int64_t c0 = 0, s = 0; c0 < C; c0 += step, s ^= 1) {                                            \
-        if (c0 + step < C) tile_sums(a.q, xb, c0 + step, C, per_chunk, isum[s ^ 1]);                     \
+        if (c0 + step < C) STEP_SUMS(tiles, SIGNED, a, xb, c0 + step, C, per_chunk, isum[s ^ 1]);        \
         for (int64_t c = c0; c < c0 + step && c < C; c++)                                                \
             amx_chunk_##TYPE(a, xt, m0, c, isum[s] + 256 * per_chunk * (c - c0), acc);                   \
     }                                                                                                    \
@@ -246,7 +371,7 @@ static void amx_rows_##TYPE(atiles a, const xtiles *xt, int64_t m0, int64_t M, i
 }                                                                                                        \
 static int amx_linear_##TYPE(const void *x, int64_t x_stride, int64_t M, const uint8_t *w, int64_t N,    \
                              int64_t K, int64_t row_bytes, const float *bias, void *out, int64_t out_stride, \
-                             int is_bf16, int num_threads) {                                             \
+                             int is_bf16, int num_threads, int tiles) {                                  \
     xtiles xt;                                                                                           \
     if (quantize_tiles(x, x_stride, M, K, is_bf16, num_threads, &xt)) return -1;                         \
     const int64_t groups = (N + 15) / 16, C = K / 32;                                                    \
@@ -255,7 +380,7 @@ static int amx_linear_##TYPE(const void *x, int64_t x_stride, int64_t M, const u
     {                                                                                                    \
         void *mem = thread_scratch(atiles_bytes(C));                                                     \
         if (!mem) failed = 1;                                                                            \
-        gguf_configure_tiles(MULT ? 16 : 32);                                                            \
+        if (tiles) CONFIGURE_TILES(MULT ? 16 : 32);                                                      \
         _Pragma("omp for schedule(static)")                                                              \
         for (int64_t grp = 0; grp < groups; grp++) {                                                     \
             if (!mem) continue;                                                                          \
@@ -268,23 +393,25 @@ static int amx_linear_##TYPE(const void *x, int64_t x_stride, int64_t M, const u
             }                                                                                            \
             const group16 g = {w + n0 * row_bytes, _mm512_loadu_si512(offsets)};                         \
             const atiles a = atiles_at(mem, C);                                                          \
-            amx_unpack_##TYPE(rows, g, C, row_bytes, n0 + 32 <= N ? w + (n0 + 16) * row_bytes : NULL, a);                                                            \
+            amx_unpack_##TYPE(rows, g, C, row_bytes, n0 + 32 <= N ? w + (n0 + 16) * row_bytes : NULL, a, tiles); \
             for (int64_t m0 = 0; m0 < M; m0 += 16)                                                       \
-                amx_rows_##TYPE(a, &xt, m0, M, C, n0, cols, bias, out, out_stride, is_bf16);             \
+                if (tiles || MULT)                                                                       \
+                    amx_rows_##TYPE(a, &xt, m0, M, C, n0, cols, bias, out, out_stride, is_bf16, tiles);  \
+                else                                                                                     \
+                    VNNI_ROWS(a, &xt, m0, M, C, n0, cols, bias, out, out_stride, is_bf16, SIGNED, HAS_BIAS); \
         }                                                                                                \
-        _tile_release();                                                                                 \
+        if (tiles) RELEASE_TILES();                                                                      \
     }                                                                                                    \
     return failed ? -1 : 0;                                                                              \
 }
 
-#else /* a build without AMX-INT8: the entry exists, and podium_gguf_amx keeps it unused */
-#define HAVE_GGUF_AMX 0
-#define DEFINE_AMX(TYPE, HAS_BIAS, MULT)                                                                 \
+#else /* a build with neither AMX-INT8 nor AVX-512 VNNI: the entry exists, and the switches keep it unused */
+#define DEFINE_AMX(TYPE, SIGNED, HAS_BIAS, MULT)                                                         \
 static int amx_linear_##TYPE(const void *x, int64_t x_stride, int64_t M, const uint8_t *w, int64_t N,    \
                              int64_t K, int64_t row_bytes, const float *bias, void *out, int64_t out_stride, \
-                             int is_bf16, int num_threads) {                                             \
+                             int is_bf16, int num_threads, int tiles) {                                  \
     (void)x, (void)x_stride, (void)M, (void)w, (void)N, (void)K, (void)row_bytes, (void)bias, (void)out;  \
-    (void)out_stride, (void)is_bf16, (void)num_threads;                                                 \
+    (void)out_stride, (void)is_bf16, (void)num_threads, (void)tiles;                                     \
     return -1;                                                                                           \
 }
 #endif

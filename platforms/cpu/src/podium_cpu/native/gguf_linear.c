@@ -53,6 +53,15 @@ int podium_gguf_amx(int on) {
     return amx_on;
 }
 
+/* Whether batches that AMX does not take run gguf_amx.h's tile layout on AVX-512 VNNI instead (on
+ * where built; the tests turn it off to compare with the AVX2 / VNNI-256 rows) */
+static int vnni512_on = HAVE_GGUF_VNNI512;
+
+int podium_gguf_vnni512(int on) {
+    vnni512_on = HAVE_GGUF_VNNI512 && on;
+    return vnni512_on;
+}
+
 
 /* Q6_K's multipliers of chunk c: its two sub-block scales (one per 16 weights) as two int16 */
 static inline int32_t q6_k_mult(const uint8_t *row, int64_t c) {
@@ -252,7 +261,7 @@ static int group_##TYPE(const uint8_t *const rows[8], int64_t cols, int64_t n0, 
 #define DEFINE_LINEAR(TYPE, QK, BYTES, SIGNED, HAS_BIAS, MULT, MAX_Q)                                    \
 DEFINE_ROWS(TYPE, SIGNED, HAS_BIAS, MULT, MAX_Q)                                                         \
 DEFINE_GROUP(TYPE)                                                                                       \
-DEFINE_AMX(TYPE, HAS_BIAS, MULT)                                                                         \
+DEFINE_AMX(TYPE, SIGNED, HAS_BIAS, MULT)                                                                 \
 static int linear_##TYPE(const xquant *xq, int64_t M, const uint8_t *w, int64_t N, int64_t K, const float *bias, \
                          void *out, int64_t out_stride, int out_bf16, int num_threads) {                 \
     const int64_t groups = (N + NB - 1) / NB, row_bytes = K / (QK) * (BYTES);                            \
@@ -308,9 +317,9 @@ INLINE int gguf_embed(block_fn fn, int qk, int bytes, const uint8_t *w, int64_t 
 static int gguf_linear_##TYPE(const void *x, int64_t x_stride, int64_t M, const uint8_t *w, int64_t N,   \
                               int64_t K, const float *bias, void *out, int64_t out_stride, int is_bf16,  \
                               int num_threads) {                                                         \
-    if (amx_on && M >= AMX_MIN_ROWS)                                                                     \
+    if ((amx_on || vnni512_on) && M >= AMX_MIN_ROWS)                                                     \
         return amx_linear_##TYPE(x, x_stride, M, w, N, K, K / (QK) * (BYTES), bias, out, out_stride, is_bf16, \
-                                 num_threads);                                                           \
+                                 num_threads, amx_on);                                                   \
     xquant xq;                                                                                           \
     if (quantize_rows(x, x_stride, M, K, is_bf16, num_threads, &xq)) return -1;                          \
     return linear_##TYPE(&xq, M, w, N, K, bias, out, out_stride, is_bf16, num_threads);                  \
