@@ -1,10 +1,13 @@
-"""This CPU's two ceilings: memory read bandwidth (torch, 1 GiB) and the float32 FMA peak per core.
+"""This CPU's ceilings: memory read bandwidth (torch, 1 GiB), the float32 FMA peak and the bf16 dot-product peak.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/cpu_ceilings.py [--threads 2]
 
 Bandwidth: a float32 sum over 1 GiB (bytes read / best time of 5) and a copy (read + write).
 FMA peak: a C loop of 12 independent 8-lane FMA chains (AVX2 + FMA) compiled with the system C
 compiler, one per thread under OpenMP, each thread's GFLOP/s; skipped where no compiler or no AVX2.
+bf16 peak: the same with 24 chains of ``vdpbf16ps`` (AVX512-BF16: 16 lanes, two products each), the
+instruction the bf16 linears and prefill attention run on CPUs without AMX; skipped where the CPU
+lacks it. A bf16 kernel's GF/s against this sum over the threads is its fraction of the peak.
 """
 
 from __future__ import annotations
@@ -42,6 +45,33 @@ int main(int argc, char **argv) {
 }
 """
 
+BF16_LOOP = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+int main(int argc, char **argv) {
+    const long iters = 50000000;
+#pragma omp parallel
+    {
+        __m512 a[24];
+        for (int i = 0; i < 24; i++) a[i] = _mm512_set1_ps(0.1f * (i + 1));
+        __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80 + argc), c = (__m512bh)_mm512_set1_epi32(0x3a803a80);
+        const double t0 = omp_get_wtime();
+        for (long it = 0; it < iters; it++) {
+#pragma GCC unroll 24
+            for (int i = 0; i < 24; i++) a[i] = _mm512_dpbf16_ps(a[i], b, c); /* unrolled: a in registers */
+            __asm__ volatile("" : "+v"(b));
+        }
+        const double dt = omp_get_wtime() - t0;
+        float s = 0.f;
+        for (int i = 0; i < 24; i++) s += _mm512_reduce_add_ps(a[i]);
+#pragma omp critical
+        printf("thread %d: %.1f GFLOP/s (checksum %g)\n", omp_get_thread_num(), iters * 24 * 64.0 / dt / 1e9, s);
+    }
+    return 0;
+}
+"""
+
 
 def best(fn, trials: int = 5) -> float:
     fn()
@@ -63,21 +93,22 @@ def bandwidth() -> None:
           f"{torch.get_num_threads()} threads")
 
 
-def fma_peak(threads: int) -> None:
+def loop_peak(label: str, loop: str, threads: int) -> None:
+    """Build and run one of the C loops above under OpenMP; print each thread's GFLOP/s."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        print("FMA peak: skipped (no C compiler)")
+        print(f"{label}: skipped (no C compiler)")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        source, binary = Path(tmp) / "fma.c", Path(tmp) / "fma"
-        source.write_text(FMA_LOOP)
+        source, binary = Path(tmp) / "loop.c", Path(tmp) / "loop"
+        source.write_text(loop)
         build = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-o", str(binary), str(source)],
                                capture_output=True, text=True)
         if build.returncode != 0:
-            print(f"FMA peak: skipped (no AVX2 + FMA build here: {build.stderr.strip().splitlines()[-1]})")
+            print(f"{label}: skipped (this CPU's build lacks it: {build.stderr.strip().splitlines()[-1]})")
             return
         run = subprocess.run([str(binary)], capture_output=True, text=True, env={"OMP_NUM_THREADS": str(threads)})
-        print("FMA peak (float32, 8 lanes):", "; ".join(run.stdout.strip().splitlines()))
+        print(f"{label}:", "; ".join(run.stdout.strip().splitlines()))
 
 
 def main() -> None:
@@ -86,7 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bandwidth()
-    fma_peak(args.threads)
+    loop_peak("FMA peak (float32, 8 lanes)", FMA_LOOP, args.threads)
+    loop_peak("bf16 peak (vdpbf16ps, 16 lanes x 2 products)", BF16_LOOP, args.threads)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The CPU platform's kernels alone, at SmolLM2-135M's shapes, each against what it replaced:
 
-    python benchmarks/cpu_kernels.py [--only decode prefill linear] [--rows 1 32 64 512] [--threads N]
+    python benchmarks/cpu_kernels.py [--only decode prefill linear gguf] [--rows 1 32 64 512] [--threads N]
 
 decode: one decode step's 30 layers of ``CpuAttentionBackend.forward`` (write + attend), 32
 sequences of ``--context`` tokens over blocks scattered at random (the worst case for the hardware
@@ -11,6 +11,10 @@ linear: each SmolLM2 linear shape at each ``--rows``: every native kernel this C
 platform's rule picks marked ``*``) against oneDNN's packed matmul of the same dtype (float32 where oneDNN
 packs no bf16: AVX2); the ratio is
 native time / oneDNN time (below 1: native faster); this is what ``linear_choice``'s rule rests on.
+gguf: the kept GGUF linears (``gguf_ops.gguf_linear``, random Q4_1 rows at SmolLM2's decoder shapes and a
+Q8_0 LM head, bf16 rows) at each ``--rows``: on the 512-bit batch path where this CPU has one (AMX-INT8
+tiles, or their layout on AVX-512 VNNI) and on the AVX2 / VNNI-256 rows, against the bf16 native linear
+the platform picks for the shape; the ratio is the batch path's time / bf16's.
 
 Timings are the best of several, the variants interleaved trial by trial so that a busy machine
 slows them alike; ``--cpu-time`` times process CPU time instead of wall time (with ``--threads 1``,
@@ -130,6 +134,46 @@ def linears(rows_list: list[int]) -> None:
                     flush=True)
 
 
+def gguf_linears(rows_list: list[int]) -> None:
+    from podium_cpu import gguf_ops
+    from podium_plugin_api.gguf_blocks import random_rows
+
+    kernels, why = load_kernels()
+    platform = CpuPlatform()
+    if kernels is None:
+        print(f"gguf: nothing to compare ({why})")
+        return
+    amx = bool(kernels.amx_linear) and bool(kernels.gguf_amx(1))
+    wide = "amx" if amx else "vnni512" if kernels.gguf_vnni512(1) else None
+
+    def path(on: bool) -> None:  # the 512-bit batch path on, or the AVX2 / VNNI-256 rows
+        kernels.gguf_amx(1 if on and amx else 0)
+        kernels.gguf_vnni512(1 if on and wide == "vnni512" else 0)
+
+    gen = torch.Generator().manual_seed(0)
+    for name, (n, k) in LINEARS.items():
+        ggml_type = 8 if name == "lm_head" else 3  # Q8_0, Q4_1
+        weight = random_rows(ggml_type, n, k, gen)
+        base = nn.Linear(k, n, bias=False).to(torch.bfloat16).requires_grad_(False)
+        for rows in rows_list:
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            choice = platform.linear_kernel(torch.bfloat16, n, k, rows).kernel
+            native = [kern for kern in runnable_native_kernels(kernels) if kern.name == choice]
+            bf16 = NativeLinear(base, native[0]) if native else PackedLinear(copy.deepcopy(base))
+            def kept(on: bool, x=x, w=weight, t=ggml_type):
+                path(on)
+                return gguf_ops.gguf_linear(kernels, x, w, t)
+
+            variants = {"vectors": lambda kept=kept: kept(False), "bf16": lambda x=x, layer=bf16: layer(x)}
+            if wide:
+                variants[wide] = lambda kept=kept: kept(True)
+            times = best_of(variants, calls=max(1, int(2e8 // (rows * n * k))))
+            path(True)
+            print(f"gguf {'Q8_0' if ggml_type == 8 else 'Q4_1'} {name:8s} [{rows:4d} x {k}] -> {n}: "
+                  + ", ".join(f"{kind} {t * 1e6:.0f} us" for kind, t in times.items())
+                  + (f"; {wide} / bf16 ({choice}) {times[wide] / times['bf16']:.2f}x" if wide else ""), flush=True)
+
+
 def main() -> None:
     global CLOCK
     parser = argparse.ArgumentParser()
@@ -138,7 +182,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=112)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpu-time", action="store_true")
-    parser.add_argument("--only", nargs="+", choices=["decode", "prefill", "linear"], default=["decode", "prefill", "linear"])
+    parser.add_argument("--only", nargs="+", choices=["decode", "prefill", "linear", "gguf"],
+                        default=["decode", "prefill", "linear"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,6 +197,8 @@ def main() -> None:
                 prefill(dtype)
         if "linear" in args.only:
             linears(args.rows)
+        if "gguf" in args.only:
+            gguf_linears(args.rows)
 
 
 if __name__ == "__main__":
