@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from podium_cpu import gguf_ops
+from podium_cpu.platform import CpuPlatform
 from podium_plugin_api.gguf_blocks import BLOCKS, NAMES, dequantize_rows, random_rows
 
 TYPES = sorted(BLOCKS)
@@ -149,3 +150,19 @@ def test_512_bit_batches_against_gguf_py(batch_path, ggml_type):
     scale = want.abs().max().item()
     assert (got.double() - want).abs().max().item() <= 1e-5 * scale
     assert (got.double() - x.double() @ dense.t()).abs().max().item() <= 2e-2 * scale
+
+
+def test_the_platform_states_the_gguf_batch_path(batch_path):
+    """``podium platforms --verbose``'s "gguf batches" line follows the switches that choose the path,
+    and asking does not change them: the 512-bit path's name while it is on, the AVX2 / VNNI-256 rows
+    for every batch while it is off."""
+    kernels, use = batch_path
+    wide = "AMX-INT8" if kernels.gguf_amx(-1) else "AVX-512 VNNI"
+    assert gguf_ops.batch_path(kernels).startswith(wide)
+    use(False)
+    assert gguf_ops.batch_path(kernels) == "the AVX2 / VNNI-256 rows (gguf_linear.c) for every batch"
+    assert not kernels.gguf_amx(-1) and not kernels.gguf_vnni512(-1)
+    use(True)
+    assert gguf_ops.batch_path(kernels).startswith(wide)
+    extra = CpuPlatform().capabilities().extra
+    assert extra["gguf batches"] == gguf_ops.batch_path(kernels)

@@ -15,6 +15,21 @@ from podium_plugin_api.gguf_blocks import gguf_linear as reference_linear
 
 from .native_kernels import NativeKernels
 
+AMX_MIN_ROWS = 8  # gguf_linear.c's: the fewest rows a call takes to the 512-bit batch path
+
+
+def batch_path(kernels: NativeKernels | None, why_not: str = "") -> str:
+    """Which kernel the kept GGUF linears' batches run now, and from how many rows (the switches'
+    state: gguf_linear.c's podium_gguf_amx and podium_gguf_vnni512, asked without changing them)."""
+    if kernels is None or kernels.gguf_amx is None or kernels.gguf_vnni512 is None:
+        return f"the contract's reference (dequantize, then F.linear): no native kernels ({why_not or 'not built'})"
+    rows = "the AVX2 / VNNI-256 rows (gguf_linear.c)"
+    if kernels.gguf_amx(-1):
+        return f"AMX-INT8 tiles (gguf_amx.h) from {AMX_MIN_ROWS} rows, fewer on {rows}"
+    if kernels.gguf_vnni512(-1):
+        return f"AVX-512 VNNI in the AMX tiles' layout (gguf_amx.h) from {AMX_MIN_ROWS} rows, fewer on {rows}"
+    return f"{rows} for every batch"
+
 
 def gguf_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, ggml_type: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -381,7 +381,8 @@ def _replay_entry(libs: list[ctypes.CDLL]):
 
 def _switch_entry(libs: list[ctypes.CDLL], name: str):
     """A kernel's ``int name(int on)`` switch (paged_attention.c's podium_attention_amx, gguf_linear.c's
-    podium_gguf_amx and podium_gguf_vnni512): it answers whether the kernel is on."""
+    podium_gguf_amx and podium_gguf_vnni512): it answers whether the kernel is on (the GGUF ones: -1
+    only asks)."""
     fn = _symbol(libs, name)
     if fn is None:
         raise AttributeError(f"native library lacks {name}")

@@ -42,6 +42,7 @@ from torch import nn
 
 from podium_plugin_api import AttentionBackend, Capabilities, GraphRunner, KVCacheSpec, Platform, PlatformOption
 
+from . import gguf_ops
 from .attention import CpuAttentionBackend
 from .attention_plan import EVERY_TOKEN_ALONE, TILE_MIN_QUERY
 from .cpu_info import has_native_bf16, usable_cores, usable_cpus
@@ -137,7 +138,8 @@ class CpuPlatform(Platform):
                        "attention": _attention_setting(self._attention),
                        "batch_invariant": invariant_why or ("on" if self._invariant else "available"),
                        **{f"linears {str(dtype).removeprefix('torch.')}": rule.summary()
-                          for dtype, rule in self.linear_rules().items()}},
+                          for dtype, rule in self.linear_rules().items()},
+                       "gguf batches": gguf_ops.batch_path(*load_kernels())},
             )
         return self._capabilities
 

@@ -48,8 +48,8 @@
  * (native_kernels.py, after amx_linear.c's podium_amx_init); the tests turn it off to compare */
 static int amx_on;
 
-int podium_gguf_amx(int on) {
-    amx_on = HAVE_GGUF_AMX && on;
+int podium_gguf_amx(int on) { /* on < 0: only answer */
+    if (on >= 0) amx_on = HAVE_GGUF_AMX && on;
     return amx_on;
 }
 
@@ -57,8 +57,8 @@ int podium_gguf_amx(int on) {
  * where built; the tests turn it off to compare with the AVX2 / VNNI-256 rows) */
 static int vnni512_on = HAVE_GGUF_VNNI512;
 
-int podium_gguf_vnni512(int on) {
-    vnni512_on = HAVE_GGUF_VNNI512 && on;
+int podium_gguf_vnni512(int on) { /* on < 0: only answer */
+    if (on >= 0) vnni512_on = HAVE_GGUF_VNNI512 && on;
     return vnni512_on;
 }
 
