@@ -27,7 +27,7 @@
  * lanes (the x rows), and each 4-deep step of it is one vpdpbusd of A's 4 bytes of weight row n in
  * every lane against B's 64-byte row (16 x rows x 4 q_x). vpdpbusd's first operand is unsigned: the
  * q of Q4_0, Q4_1, Q4_K and Q5_K are (0..31); signed q (Q8_0, Q6_K) are unpacked with 128 added
- * (q ^ 0x80) and 128 sum(q_x) over the chunk (or half), 4 more vpdpbusd of B against ones, comes off.
+ * (q ^ 0x80) and 128 sum(q_x) over the chunk (or half), one more vpdpbusd a B row, comes off.
  * The same exact int32 sums, then the same scaling as the tiles: 8 vpdpbusd a chunk for 16 x 16 sums
  * of 64 products each, where the AVX2 path takes a 32-product vpdpbusd and a reduction per chunk and
  * pair of rows. Included by gguf_linear.c only. */

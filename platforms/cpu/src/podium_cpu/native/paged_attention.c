@@ -79,7 +79,7 @@ typedef struct { /* one step's batch, the same for every layer */
  * A decode streams its keys and values from memory once, so the tiles asked for ahead go to L2
  * (locality 2), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its line
  * arrives, and with the scattered tiles that capped a core's lines in flight (a 32 x 576 step: 24-26
- * against 20-22 ms on AMD Zen 4; a gather of scattered 2 KB tiles, 17 against 23-29 GB/s). */
+ * against 20-22 ms on AMD Zen 4, benchmarks/cpu_kernels.py --only decode --context 576). */
 #define DEFINE_ITEM(NAME, T, SCORES, ACCUMULATE, LOAD, STORE)                                             \
 static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *table,             \
                  int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch,               \
