@@ -8,6 +8,9 @@
 #   bash benchmarks/quant_gpu.sh accum      the FP8 kernel tests, then the 8B 256 x 512/256 FP8 run with
 #                                           _scaled_mm's fast accumulation off and on, alternated, and bf16
 #                                           weights once (<= 540 s; "ratio" lines against each other)
+#   bash benchmarks/quant_gpu.sh mma        the warp-MMA FP8 GEMV: its tests and the FP8 GEMV tests, the one-row
+#                                           timings (default, quantize-first, mma) with the MMA settings swept,
+#                                           then batch-1 FP8 latency under the default and the MMA tuning (<= 560 s)
 #   bash benchmarks/quant_gpu.sh targets    issue 31's GPU targets under the default tuning: 8B 256 x 512/256 FP8,
 #                                           bf16 weights, FP8 again (alternated), then batch 1 FP8 and AWQ (<= 560 s)
 #
@@ -33,7 +36,8 @@ case "$MODE" in
   table) BUDGET=${BUDGET:-300} ;;
   accum) BUDGET=${BUDGET:-540} ;;
   targets) BUDGET=${BUDGET:-560} ;;
-  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table|accum|targets]" >&2; exit 2 ;;
+  mma) BUDGET=${BUDGET:-560} ;;
+  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table|accum|targets|mma]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/podium_quant_out}
 START=$(date +%s)
@@ -120,7 +124,7 @@ EOF
   ls "$OUT"
 }
 
-FIGURES="^check|^default|^time|^layer|^sweep|rule|^tuning|^failed|rror|Traceback"
+FIGURES="^check|^default|^time|^layer|^sweep|rule|^tuning|^mma|^failed|rror|Traceback"
 # the 8B runs of every mode: the model, the 256 x 512/256 throughput run, batch-1 latency
 MODEL=(--model llama-3.1-8b-shape --max-model-len 1024 --kv-cache-dtype fp8 --no-progress)
 THROUGHPUT=(--dataset random --input-len 512 --output-len 256 --num-prompts 256)
@@ -155,6 +159,23 @@ if [ "$MODE" = targets ]; then
     KEEP="Decode per token|rror" TAIL=4 run_step "latency_$fmt" 80 podium bench latency "${MODEL[@]}" \
       --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_$fmt.json"
   done
+  finish
+  exit 0
+fi
+if [ "$MODE" = mma ]; then
+  XDIST=()
+  python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+  KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE \
+    "${XDIST[@]}" platforms/cuda/tests/test_fp8_mma_gemv.py platforms/cuda/tests/test_fp8_gemv.py \
+    platforms/cuda/tests/test_fp8_quant.py
+  KEEP=$FIGURES TAIL=400 run_step one_row 200 python3 benchmarks/quant_gpu_one_row.py --mma-only-sweep \
+    --variants "fp8 quantize-first,fp8 mma"
+  MEASURED=$(grep -E "^mma: " "$OUT/one_row.log" 2>/dev/null | grep -oE "PODIUM_CUDA_TUNING=[^ ]+" | tail -1 | cut -d= -f2-)
+  echo "the MMA GEMV's fastest settings: ${MEASURED:=fp8_gemv_mma=1}" | tee -a "$SUMMARY"
+  KEEP="Decode per token|rror" TAIL=4 run_step latency_fp8 70 env PODIUM_CUDA_TUNING="$MEASURED" podium bench latency \
+    "${MODEL[@]}" --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/latency_fp8.json"
+  KEEP="Decode per token|rror" TAIL=4 run_step latency_fp8_default 70 podium bench latency "${MODEL[@]}" \
+    --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/latency_fp8_default.json"
   finish
   exit 0
 fi

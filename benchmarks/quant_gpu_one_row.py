@@ -51,7 +51,8 @@ from quant_gpu_kernels import (
 from podium_plugin_api.fp8 import FP8, quantize_per_token
 from podium_plugin_api.int4 import AWQ, dequantize, random_packed
 
-ONE_ROW_FIELDS = ("fp8_gemv_dot", "fp8_gemv_packed", "fp8_gemv_bits", "fp8_gemv_quantize_first")
+ONE_ROW_FIELDS = ("fp8_gemv_dot", "fp8_gemv_packed", "fp8_gemv_bits", "fp8_gemv_quantize_first", "fp8_gemv_mma")
+MMA_FIELDS = ("fp8_mma_warps", "fp8_mma_unroll", "fp8_mma_programs", "fp8_mma_prefetch")
 
 
 def _fp8(dot=False, packed=False, bits=False, first=False) -> dict:
@@ -67,6 +68,7 @@ FP8_VARIANTS = {  # label -> KernelTuning changes; "fp8 default" is the tuning a
     "fp8 packed bits": _fp8(packed=True, bits=True),
     "fp8 packed bits+first": _fp8(packed=True, bits=True, first=True),
     "fp8 tensor": _fp8(dot=True),
+    "fp8 mma": {"fp8_gemv_mma": True},
 }
 AWQ_VARIANTS = {"awq default": {}, "awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True}}
 FP8_BLOCK_K = (0, 512, 1024, 2048, 4096)  # the sweep's global slice widths (0: fp8_gemv.config's rule)
@@ -118,7 +120,7 @@ def check(device: str) -> list[str]:
             q, s = quantize_per_token(separate(prologue, x, residual, g))
             want = (q.double() @ weight.double().t()) * s.double() * scale.double().t()
             for label, changes in distinct(FP8_VARIANTS).items():
-                if index and "packed" not in label and label != "fp8 default":
+                if index and "packed" not in label and label not in ("fp8 default", "fp8 mma"):
                     continue
                 err = rel_error(fp8_call(weight, scale, x, prologue, residual, g, changes)(), want)
                 lines.append(verdict(f"{label} {prologue or 'plain'} {n} x {k}", err, bound))
@@ -293,11 +295,31 @@ def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tu
             dict(awq_changes, int4_gemv_block_n=best_n, int4_gemv_split_k=best_s))
 
 
+MMA_SETTINGS = [dict(zip(MMA_FIELDS, values)) for values in
+                [(4, 4, 8, False), (4, 4, 8, True), (4, 2, 8, False), (4, 2, 16, False), (8, 2, 8, False),
+                 (8, 4, 8, False), (2, 4, 8, False), (4, 4, 4, False), (4, 4, 16, False), (4, 4, 0, False)]]
+
+
+def sweep_mma(copies: dict[str, Copies], fp8_changes: dict) -> dict:
+    """The warp-MMA GEMV's warps / unroll / programs / prefetch over a layer (the first setting is the
+    default), each per-shape and summed: the fastest as FP8 changes (the default's unless 2% faster)."""
+    totals = {}
+    for index, mma in enumerate(MMA_SETTINGS):
+        changes = dict(fp8_changes, fp8_gemv_mma=True, **mma)
+        parts = {name: time_fp8(c, PROLOGUE_OF[name], changes) for name, c in copies.items()}
+        total = None if None in parts.values() else sum(parts.values())
+        totals[str(index)] = total
+        shown_parts = ", ".join(f"{name} {'failed' if v is None else f'{v:.1f}'}" for name, v in parts.items())
+        print(f"sweep mma {mma}: layer {'failed' if total is None else f'{total:.1f} us'} ({shown_parts})", flush=True)
+    best = int(fastest(totals, list(totals), "0"))
+    return dict(fp8_changes, fp8_gemv_mma=True, **MMA_SETTINGS[best])
+
+
 def setting(changes: dict) -> str:
     """PODIUM_CUDA_TUNING's text for the one-row fields (every one, so the line says the whole choice)."""
     t = tuning(**changes)
     fields = ONE_ROW_FIELDS + ("fp8_gemv_block_k", "fp8_gemv_programs", "int4_gemv_packed", "int4_gemv_block_n",
-                               "int4_gemv_split_k")
+                               "int4_gemv_split_k") + (MMA_FIELDS if t.fp8_gemv_mma else ())
     return ",".join(f"{name}={int(getattr(t, name))}" for name in fields)
 
 
@@ -305,12 +327,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated labels to time (e.g. 'fp8 default,fp8 mma,awq default'); all by default")
+    parser.add_argument("--mma-only-sweep", action="store_true",
+                        help="sweep only the warp-MMA GEMV's settings (not the other variants' tiles)")
     args = parser.parse_args()
     for text in check(args.device):
         print(text, flush=True)
     if args.device != "cuda":
         return
     fp8, awq = distinct(FP8_VARIANTS), distinct(AWQ_VARIANTS)
+    if args.variants:
+        wanted = {label.strip() for label in args.variants.split(",")} | {"fp8 default", "awq default"}
+        fp8 = {label: changes for label, changes in fp8.items() if label in wanted}
+        awq = {label: changes for label, changes in awq.items() if label in wanted}
     default = tuning()
     print("default: " + setting({}) + f" (fp8_gemv_max_rows={default.fp8_gemv_max_rows}, "
           f"int4_gemv_max_rows={default.int4_gemv_max_rows}); variants timed: {', '.join([*fp8, *awq])}", flush=True)
@@ -330,8 +360,16 @@ def main() -> None:
     fp8_changes, awq_changes = fp8[best_fp8], awq[best_awq]
     # the variants' choice now, in case the sweep does not finish; quant_gpu.sh takes the last tuning line
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)
-    if not args.no_sweep:
-        fp8_changes, awq_changes = sweep(copies, fp8_changes, awq_changes)
+    if args.mma_only_sweep:
+        mma = sweep_mma(copies, {})
+        print(f"mma: PODIUM_CUDA_TUNING={setting(mma | awq_changes)}", flush=True)
+        if fp8_changes.get("fp8_gemv_mma"):
+            fp8_changes = mma
+    elif not args.no_sweep:
+        if fp8_changes.get("fp8_gemv_mma"):
+            fp8_changes = sweep_mma(copies, fp8_changes)
+        else:
+            fp8_changes, awq_changes = sweep(copies, fp8_changes, awq_changes)
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)
 
 

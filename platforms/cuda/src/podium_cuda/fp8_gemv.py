@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8_quant
+from . import fp8_mma_gemv, fp8_quant
 from .fp8_gemm import interpreting
 from .fp8_quant import e4m3_values, rows_scale
 from .gemv import _multiprocessors
@@ -342,7 +342,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     would otherwise each redo the norm and amax over K in every program); one row too with
     ``tuning.fp8_gemv_quantize_first`` (then every program reads the e4m3 row instead of computing
     the prologue's norm and amax over the whole row itself: for SiLU-and-mul 2K reads and K
-    exponentials a program)."""
+    exponentials a program). One row with ``tuning.fp8_gemv_mma`` (sm89+, K a multiple of 64): the
+    quantization's launch, then fp8_mma_gemv.py's warp MMAs."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
@@ -354,6 +355,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         raise ValueError(f"fp8_gemv: the residual must match x {tuple(x.shape)} {x.dtype}")
     if prologue in (RMSNORM, ADD_RMSNORM) and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"fp8_gemv: the norm's weight must be [{k}]")
+    if fp8_mma_gemv.takes(x, weight, weight_scale, tuning):
+        return fp8_mma_gemv.fp8_mma_gemv(x, weight, weight_scale, bias, prologue, residual, norm_weight, eps, tuning)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     dot = tuning.fp8_gemv_dot
     given = (dot and rows > 1) or (rows == 1 and tuning.fp8_gemv_quantize_first)

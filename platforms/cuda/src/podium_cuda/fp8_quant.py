@@ -24,6 +24,7 @@ import triton.language as tl
 from podium_plugin_api.fp8 import FP8
 
 from .fp8_gemm import _round_e4m3, interpreting
+from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options
 from .prologue import ADD_RMSNORM, PLAIN, RMSNORM, SILU, input_chunk, rows_rstd
 from .tuning import next_power_of_2
 
@@ -57,8 +58,12 @@ def rows_scale(x_rows, r_rows, g_ptr, rstd, row_ok, K, PROLOGUE: tl.constexpr, B
 
 @triton.jit
 def quantize_kernel(q_ptr, s_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, stride_x, stride_r, eps,
-                    BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, HW_CAST: tl.constexpr):
-    """q [M, K] e4m3 (row stride K), s [M] float32 of prologue(x); grid (M,)."""
+                    BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr):
+    """q [M, K] e4m3 (row stride K), s [M] float32 of prologue(x); grid (M,). PDL: launched as a
+    dependent (pdl.py), the next launch let in at once."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     one = tl.zeros([1, 1], dtype=tl.int64)  # the row's pointers as [1, 1] blocks: the helpers take rows
     x_rows = x_ptr + row * stride_x + one
@@ -80,12 +85,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, prologue: int = PLAIN, residual: torch.Tensor | None = None,
-             weight: torch.Tensor | None = None, eps: float = 0.0,
-             num_warps: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+             weight: torch.Tensor | None = None, eps: float = 0.0, num_warps: int = 0,
+             pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """prologue(x) quantized per token: (q e4m3 [M, K], s float32 [M, 1], x + residual or None).
 
     x [M, K] (SILU: [M, 2K] = [gate | up]); RMSNORM / ADD_RMSNORM take the norm's ``weight`` [K] and
-    ``eps``, ADD_RMSNORM the ``residual`` [M, K] too. ``num_warps`` 0: by the row's width."""
+    ``eps``, ADD_RMSNORM the ``residual`` [M, K] too. ``num_warps`` 0: by the row's width. ``pdl``: a
+    programmatic dependent launch where the device has them (a GEMV behind it can load its weights
+    while this runs)."""
     x = _rows(x)
     rows = x.shape[0]
     k = x.shape[1] // 2 if prologue == SILU else x.shape[1]
@@ -101,12 +108,13 @@ def quantize(x: torch.Tensor, prologue: int = PLAIN, residual: torch.Tensor | No
     if prologue in (RMSNORM, ADD_RMSNORM) and (weight is None or weight.shape != (k,)):
         raise ValueError(f"quantize: the norm's weight must be [{k}]")
     if rows:
+        pdl = pdl and dependent_launch(x.device)
         block = min(MAX_BLOCK, next_power_of_2(k))
         quantize_kernel[(rows,)](
             q, s, summed if summed is not None else x, x, residual if residual is not None else x,
             weight if weight is not None else x, k, x.stride(0), residual.stride(0) if residual is not None else 0,
-            float(eps), BLOCK=block, PROLOGUE=prologue, HW_CAST=not interpreting(),
-            num_warps=num_warps or max(4, min(block // 256, 16)))
+            float(eps), BLOCK=block, PROLOGUE=prologue, HW_CAST=not interpreting(), PDL=pdl,
+            num_warps=num_warps or max(4, min(block // 256, 16)), **launch_options(pdl))
     return q, s, summed
 
 

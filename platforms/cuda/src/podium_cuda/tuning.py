@@ -155,6 +155,17 @@ class KernelTuning:
     # reads the e4m3 row, instead of every program walking the whole row for its norm and amax
     # (down_proj's SiLU-and-mul so: 71 us fused against 33.5 plain on the H200). Off until timed
     fp8_gemv_quantize_first: bool = False
+    # one row on the tensor cores' warp MMA over the weight as it lies (fp8_mma_gemv.py: the row quantized
+    # first by fp8_quant's launch, then two e4m3 m16n8k32 MMAs a lane for three 16-byte loads, no
+    # conversions). Off until quant_gpu.sh's one_row step has timed it on the device
+    fp8_gemv_mma: bool = False
+    # its warps a program, steps of 64 K bytes a warp has in flight, and the programs a multiprocessor
+    # its split of K aims at (fp8_mma_gemv.config); the lines after the first steps asked for into L2
+    # while the row is quantized
+    fp8_mma_warps: int = 4
+    fp8_mma_unroll: int = 4
+    fp8_mma_programs: int = 8
+    fp8_mma_prefetch: bool = False
     # FP8 calls that take _scaled_mm quantize their rows in one Triton launch (fp8_quant.py), the
     # RMSNorm / add-RMSNorm / SiLU-and-mul before them inside it; False: the contract's torch
     # quantize_per_token after the separate norm / SiLU kernel (for A/B runs)
