@@ -136,11 +136,14 @@ def fp8_mma_gemv_kernel(
 
 def takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, tuning: KernelTuning) -> bool:
     """Whether a call goes here: ``tuning.fp8_gemv_mma`` on, one row on an NVIDIA sm89+ GPU, a contiguous
-    e4m3 weight whose K is a multiple of 64 (whole steps), per-tensor or per-channel scales."""
+    e4m3 weight whose K is a multiple of 64 (whole steps) at a 16-byte aligned address, per-tensor or
+    per-channel scales. The alignment is what lets Triton load 16 bytes a lane, the layout the MMA's
+    operands rely on (with less, the words of one asm instance would come from other lanes' rows)."""
     n, k = weight.shape
     per_row = weight_scale.numel() == 1 or tuple(weight_scale.shape) == (n, 1)
     return (tuning.fp8_gemv_mma and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
-            and nvidia_at_least(x.device, (8, 9)) and per_row and weight.is_contiguous() and k % STEP == 0)
+            and nvidia_at_least(x.device, (8, 9)) and per_row and weight.is_contiguous() and k % STEP == 0
+            and weight.data_ptr() % 16 == 0)
 
 
 def config(n: int, k: int, multiprocessors: int, tuning: KernelTuning) -> tuple[int, int, int]:
