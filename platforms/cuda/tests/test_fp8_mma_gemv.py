@@ -11,10 +11,9 @@ import dataclasses
 
 import pytest
 import torch
+from test_fp8_gemv import DTYPES, _close, _want, _weight  # the same reference and bounds as the CUDA-core GEMV's
 
-from podium_plugin_api.fp8 import FP8, quantize_per_token
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+from podium_plugin_api.fp8 import FP8
 
 
 def _tuning(**changes):
@@ -29,24 +28,6 @@ def sm89():
             or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9 or newer")
     return torch.device("cuda")
-
-
-def _weight(n: int, k: int, granularity: str, gen: torch.Generator):
-    weight = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(FP8)
-    scale = torch.rand((1,) if granularity == "tensor" else (n, 1), generator=gen) / 1000 + 1e-4
-    return weight, scale
-
-
-def _want(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
-    q, s = quantize_per_token(rows.cpu())
-    out = (q.double() @ weight.double().t()) * s.double() * scale.double().reshape(1, -1)
-    return out if bias is None else out + bias.double().cpu()
-
-
-def _close(got, want, dtype, what):
-    bound = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    err = ((got.double().cpu() - want).abs().max() / want.abs().max()).item()
-    assert err <= bound, f"{what}: relative max error {err:.2e} (bound {bound:.0e})"
 
 
 SETTINGS = {"default": {}, "8-warps-unroll-2": {"fp8_mma_warps": 8, "fp8_mma_unroll": 2},
