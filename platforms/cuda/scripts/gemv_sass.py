@@ -125,6 +125,23 @@ def awq_build(n: int, k: int, changes: dict, arch: int = 90):
     return compile_launch(kernel, launch, arch), 128 * 2 * 8 // launch[1]["SUB_ROWS"]
 
 
+def mma_build(n: int, k: int, changes: dict, arch: int = 90):
+    """(compiled, weight bytes a thread handles per main-loop iteration) of the one-row FP8 warp-MMA GEMV
+    (fp8_mma_gemv.py: its launch as fp8_mma_gemv would make it on a device of 132 multiprocessors)."""
+    from podium_cuda import fp8_mma_gemv
+    from podium_cuda.tuning import CUDA_TUNING
+
+    tuning = dataclasses.replace(CUDA_TUNING, **({"fp8_gemv_mma": True} | changes))
+    warps, unroll, splits = fp8_mma_gemv.config(n, k, 132, tuning)
+    out = torch.zeros(1, n, dtype=torch.bfloat16)
+    args = (out, torch.zeros(splits, n), torch.zeros(4096, dtype=torch.int32), torch.zeros(n, k // 4, dtype=torch.int32),
+            torch.ones(n), out, torch.zeros(k // 4, dtype=torch.int32), torch.ones(1), n, k // 4,
+            k // 4 // (splits * warps), splits)
+    kwargs = {"WARPS": warps, "UNROLL": unroll, "PER_CHANNEL": True, "HAS_BIAS": False, "PDL": True,
+              "PREFETCH": tuning.fp8_mma_prefetch, "num_warps": warps, "num_stages": 1, "launch_pdl": True}
+    return compile_launch(fp8_mma_gemv.fp8_mma_gemv_kernel, (args, kwargs), arch), 2 * fp8_mma_gemv.STEP * unroll
+
+
 def per_weight(compiled, weights: float) -> tuple[float, collections.Counter]:
     """The largest loop's instructions over ``weights``, and its opcodes."""
     count, ops = max(loops(sass(compiled)), key=lambda body: body[0])

@@ -54,3 +54,19 @@ def test_packed_awq_gemv_loop(gemv_sass):
     if not _counts_calibrated():
         pytest.skip("built and assembled; the instruction-count bounds are Triton 3.9's")
     assert figure < 3.0, f"{figure:.2f} instructions a weight: {dict(ops.most_common(8))}"
+
+
+def test_fp8_mma_gemv_loop(gemv_sass):
+    """The warp-MMA GEMV's main loop: its MMAs read the 16-byte loads' words as they are (no shared memory,
+    no layout conversion, no spills), two MMAs and three 16-byte loads a step of 64 K bytes a lane, and
+    well under an instruction a weight byte (sm90 runs each fp8 MMA as a conversion and two f16 HMMAs)."""
+    compiled, weight_bytes = gemv_sass.mma_build(28672, 4096, {})  # unsplit: a warp loops over 1,024 bytes
+    ptx = compiled.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in ptx
+    assert "ld.global.v4.b32" in ptx, "the weight is not loaded 16 bytes a lane: the MMA operands' layout breaks"
+    count, ops = max(gemv_sass.loops(gemv_sass.sass(compiled)), key=lambda body: body[0])
+    assert ops["LDS"] == ops["STS"] == ops["STL"] == ops["LDL"] == ops["BAR"] == 0, dict(ops)
+    assert ops["LDG"] == 12 and ops["HMMA"] == 16, dict(ops)  # 4 steps: 3 loads and 2 fp8 MMAs each
+    if not _counts_calibrated():
+        pytest.skip("built; the instruction-count bounds are Triton 3.9's")
+    assert count / weight_bytes < 0.6, f"{count / weight_bytes:.2f} instructions a weight byte: {dict(ops)}"
