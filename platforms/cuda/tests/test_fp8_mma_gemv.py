@@ -104,11 +104,9 @@ def test_fp8_mma_gemv_in_a_graph_replays_new_rows(sm89):
 
 
 @pytest.mark.cuda
-def test_fp8_mma_gemv_takes_one_row_whole_steps_only():
+def test_fp8_mma_gemv_takes_one_row_whole_steps_only(sm89):
     from podium_cuda import fp8_mma_gemv
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("needs an NVIDIA GPU of compute capability 8.9 or newer")
     weight, channel = torch.zeros(32, 128, dtype=FP8, device="cuda"), torch.ones(32, 1, device="cuda")
     x = torch.zeros(1, 128, device="cuda")
     assert fp8_mma_gemv.takes(x, weight, channel, _tuning())

@@ -18,8 +18,8 @@ The row is quantized first (fp8_quant.quantize: the prologue, the amax and the e
 launch); this launch reads the e4m3 row and its scale. A program takes 16 output features (a row
 tile) and one of ``splits`` slices of K, its warps consecutive stretches of the slice, each warp
 UNROLL steps at a time with the next UNROLL steps' loads issued before the MMAs (double-buffered in
-registers). The warps' sums are added in the program, the slices' by the last program of the tile
-(split_k.py: in split order, deterministic), scaled by ``s_w * s_x``, the bias added.
+registers). The warps' sums are added in the program and scaled by ``s_w * s_x``; the slices' by the
+last program of the tile (split_k.py: in split order, deterministic); then the bias.
 
 Triton has no warp-level MMA on tensors it lays out itself, so the MMA is inline PTX over tensors
 whose layout puts the right words in the right lanes: [UNROLL, 32 * WARPS, 4] int32 loads, 16
@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 
 from . import fp8_quant
+from .gemv import _multiprocessors
 from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least, prefetch_l2
-from .split_k import counters, last_split, reset
+from .split_k import counters, finish_row, last_split, reset
 from .tuning import CUDA_TUNING, KernelTuning
 
 STEP = 64  # K bytes a warp consumes a step: two MMAs of 32
@@ -107,32 +108,27 @@ def fp8_mma_gemv_kernel(
     high = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (w_ix == 2), sums, 0.0), 3), 2), 0)
     n_low = tile * 16 + tl.arange(0, 8)
     n_high = n_low + 8
-    part = partial_ptr + split.to(tl.int64) * N
-    if splits > 1:
-        tl.store(part + n_low, low, mask=n_low < N)
-        tl.store(part + n_high, high, mask=n_high < N)
-    if last_split(count_ptr, tile, splits):
-        if splits > 1:
-            low = tl.zeros((8,), dtype=tl.float32)
-            high = tl.zeros((8,), dtype=tl.float32)
-            for other in range(0, splits):
-                low += tl.load(partial_ptr + other * N + n_low, mask=n_low < N, other=0.0, cache_modifier=".cg")
-                high += tl.load(partial_ptr + other * N + n_high, mask=n_high < N, other=0.0, cache_modifier=".cg")
-        s_x = tl.load(sx_ptr)
-        if PER_CHANNEL:
-            low = low * tl.load(ws_ptr + n_low, mask=n_low < N, other=0.0)
-            high = high * tl.load(ws_ptr + n_high, mask=n_high < N, other=0.0)
-        else:
-            low = low * tl.load(ws_ptr)
-            high = high * tl.load(ws_ptr)
-        low, high = low * s_x, high * s_x
+    s_x = tl.load(sx_ptr)
+    if PER_CHANNEL:
+        low = low * tl.load(ws_ptr + n_low, mask=n_low < N, other=0.0)
+        high = high * tl.load(ws_ptr + n_high, mask=n_high < N, other=0.0)
+    else:
+        low = low * tl.load(ws_ptr)
+        high = high * tl.load(ws_ptr)
+    low, high = low * s_x, high * s_x
+    if splits == 1:
         if HAS_BIAS:
             low += tl.load(b_ptr + n_low, mask=n_low < N, other=0.0).to(tl.float32)
             high += tl.load(b_ptr + n_high, mask=n_high < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + n_low, low.to(out_ptr.dtype.element_ty), mask=n_low < N)
         tl.store(out_ptr + n_high, high.to(out_ptr.dtype.element_ty), mask=n_high < N)
-        reset(count_ptr, tile, splits)
-
+    else:  # the scaled slices' sums, added in split order by the tile's last program
+        part = partial_ptr + split.to(tl.int64) * N
+        tl.store(part + n_low, low, mask=n_low < N)
+        tl.store(part + n_high, high, mask=n_high < N)
+        if last_split(count_ptr, tile, splits):
+            finish_row(out_ptr, partial_ptr, b_ptr, tile * 16, N, splits, 16, HAS_BIAS)
+            reset(count_ptr, tile, splits)
 
 def takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, tuning: KernelTuning) -> bool:
     """Whether a call goes here: ``tuning.fp8_gemv_mma`` on, one row on an NVIDIA sm89+ GPU, a contiguous
@@ -171,8 +167,6 @@ def fp8_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  tuning: KernelTuning = CUDA_TUNING) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [1, N] in x's dtype, x + residual for ADD_RMSNORM else None); ``takes`` must hold and the
     caller has checked the prologue's arguments (fp8_gemv.fp8_gemv)."""
-    from .gemv import _multiprocessors
-
     q, s_x, summed = fp8_quant.quantize(x, prologue, residual, norm_weight, eps, pdl=tuning.gemv_pdl)
     n, k = weight.shape
     warps, unroll, splits = config(n, k, _multiprocessors(x.device), tuning)
