@@ -1,10 +1,11 @@
 """The CPU platform's kernels alone, at SmolLM2-135M's shapes, each against what it replaced:
 
-    python benchmarks/cpu_kernels.py [--only decode prefill linear gguf] [--rows 1 32 64 512] [--threads N]
+    python benchmarks/cpu_kernels.py [--only decode prefill linear gguf step] [--rows 1 32 64 512] [--threads N]
 
 decode: one decode step's 30 layers of ``CpuAttentionBackend.forward`` (write + attend), 32
 sequences of ``--context`` tokens over blocks scattered at random (the worst case for the hardware
-prefetcher), float32 and bf16; ms per step and the KV bytes read over that time.
+prefetcher), float32 and bf16, replayed as a CPU graph: each layer its own cache (read from memory)
+and all layers one cache (read from the L3); ms per step and the KV bytes read over that time.
 prefill: one layer's attention of 4 fresh 512-token prompts and of a 128-token chunk over 512
 cached tokens: the native kernel's flash tiles against the torch path (one SDPA call a sequence).
 linear: each SmolLM2 linear shape at each ``--rows``: every native kernel this CPU runs (the one the
@@ -15,6 +16,8 @@ gguf: the kept GGUF linears (``gguf_ops.gguf_linear``, random Q4_1 rows at SmolL
 Q8_0 LM head, bf16 rows) at each ``--rows``: on the 512-bit batch path where this CPU has one (AMX-INT8
 tiles, or their layout on AVX-512 VNNI) and on the AVX2 / VNNI-256 rows, against the bf16 native linear
 the platform picks for the shape; the ratio is the batch path's time / bf16's.
+step (not in the default set): a decode step's linears (30 layers' four and the LM head, at ``--seqs``
+rows, the kernels the platform picks) replayed as a CPU graph, weights from memory and from cache.
 
 Timings are the best of several, the variants interleaved trial by trial so that a busy machine
 slows them alike; ``--cpu-time`` times process CPU time instead of wall time (with ``--threads 1``,
@@ -31,6 +34,7 @@ import torch
 from torch import nn
 
 from podium_cpu.attention import CpuAttentionBackend
+from podium_cpu.graphs import CpuGraphRunner
 from podium_cpu.linear_choice import runnable_native_kernels
 from podium_cpu.linear_packing import NativeLinear
 from podium_cpu.native_kernels import load_kernels
@@ -76,18 +80,25 @@ def batch(backend, dtype: torch.dtype, seqs: list[tuple[int, int]], scattered: b
 
 
 def decode(dtype: torch.dtype, seqs: int, context: int) -> None:
+    """A step's 30 attention layers replayed as a CPU graph (no Python between them, as in the engine):
+    each layer its own cache ("from memory": 30 caches, more than the L3 holds at these sizes) and
+    every layer the same cache ("from cache": the reads hit the L3 after the first layer). Their
+    difference is what waiting on memory costs; the second is what the kernel's arithmetic and its
+    cache-to-core traffic cost."""
     backend = CpuPlatform().attention_backend()
     cache, meta, q, k, v = batch(backend, dtype, [(1, context + 1)] * seqs)
     caches = [cache] + [torch.randn_like(cache.float()).to(dtype) for _ in range(LAYERS - 1)]
 
-    def step():
-        for c in caches:
-            backend.forward(LAYER, q, k, v, c, meta)
+    def step(layer_caches):
+        def run():
+            for c in layer_caches:
+                backend.forward(LAYER, q, k, v, c, meta)
+        return CpuGraphRunner().capture(run)
 
-    seconds = best_of({"step": step}, calls=2)["step"]
+    times = best_of({"from memory": step(caches), "from cache": step([cache] * LAYERS)}, calls=2)
     kv_bytes = seqs * (context + 1) * KV_HEADS * HEAD_SIZE * 2 * cache.element_size() * LAYERS
-    print(f"decode attention {str(dtype):15s} {seqs} x {context} context ({backend.name}): {seconds * 1e3:7.2f} ms a "
-          f"step, KV {kv_bytes / 1e6:.0f} MB -> {kv_bytes / seconds / 1e9:.1f} GB/s")
+    print(f"decode attention {str(dtype):15s} {seqs} x {context} context ({backend.name}), ms a step (KV read rate): "
+          + ", ".join(f"{name} {t * 1e3:.2f} ({kv_bytes / t / 1e9:.1f} GB/s)" for name, t in times.items()))
 
 
 def prefill(dtype: torch.dtype) -> None:
@@ -132,6 +143,44 @@ def linears(rows_list: list[int]) -> None:
                     f"{kind}{'' if kind != 'onednn' or reference == dtype else ' (float32)'}{'*' if kind == chosen else ''} {t * 1e6:.0f} us ({flops / t / 1e9:.0f} GF/s)"
                     + ("" if kind == "onednn" else f" {t / times['onednn']:.2f}x") for kind, t in times.items()),
                     flush=True)
+
+
+def step_linears(dtype: torch.dtype, rows: int) -> None:
+    """A decode step's linears as the engine runs them: 30 layers' qkv, o, gate_up and down and the LM
+    head at ``rows`` rows, through the kernel the platform picks, replayed as a CPU graph; each layer
+    its own weights ("from memory") and every layer the same ("from cache"), and their rate against
+    the machine's dot-product peak (benchmarks/cpu_ceilings.py)."""
+    platform = CpuPlatform()
+    kernels, _ = load_kernels()
+    by_name = {k.name: k for k in runnable_native_kernels(kernels) if k.dtype == dtype} if kernels else {}
+    torch.manual_seed(0)
+
+    def layer(name: str) -> NativeLinear | None:
+        n, k = LINEARS[name]
+        kernel = by_name.get(platform.linear_kernel(dtype, n, k, rows).kernel)
+        return None if kernel is None else NativeLinear(nn.Linear(k, n, bias=False).to(dtype).requires_grad_(False), kernel)
+
+    names = ("qkv", "o", "gate_up", "down")
+    layers = [{name: layer(name) for name in names} for _ in range(LAYERS)]
+    head = layer("lm_head")
+    if head is None or any(m is None for m in layers[0].values()):
+        print(f"step linears {dtype}: a linear here is not native (no graph to replay)")
+        return
+    xs = {k: torch.randn(rows, k).to(dtype) for k in {LINEARS[name][1] for name in names}}
+
+    def graph(which):
+        def run():
+            for i in which:
+                for name in names:
+                    layers[i][name](xs[LINEARS[name][1]])
+        return CpuGraphRunner().capture(run)
+
+    times = best_of({"from memory": graph(range(LAYERS)), "from cache": graph([0] * LAYERS),
+                     "LM head": CpuGraphRunner().capture(lambda: head(xs[576]))}, calls=2)
+    flops = {"LM head": 2 * rows * 49152 * 576}
+    flops["from memory"] = flops["from cache"] = 2 * rows * LAYERS * sum(n * k for n, k in (LINEARS[m] for m in names))
+    print(f"step linears {str(dtype):15s} {rows} rows, ms (GF/s): " + ", ".join(
+        f"{name} {t * 1e3:.2f} ({flops[name] / t / 1e9:.0f})" for name, t in times.items()))
 
 
 def gguf_linears(rows_list: list[int]) -> None:
@@ -182,7 +231,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=112)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpu-time", action="store_true")
-    parser.add_argument("--only", nargs="+", choices=["decode", "prefill", "linear", "gguf"],
+    parser.add_argument("--only", nargs="+", choices=["decode", "prefill", "linear", "gguf", "step"],
                         default=["decode", "prefill", "linear"])
     args = parser.parse_args()
     if args.threads:
@@ -195,6 +244,8 @@ def main() -> None:
                 decode(dtype, args.seqs, args.context)
             if "prefill" in args.only:
                 prefill(dtype)
+            if "step" in args.only:
+                step_linears(dtype, args.seqs)
         if "linear" in args.only:
             linears(args.rows)
         if "gguf" in args.only:
