@@ -8,6 +8,11 @@ compiler, one per thread under OpenMP, each thread's GFLOP/s; skipped where no c
 bf16 peak: the same with 24 chains of ``vdpbf16ps`` (AVX512-BF16: 16 lanes, two products each), the
 instruction the bf16 linears and prefill attention run on CPUs without AMX; skipped where the CPU
 lacks it. A bf16 kernel's GF/s against this sum over the threads is its fraction of the peak.
+Tile reads: 512 MiB read as 2 / 4 / 8 KiB tiles in a random order (as the decode attention reads a
+paged KV cache: each tile contiguous, the next one anywhere), every line of the tile AHEAD tiles on
+asked for into L2 first, the tiles split between the threads; GB/s over all of them, the best of 3.
+The decode attention's KV read rate (benchmarks/cpu_kernels.py --only decode) against this is how
+far it is from what the memory gives that pattern.
 """
 
 from __future__ import annotations
@@ -72,6 +77,51 @@ int main(int argc, char **argv) {
 }
 """
 
+TILE_READS = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+int main(int argc, char **argv) {
+    const size_t total = 512ul << 20;
+    const int tile = atoi(argv[1]), ahead = atoi(argv[2]);
+    char *buf = aligned_alloc(4096, total);
+    const size_t tiles = total / (size_t)tile;
+    int64_t *order = malloc(tiles * sizeof(int64_t));
+    for (size_t i = 0; i < total; i += 4096) buf[i] = 1;
+    for (size_t i = 0; i < tiles; i++) order[i] = (int64_t)i;
+    srand(1);
+    for (size_t i = tiles - 1; i > 0; i--) {
+        const size_t j = (size_t)rand() % (i + 1);
+        const int64_t t = order[i];
+        order[i] = order[j], order[j] = t;
+    }
+    double best = 1e30;
+    float check = 0.f;
+    for (int rep = 0; rep < 3; rep++) {
+        const double t0 = omp_get_wtime();
+        float sum = 0.f;
+#pragma omp parallel reduction(+ : sum)
+        {
+            __m256 acc = _mm256_setzero_ps();
+#pragma omp for schedule(static)
+            for (size_t i = 0; i < tiles; i++) {
+                if (ahead && i + ahead < tiles)
+                    for (int o = 0; o < tile; o += 64) _mm_prefetch(buf + order[i + ahead] * tile + o, _MM_HINT_T1);
+                const char *p = buf + order[i] * tile;
+                for (int o = 0; o < tile; o += 64) acc = _mm256_add_ps(acc, _mm256_load_ps((const float *)(p + o)));
+            }
+            sum += acc[0] + acc[7];
+        }
+        const double dt = omp_get_wtime() - t0;
+        best = dt < best ? dt : best, check += sum;
+    }
+    printf("%d B tiles, %d ahead: %.1f GB/s (checksum %g)\n", tile, ahead, total / best / 1e9, check);
+    return 0;
+}
+"""
+
 
 def best(fn, trials: int = 5) -> float:
     fn()
@@ -93,8 +143,9 @@ def bandwidth() -> None:
           f"{torch.get_num_threads()} threads")
 
 
-def loop_peak(label: str, loop: str, threads: int) -> None:
-    """Build and run one of the C loops above under OpenMP; print each thread's GFLOP/s."""
+def loop_peak(label: str, loop: str, threads: int, runs: tuple[tuple[str, ...], ...] = ((),)) -> None:
+    """Build and run one of the C loops above under OpenMP (once per argument list in ``runs``); print
+    what it prints."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         print(f"{label}: skipped (no C compiler)")
@@ -107,8 +158,12 @@ def loop_peak(label: str, loop: str, threads: int) -> None:
         if build.returncode != 0:
             print(f"{label}: skipped (this CPU's build lacks it: {build.stderr.strip().splitlines()[-1]})")
             return
-        run = subprocess.run([str(binary)], capture_output=True, text=True, env={"OMP_NUM_THREADS": str(threads)})
-        print(f"{label}:", "; ".join(run.stdout.strip().splitlines()))
+        lines = []
+        for args in runs:
+            run = subprocess.run([str(binary), *args], capture_output=True, text=True,
+                                 env={"OMP_NUM_THREADS": str(threads)})
+            lines += run.stdout.strip().splitlines()
+        print(f"{label}:", "; ".join(lines))
 
 
 def main() -> None:
@@ -119,6 +174,8 @@ def main() -> None:
     bandwidth()
     loop_peak("FMA peak (float32, 8 lanes)", FMA_LOOP, args.threads)
     loop_peak("bf16 peak (vdpbf16ps, 16 lanes x 2 products)", BF16_LOOP, args.threads)
+    loop_peak("tile reads (random order)", TILE_READS, args.threads,
+              tuple((str(tile), str(ahead)) for tile in (2048, 4096, 8192) for ahead in (0, 2, 4)))
 
 
 if __name__ == "__main__":

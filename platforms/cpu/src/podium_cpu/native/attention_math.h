@@ -227,6 +227,85 @@ static void tile_scores_pairs(const bf16_t *restrict q, const float *restrict qf
     tile_scores(qf, tile, row, G, D, B);
 }
 
+#if VL == 16
+/* A decode item's scores, several 16-key units of its key tiles (unit[u]: 16 consecutive keys of a
+ * tile, their d pairs / dims `ps` elements apart) for GS query heads from g0 at once: each key load
+ * serves every head and each query broadcast every unit, where scoring a block at a time reloads
+ * the keys for each head (pair_scores_block) or each head for each key (tile_scores). Every (unit,
+ * head) keeps the chains of those functions in their order, so the sums are the same bits; the
+ * scaled scores go straight to the item's score rows (dst[u] + g * n, lanes mask[u]: the keys the
+ * query sees). NU and GS are constants after inlining. */
+#ifdef __AVX512BF16__
+static inline __attribute__((always_inline)) void pair_scores_units(
+    const bf16_t *restrict q, const bf16_t *const *unit, int64_t ps, float *const *dst, const __mmask16 *mask,
+    int64_t n, int64_t D, int64_t g0, float scale, const int GS, const int NU) {
+    __m512 a[2][4][2];
+    for (int u = 0; u < NU; u++)
+        for (int g = 0; g < GS; g++) a[u][g][0] = a[u][g][1] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 2 <= D / 2; p += 2) {
+        __m512bh k0[2], k1[2];
+        for (int u = 0; u < NU; u++) {
+            k0[u] = (__m512bh)_mm512_loadu_si512(unit[u] + p * ps);
+            k1[u] = (__m512bh)_mm512_loadu_si512(unit[u] + (p + 1) * ps);
+        }
+        for (int g = 0; g < GS; g++) {
+            const bf16_t *qg = q + (g0 + g) * D + 2 * p;
+            const __m512bh qa = (__m512bh)pair_broadcast(qg), qb = (__m512bh)pair_broadcast(qg + 2);
+            for (int u = 0; u < NU; u++) {
+                a[u][g][0] = _mm512_dpbf16_ps(a[u][g][0], k0[u], qa);
+                a[u][g][1] = _mm512_dpbf16_ps(a[u][g][1], k1[u], qb);
+            }
+        }
+    }
+    if (p < D / 2)
+        for (int g = 0; g < GS; g++) {
+            const __m512bh qa = (__m512bh)pair_broadcast(q + (g0 + g) * D + 2 * p);
+            for (int u = 0; u < NU; u++)
+                a[u][g][0] = _mm512_dpbf16_ps(a[u][g][0], (__m512bh)_mm512_loadu_si512(unit[u] + p * ps), qa);
+        }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int u = 0; u < NU; u++)
+        for (int g = 0; g < GS; g++)
+            _mm512_mask_storeu_ps(dst[u] + (g0 + g) * n, mask[u], _mm512_mul_ps(_mm512_add_ps(a[u][g][0], a[u][g][1]), sc));
+}
+#endif
+
+/* The float32 form: key tiles [D][B], qf [G][D]; tile_scores' four chains (d mod 4) a (unit, head),
+ * added as (a0 + a1) + (a2 + a3) */
+static inline __attribute__((always_inline)) void f32_scores_units(
+    const float *restrict qf, const float *const *unit, int64_t ps, float *const *dst, const __mmask16 *mask,
+    int64_t n, int64_t D, int64_t g0, float scale, const int GS, const int NU) {
+    __m512 a[2][3][4];
+    for (int u = 0; u < NU; u++)
+        for (int g = 0; g < GS; g++) a[u][g][0] = a[u][g][1] = a[u][g][2] = a[u][g][3] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4)
+        for (int c = 0; c < 4; c++) {
+            __m512 k[2];
+            for (int u = 0; u < NU; u++) k[u] = _mm512_loadu_ps(unit[u] + (d + c) * ps);
+            for (int g = 0; g < GS; g++) {
+                const __m512 qv = _mm512_set1_ps(qf[(g0 + g) * D + d + c]);
+                for (int u = 0; u < NU; u++) a[u][g][c] = _mm512_fmadd_ps(qv, k[u], a[u][g][c]);
+            }
+        }
+    for (; d < D; d++) {
+        __m512 k[2];
+        for (int u = 0; u < NU; u++) k[u] = _mm512_loadu_ps(unit[u] + d * ps);
+        for (int g = 0; g < GS; g++) {
+            const __m512 qv = _mm512_set1_ps(qf[(g0 + g) * D + d]);
+            for (int u = 0; u < NU; u++) a[u][g][0] = _mm512_fmadd_ps(qv, k[u], a[u][g][0]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int u = 0; u < NU; u++)
+        for (int g = 0; g < GS; g++) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[u][g][0], a[u][g][1]), _mm512_add_ps(a[u][g][2], a[u][g][3]));
+            _mm512_mask_storeu_ps(dst[u] + (g0 + g) * n, mask[u], _mm512_mul_ps(sum, sc));
+        }
+}
+#endif
+
 /* VL values as float32: float data as is, bf16 widened (a 16-bit shift) */
 static inline vf loadv_f32(const float *p) { return loadv(p); }
 

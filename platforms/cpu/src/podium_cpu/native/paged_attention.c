@@ -11,7 +11,8 @@
  * The transposed key tile turns q.k into B-wide vector FMAs (one per d) with no horizontal sums;
  * bf16 pairs feed AVX512-BF16's dot product (two d per instruction, no conversion) where the CPU
  * has it, are widened in registers on AVX2 (a shift and a mask a pair word) and into a float32
- * tile otherwise; every query head of a group is scored in the same pass over the tile. Values are summed row by row in float32 (bf16 rows widened in
+ * tile otherwise; every query head of a group is scored in the same pass over the tile (with AVX-512,
+ * a decode item scores two 16-key units at once for up to three heads: DEFINE_ITEM_UNIT_SCORES). Values are summed row by row in float32 (bf16 rows widened in
  * registers), up to 3 heads x ACC_NV vectors of accumulators at once so the FMAs of a row do not wait on
  * each other. One work item is (query token, kv head): the
  * G = H / H_kv query heads sharing that kv head go together, so each tile is read once for all.
@@ -80,7 +81,95 @@ typedef struct { /* one step's batch, the same for every layer */
  * (locality 2), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its line
  * arrives, and with the scattered tiles that capped a core's lines in flight (a 32 x 576 step: 24-26
  * against 20-22 ms on AMD Zen 4, benchmarks/cpu_kernels.py --only decode --context 576). */
-#define DEFINE_ITEM(NAME, T, SCORES, ACCUMULATE, LOAD, STORE)                                             \
+/* A decode item's scores a few 16-key units at a time (attention_math.h's *_scores_units: each key load
+ * serving every query head of the group, the same sums as SCORES a block at a time), where the build
+ * and the shape allow; ps: the elements between a unit's consecutive d (pairs) */
+#if VL == 16
+static inline __attribute__((always_inline)) void units_f32(const float *q, const float *qf,
+                                                            const float *const *unit, float *const *dst,
+                                                            const __mmask16 *mask, int64_t n, const Shape *s,
+                                                            const int NU) {
+    (void)q;
+    const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, ps = s->block_size;
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int64_t gs = G - g0 < 3 ? G - g0 : 3;
+        if (gs == 3) f32_scores_units(qf, unit, ps, dst, mask, n, D, g0, s->scale, 3, NU);
+        else if (gs == 2) f32_scores_units(qf, unit, ps, dst, mask, n, D, g0, s->scale, 2, NU);
+        else f32_scores_units(qf, unit, ps, dst, mask, n, D, g0, s->scale, 1, NU);
+    }
+}
+static inline int units_f32_fit(const Shape *s) { return s->block_size % 16 == 0; }
+#define UNIT_F32(t) (t)
+#endif
+#if VL == 16 && defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void units_bf16(const bf16_t *q, const float *qf,
+                                                             const bf16_t *const *unit, float *const *dst,
+                                                             const __mmask16 *mask, int64_t n, const Shape *s,
+                                                             const int NU) {
+    (void)qf;
+    const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, ps = 2 * s->block_size;
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int64_t gs = G - g0 < 3 ? G - g0 : 3;
+        if (gs == 3) pair_scores_units(q, unit, ps, dst, mask, n, D, g0, s->scale, 3, NU);
+        else if (gs == 2) pair_scores_units(q, unit, ps, dst, mask, n, D, g0, s->scale, 2, NU);
+        else pair_scores_units(q, unit, ps, dst, mask, n, D, g0, s->scale, 1, NU);
+    }
+}
+static inline int units_bf16_fit(const Shape *s) { return s->block_size % 16 == 0 && s->head_size % 2 == 0; }
+#define UNIT_BF16(t) (2 * (t)) /* pair tiles: a key's pairs are 2 elements wide */
+#endif
+
+/* The item's scaled scores, unit by unit: keys [lo, pos] into scores [G][n], each block's key tile
+ * asked for PREFETCH_AHEAD blocks ahead and its value tile into L2 as its keys are scored */
+#define DEFINE_ITEM_UNIT_SCORES(NAME, T, UNITS, UNIT_AT)                                                  \
+static void NAME(const T *q, const float *qf, const T *kc, const T *vc, const int32_t *table, int64_t lo, \
+                 int64_t pos, int64_t h, const Shape *s, float *scores) {                                 \
+    const int64_t B = s->block_size, tile_size = B * s->head_size, n = pos - lo + 1;                      \
+    const int64_t first = lo / B, last = pos / B;                                                         \
+    const T *unit[2];                                                                                     \
+    float *dst[2];                                                                                        \
+    __mmask16 mask[2];                                                                                    \
+    int nu = 0;                                                                                           \
+    for (int64_t b = first; b <= last && b < first + PREFETCH_AHEAD; b++)                                \
+        prefetch_tile(kc + ((int64_t)table[b] * s->num_kv_heads + h) * tile_size,                         \
+                      tile_size * (int64_t)sizeof(T), 2);                                                 \
+    for (int64_t b = first; b <= last; b++) {                                                             \
+        const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                       \
+        if (b + PREFETCH_AHEAD <= last)                                                                   \
+            prefetch_tile(kc + ((int64_t)table[b + PREFETCH_AHEAD] * s->num_kv_heads + h) * tile_size,     \
+                          tile_size * (int64_t)sizeof(T), 2);                                             \
+        prefetch_tile(vc + base, tile_size * (int64_t)sizeof(T), 2);                                      \
+        for (int64_t t = 0; t < B; t += 16) {                                                             \
+            const int64_t key0 = b * B + t; /* the unit's keys key0 .. key0 + 15, of which [lo, pos] count */ \
+            if (key0 + 16 <= lo || key0 > pos) continue;                                                  \
+            const int64_t a = lo > key0 ? lo - key0 : 0, e = pos - key0 + 1 < 16 ? pos - key0 + 1 : 16;  \
+            mask[nu] = (__mmask16)(((1u << e) - 1) & ~((1u << a) - 1));                                   \
+            unit[nu] = kc + base + UNIT_AT(t);                                                            \
+            dst[nu] = scores + (key0 - lo); /* lanes before lo are masked off */                          \
+            if (++nu == 2) {                                                                              \
+                UNITS(q, qf, unit, dst, mask, n, s, 2);                                                   \
+                nu = 0;                                                                                   \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    if (nu) UNITS(q, qf, unit, dst, mask, n, s, 1);                                                       \
+}
+#if VL == 16
+DEFINE_ITEM_UNIT_SCORES(unit_scores_f32, float, units_f32, UNIT_F32)
+#define UNIT_SCORES_F32(s) units_f32_fit(s)
+#else
+#define UNIT_SCORES_F32(s) 0
+#define unit_scores_f32(...) ((void)0)
+#endif
+#if VL == 16 && defined(__AVX512BF16__)
+DEFINE_ITEM_UNIT_SCORES(unit_scores_bf16, bf16_t, units_bf16, UNIT_BF16)
+#define UNIT_SCORES_BF16(s) units_bf16_fit(s)
+#else
+#define UNIT_SCORES_BF16(s) 0
+#define unit_scores_bf16(...) ((void)0)
+#endif
+
+#define DEFINE_ITEM(NAME, T, SCORES, ACCUMULATE, LOAD, STORE, UNIT_SCORES, UNIT_FIT) \
 static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *table,             \
                  int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch,               \
                  const int32_t *next_table, int64_t next_pos, int64_t next_h) {                       \
@@ -91,6 +180,9 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     float *scores = acc + G * D;                                                                      \
     const T *q = query + token * s->q_token_stride + h * G * D;                                       \
     for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(q[i]);                                           \
+    if (UNIT_FIT(s))                                                                                  \
+        UNIT_SCORES(q, qf, kc, vc, table, lo, pos, h, s, scores);                                     \
+    else {                                                                                            \
     for (int64_t b = first; b <= last && b < first + PREFETCH_AHEAD; b++)                            \
         prefetch_tile(kc + ((int64_t)table[b] * s->num_kv_heads + h) * tile_size,                     \
                       tile_size * (int64_t)sizeof(T), 2);                                             \
@@ -106,6 +198,7 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
             float *sg = scores + g * n + b * B + t0 - lo;                                             \
             for (int64_t t = t0; t < t1; t++) sg[t - t0] = row[g * B + t] * s->scale;                 \
         }                                                                                             \
+    }                                                                                                 \
     }                                                                                                 \
     for (int64_t g = 0; g < G; g++) softmax_row(scores + g * n, n, s->soft_cap);                     \
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;                                                 \
@@ -126,8 +219,8 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     for (int64_t i = 0; i < G * D; i++) o[i] = STORE(acc[i]);                                         \
 }
 
-DEFINE_ITEM(item_f32, float, SCORES_F32, tile_accumulate_f32, load_f32, store_f32)
-DEFINE_ITEM(item_bf16, bf16_t, SCORES_BF16, tile_accumulate_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_ITEM(item_f32, float, SCORES_F32, tile_accumulate_f32, load_f32, store_f32, unit_scores_f32, UNIT_SCORES_F32)
+DEFINE_ITEM(item_bf16, bf16_t, SCORES_BF16, tile_accumulate_bf16, bf16_to_f32, f32_to_bf16, unit_scores_bf16, UNIT_SCORES_BF16)
 
 /* Prefill: one kv head h for a tile of `count` consecutive query tokens of one sequence (rows tok0..,
  * positions pos0..), flash style. Its R = count x G query rows (G query heads of h per token) meet
