@@ -19,7 +19,7 @@ from podium_plugin_api.fp8 import FP8
 def _tuning(**changes):
     from podium_cuda.tuning import CUDA_TUNING
 
-    return dataclasses.replace(CUDA_TUNING, fp8_gemv_mma=True, **changes)
+    return dataclasses.replace(CUDA_TUNING, **({"fp8_gemv_mma": True} | changes))
 
 
 @pytest.fixture

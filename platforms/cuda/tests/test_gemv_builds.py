@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -67,6 +68,14 @@ def test_fp8_mma_gemv_loop(gemv_sass):
     count, ops = max(gemv_sass.loops(gemv_sass.sass(compiled)), key=lambda body: body[0])
     assert ops["LDS"] == ops["STS"] == ops["STL"] == ops["LDL"] == ops["BAR"] == 0, dict(ops)
     assert ops["LDG"] == 12 and ops["HMMA"] == 16, dict(ops)  # 4 steps: 3 loads and 2 fp8 MMAs each
+    # the MMAs' operands: 4 words a thread, a warp's 32 lanes down the rows (lane = row % 32), whatever the
+    # unroll. A layout that spreads lanes over the unrolled steps (as Triton 3.6 did with a third
+    # dimension for them) hands each MMA other lanes' words: results wrong, nothing else changes.
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", compiled.asm["ttgir"], re.M))
+    mma = re.findall(r'tt\.elementwise_inline_asm "mma\.sync[^\n]*-> tensor<\d+x4xf32, (#\w+)>', compiled.asm["ttgir"])
+    assert mma and all(layouts.get(name, "").startswith(
+        "#ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [32, 1], warpsPerCTA = [4, 1]") for name in mma), \
+        [layouts.get(name) for name in mma]
     if not _counts_calibrated():
         pytest.skip("built; the instruction-count bounds are Triton 3.9's")
     assert count / weight_bytes < 0.6, f"{count / weight_bytes:.2f} instructions a weight byte: {dict(ops)}"

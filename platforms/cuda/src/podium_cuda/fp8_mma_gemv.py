@@ -22,9 +22,10 @@ registers). The warps' sums are added in the program and scaled by ``s_w * s_x``
 last program of the tile (split_k.py: in split order, deterministic); then the bias.
 
 Triton has no warp-level MMA on tensors it lays out itself, so the MMA is inline PTX over tensors
-whose layout puts the right words in the right lanes: [UNROLL, 32 * WARPS, 4] int32 loads, 16
-contiguous bytes a lane, give each thread one row of the middle dimension (lane = row % 32, warp =
-row / 32); ``pack=4`` hands a thread's four words of one step to one asm instance.
+whose layout puts the right words in the right lanes: [UNROLL * 32 * WARPS, 4] int32 loads, 16
+contiguous bytes a lane, give thread t the rows t, t + 32 * WARPS, ... (lane = t % 32, warp = t / 32,
+one row a step in flight); ``pack=4`` hands a thread's four words of one step to one asm instance.
+(test_gemv_builds checks that layout in the compiled kernel.)
 """
 
 from __future__ import annotations
@@ -67,29 +68,34 @@ def fp8_mma_gemv_kernel(
     from s * WARPS * WORDS + w * WORDS (a multiple of 16 * UNROLL); partial float32 [splits, N]."""
     tile, split = tl.program_id(0), tl.program_id(1)
     R: tl.constexpr = 32 * WARPS
-    thread = tl.arange(0, R)
+    # [UNROLL * R, 4]: element (u * R + thread, word). Two dimensions, the second the 16 contiguous bytes,
+    # leave Triton one layout: 4 words a thread, the threads and warps down the first dimension in order,
+    # so thread t holds rows t, t + R, ... (its UNROLL steps). A third dimension for the steps let the
+    # layout's thread order depend on a tie Triton breaks differently by version (3.6 spread a warp's
+    # lanes over the steps, which gave the MMAs other lanes' words).
+    idx = tl.arange(0, UNROLL * R)
+    thread, u = idx % R, idx // R
     lane, warp = thread % 32, thread // 32
     g, quad = lane // 4, lane % 4
     row = tile * 16 + g
     lo_row = tl.minimum(row, N - 1).to(tl.int64)  # rows past N read row N - 1 (not stored)
     hi_row = tl.minimum(row + 8, N - 1).to(tl.int64)
     start = (split * WARPS + warp) * WORDS + quad * 4  # the lane's first word in its stretch
-    offs = (start[None, :, None] + tl.arange(0, UNROLL)[:, None, None] * 16
-            + tl.arange(0, 4)[None, None, :])  # [UNROLL, R, 4]
-    lo_ptrs = w_ptr + lo_row[None, :, None] * K4 + offs
-    hi_ptrs = w_ptr + hi_row[None, :, None] * K4 + offs
+    offs = (start + u * 16)[:, None] + tl.arange(0, 4)[None, :]  # [UNROLL * R, 4]
+    lo_ptrs = w_ptr + lo_row[:, None] * K4 + offs
+    hi_ptrs = w_ptr + hi_row[:, None] * K4 + offs
     x_ptrs = q_ptr + offs
     lo = tl.load(lo_ptrs)  # the first steps' weights do not depend on the launch before: ahead of the wait
     hi = tl.load(hi_ptrs)
     if PREFETCH:  # and the stretch's next lines into L2 while the row is quantized by the launch before
         ahead = tl.minimum(start[:, None] + 16 * UNROLL + 32 * tl.arange(0, 4)[None, :], K4 - 1)  # 128 bytes a line
-        prefetch_l2(w_ptr + lo_row[:, None] * K4 + ahead)
+        prefetch_l2(w_ptr + lo_row[:, None] * K4 + ahead)  # (each of a thread's UNROLL rows asks the same lines)
         prefetch_l2(w_ptr + hi_row[:, None] * K4 + ahead)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     xb = tl.load(x_ptrs)
-    acc = tl.zeros((UNROLL, R, 4), dtype=tl.float32)
+    acc = tl.zeros((UNROLL * R, 4), dtype=tl.float32)
     for step in range(16 * UNROLL, WORDS, 16 * UNROLL):  # the next UNROLL steps loaded before these MMAs
         lo_next = tl.load(lo_ptrs + step)
         hi_next = tl.load(hi_ptrs + step)
@@ -101,7 +107,7 @@ def fp8_mma_gemv_kernel(
     acc = _mma(acc, lo, hi, xb, True)
     # every column of a lane's sums is the same dot product: the first lane of each group, word 0 (row g)
     # and word 2 (row g + 8), summed over the steps in flight and the warps
-    sums = tl.reshape(tl.sum(acc, 0), (WARPS, 8, 4, 4))
+    sums = tl.reshape(tl.sum(tl.reshape(acc, (UNROLL, R, 4)), 0), (WARPS, 8, 4, 4))
     q_ix = tl.arange(0, 4)[None, None, :, None]
     w_ix = tl.arange(0, 4)[None, None, None, :]
     low = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (w_ix == 0), sums, 0.0), 3), 2), 0)  # [8]
