@@ -76,11 +76,6 @@ typedef struct { /* one step's batch, the same for every layer */
     int64_t num_tiles, max_tile;
 } Step;
 
-/* scratch: qf [G*D], tile [B*D], row [G*B], acc [G*D], scores [G*n]
- * A decode streams its keys and values from memory once, so the tiles asked for ahead go to L2
- * (locality 2), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its line
- * arrives, and with the scattered tiles that capped a core's lines in flight (a 32 x 576 step: 24-26
- * against 20-22 ms on AMD Zen 4, benchmarks/cpu_kernels.py --only decode --context 576). */
 /* A decode item's scores a few 16-key units at a time (attention_math.h's *_scores_units: each key load
  * serving every query head of the group, the same sums as SCORES a block at a time), where the build
  * and the shape allow; ps: the elements between a unit's consecutive d (pairs) */
@@ -169,6 +164,11 @@ DEFINE_ITEM_UNIT_SCORES(unit_scores_bf16, bf16_t, units_bf16, UNIT_BF16)
 #define unit_scores_bf16(...) ((void)0)
 #endif
 
+/* scratch: qf [G*D], tile [B*D], row [G*B], acc [G*D], scores [G*n]
+ * A decode streams its keys and values from memory once, so the tiles asked for ahead go to L2
+ * (locality 2), not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its line
+ * arrives, and with the scattered tiles that capped a core's lines in flight (a 32 x 576 step: 24-26
+ * against 20-22 ms on AMD Zen 4, benchmarks/cpu_kernels.py --only decode --context 576). */
 #define DEFINE_ITEM(NAME, T, SCORES, ACCUMULATE, LOAD, STORE, UNIT_SCORES, UNIT_FIT) \
 static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t *table,             \
                  int64_t token, int64_t pos, int64_t h, const Shape *s, float *scratch,               \
