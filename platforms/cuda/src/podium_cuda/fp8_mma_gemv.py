@@ -136,6 +136,7 @@ def fp8_mma_gemv_kernel(
             finish_row(out_ptr, partial_ptr, b_ptr, tile * 16, N, splits, 16, HAS_BIAS)
             reset(count_ptr, tile, splits)
 
+
 def takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, tuning: KernelTuning) -> bool:
     """Whether a call goes here: ``tuning.fp8_gemv_mma`` on, one row on an NVIDIA sm89+ GPU, a contiguous
     e4m3 weight whose K is a multiple of 64 (whole steps) at a 16-byte aligned address, per-tensor or

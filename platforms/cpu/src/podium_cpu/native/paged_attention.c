@@ -79,40 +79,43 @@ typedef struct { /* one step's batch, the same for every layer */
 /* A decode item's scores a few 16-key units at a time (attention_math.h's *_scores_units: each key load
  * serving every query head of the group, the same sums as SCORES a block at a time), where the build
  * and the shape allow; ps: the elements between a unit's consecutive d (pairs) */
-#if VL == 16
-static inline __attribute__((always_inline)) void units_f32(const float *q, const float *qf,
-                                                            const float *const *unit, float *const *dst,
-                                                            const __mmask16 *mask, int64_t n, const Shape *s,
-                                                            const int NU) {
-    (void)q;
-    const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, ps = s->block_size;
-    for (int64_t g0 = 0; g0 < G; g0 += 3) {
-        const int64_t gs = G - g0 < 3 ? G - g0 : 3;
-        if (gs == 3) f32_scores_units(qf, unit, ps, dst, mask, n, D, g0, s->scale, 3, NU);
-        else if (gs == 2) f32_scores_units(qf, unit, ps, dst, mask, n, D, g0, s->scale, 2, NU);
-        else f32_scores_units(qf, unit, ps, dst, mask, n, D, g0, s->scale, 1, NU);
-    }
+/* UNITS(q, qf, unit, dst, mask, n, s, NU): the units' scores for every query head, three at a time */
+#define DEFINE_UNITS(NAME, T, SCORES, Q, PAIR)                                                            \
+static inline __attribute__((always_inline)) void NAME(const T *q, const float *qf, const T *const *unit,  \
+                                                       float *const *dst, const __mmask16 *mask, int64_t n, \
+                                                       const Shape *s, const int NU) {                      \
+    (void)q, (void)qf;                                                                                    \
+    const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, ps = PAIR * s->block_size;       \
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {                                                               \
+        const int64_t gs = G - g0 < 3 ? G - g0 : 3;                                                       \
+        if (gs == 3) SCORES(Q, unit, ps, dst, mask, n, D, g0, s->scale, 3, NU);                           \
+        else if (gs == 2) SCORES(Q, unit, ps, dst, mask, n, D, g0, s->scale, 2, NU);                      \
+        else SCORES(Q, unit, ps, dst, mask, n, D, g0, s->scale, 1, NU);                                   \
+    }                                                                                                     \
 }
+#if VL == 16
+DEFINE_UNITS(units_f32, float, f32_scores_units, qf, 1)
 static inline int units_f32_fit(const Shape *s) { return s->block_size % 16 == 0; }
 #define UNIT_F32(t) (t)
 #endif
 #if VL == 16 && defined(__AVX512BF16__)
-static inline __attribute__((always_inline)) void units_bf16(const bf16_t *q, const float *qf,
-                                                             const bf16_t *const *unit, float *const *dst,
-                                                             const __mmask16 *mask, int64_t n, const Shape *s,
-                                                             const int NU) {
-    (void)qf;
-    const int64_t G = s->num_heads / s->num_kv_heads, D = s->head_size, ps = 2 * s->block_size;
-    for (int64_t g0 = 0; g0 < G; g0 += 3) {
-        const int64_t gs = G - g0 < 3 ? G - g0 : 3;
-        if (gs == 3) pair_scores_units(q, unit, ps, dst, mask, n, D, g0, s->scale, 3, NU);
-        else if (gs == 2) pair_scores_units(q, unit, ps, dst, mask, n, D, g0, s->scale, 2, NU);
-        else pair_scores_units(q, unit, ps, dst, mask, n, D, g0, s->scale, 1, NU);
-    }
-}
+DEFINE_UNITS(units_bf16, bf16_t, pair_scores_units, q, 2) /* pair tiles: a key's d pairs 2 elements wide */
 static inline int units_bf16_fit(const Shape *s) { return s->block_size % 16 == 0 && s->head_size % 2 == 0; }
-#define UNIT_BF16(t) (2 * (t)) /* pair tiles: a key's pairs are 2 elements wide */
+#define UNIT_BF16(t) (2 * (t))
 #endif
+
+/* Ask for block b's value tile (into L2, for the value pass) and, PREFETCH_AHEAD blocks on, the key
+ * tile its scores will need; first == b: also the key tiles before that (an item's first block) */
+static inline void ask_block_tiles(const char *kc, const char *vc, const int32_t *table, int64_t b, int64_t first,
+                                   int64_t last, int64_t h, const Shape *s, int64_t tile_bytes) {
+    const int64_t Hkv = s->num_kv_heads;
+    if (b == first)
+        for (int64_t i = b; i <= last && i < b + PREFETCH_AHEAD; i++)
+            prefetch_tile(kc + ((int64_t)table[i] * Hkv + h) * tile_bytes, tile_bytes, 2);
+    if (b + PREFETCH_AHEAD <= last)
+        prefetch_tile(kc + ((int64_t)table[b + PREFETCH_AHEAD] * Hkv + h) * tile_bytes, tile_bytes, 2);
+    prefetch_tile(vc + ((int64_t)table[b] * Hkv + h) * tile_bytes, tile_bytes, 2);
+}
 
 /* The item's scaled scores, unit by unit: keys [lo, pos] into scores [G][n], each block's key tile
  * asked for PREFETCH_AHEAD blocks ahead and its value tile into L2 as its keys are scored */
@@ -125,15 +128,10 @@ static void NAME(const T *q, const float *qf, const T *kc, const T *vc, const in
     float *dst[2];                                                                                        \
     __mmask16 mask[2];                                                                                    \
     int nu = 0;                                                                                           \
-    for (int64_t b = first; b <= last && b < first + PREFETCH_AHEAD; b++)                                \
-        prefetch_tile(kc + ((int64_t)table[b] * s->num_kv_heads + h) * tile_size,                         \
-                      tile_size * (int64_t)sizeof(T), 2);                                                 \
     for (int64_t b = first; b <= last; b++) {                                                             \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                       \
-        if (b + PREFETCH_AHEAD <= last)                                                                   \
-            prefetch_tile(kc + ((int64_t)table[b + PREFETCH_AHEAD] * s->num_kv_heads + h) * tile_size,     \
-                          tile_size * (int64_t)sizeof(T), 2);                                             \
-        prefetch_tile(vc + base, tile_size * (int64_t)sizeof(T), 2);                                      \
+        ask_block_tiles((const char *)kc, (const char *)vc, table, b, first, last, h, s,                  \
+                        tile_size * (int64_t)sizeof(T));                                                  \
         for (int64_t t = 0; t < B; t += 16) {                                                             \
             const int64_t key0 = b * B + t; /* the unit's keys key0 .. key0 + 15, of which [lo, pos] count */ \
             if (key0 + 16 <= lo || key0 > pos) continue;                                                  \
@@ -182,23 +180,17 @@ static void NAME(const T *query, const T *kc, const T *vc, T *out, const int32_t
     for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(q[i]);                                           \
     if (UNIT_FIT(s))                                                                                  \
         UNIT_SCORES(q, qf, kc, vc, table, lo, pos, h, s, scores);                                     \
-    else {                                                                                            \
-    for (int64_t b = first; b <= last && b < first + PREFETCH_AHEAD; b++)                            \
-        prefetch_tile(kc + ((int64_t)table[b] * s->num_kv_heads + h) * tile_size,                     \
-                      tile_size * (int64_t)sizeof(T), 2);                                             \
+    else                                                                                              \
     for (int64_t b = first; b <= last; b++) {                                                         \
         const int64_t base = ((int64_t)table[b] * s->num_kv_heads + h) * tile_size;                   \
         const int64_t t0 = b == first ? lo - b * B : 0, t1 = b == last ? pos - b * B + 1 : B;         \
-        if (b + PREFETCH_AHEAD <= last)                                                               \
-            prefetch_tile(kc + ((int64_t)table[b + PREFETCH_AHEAD] * s->num_kv_heads + h) * tile_size, \
-                          tile_size * (int64_t)sizeof(T), 2);                                         \
-        prefetch_tile(vc + base, tile_size * (int64_t)sizeof(T), 2); /* for the value pass, into L2 */ \
+        ask_block_tiles((const char *)kc, (const char *)vc, table, b, first, last, h, s,              \
+                        tile_size * (int64_t)sizeof(T));                                              \
         SCORES(q, qf, kc + base, tile, row, G, D, B);                                                 \
         for (int64_t g = 0; g < G; g++) { /* key positions b * B + t0 .. b * B + t1 - 1 */           \
             float *sg = scores + g * n + b * B + t0 - lo;                                             \
             for (int64_t t = t0; t < t1; t++) sg[t - t0] = row[g * B + t] * s->scale;                 \
         }                                                                                             \
-    }                                                                                                 \
     }                                                                                                 \
     for (int64_t g = 0; g < G; g++) softmax_row(scores + g * n, n, s->soft_cap);                     \
     for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;                                                 \
