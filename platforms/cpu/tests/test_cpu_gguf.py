@@ -166,3 +166,24 @@ def test_the_platform_states_the_gguf_batch_path(batch_path):
     assert gguf_ops.batch_path(kernels).startswith(wide)
     extra = CpuPlatform().capabilities().extra
     assert extra["gguf batches"] == gguf_ops.batch_path(kernels)
+
+
+def test_the_amx_option_turns_off_the_gguf_amx_batches(kernels):
+    """The platform option ``amx`` off runs the GGUF batches as on a CPU without AMX, as it does the
+    bf16 linears and the prefill attention: the switch is off once the platform hands out its ops and
+    its capabilities say so; on again (where this process may use AMX) with the option on."""
+    options = {"attention": "auto", "kv_cache_commit": False, "linears": "auto", "amx_plain_weights": False}
+    try:
+        off = CpuPlatform()
+        off.activate(options | {"amx": False})
+        kernels.gguf_amx(1 if kernels.amx_linear else 0)
+        off.custom_ops()
+        assert not kernels.gguf_amx(-1)
+        assert not off.capabilities().extra["gguf batches"].startswith("AMX")
+        on = CpuPlatform()
+        on.activate(options | {"amx": True})
+        on.custom_ops()
+        assert kernels.gguf_amx(-1) == (1 if kernels.amx_linear else 0)
+        assert on.capabilities().extra["gguf batches"].startswith("AMX") == bool(kernels.amx_linear)
+    finally:
+        kernels.gguf_amx(1 if kernels.amx_linear else 0)

@@ -18,6 +18,15 @@ from .native_kernels import NativeKernels
 AMX_MIN_ROWS = 8  # gguf_linear.c's: the fewest rows a call takes to the 512-bit batch path
 
 
+def allow_amx(kernels: NativeKernels | None, allowed: bool) -> None:
+    """The platform's ``amx`` option applied to the GGUF batches: AMX-INT8 tiles where this process can
+    use AMX (``amx_linear`` is filled only then) and the option allows; else the VNNI / AVX2 paths. The
+    switch is process-wide (gguf_linear.c's ``amx_on``): the platform sets it when it hands out its ops,
+    so the engine started last in a process decides."""
+    if kernels is not None and kernels.gguf_amx is not None:
+        kernels.gguf_amx(1 if allowed and kernels.amx_linear else 0)
+
+
 def batch_path(kernels: NativeKernels | None, why_not: str = "") -> str:
     """Which kernel the kept GGUF linears' batches run now, and from how many rows (the switches'
     state: gguf_linear.c's podium_gguf_amx and podium_gguf_vnni512, asked without changing them)."""

@@ -79,8 +79,9 @@ KV_COMMIT_OPTION = PlatformOption(
     "over the first minutes of serving (a plateau, not a leak)")
 AMX_OPTION = PlatformOption(
     "amx", bool, True, "use AMX tiles where the CPU has them (bf16 linears up to 256 rows, bf16 prefill "
-    "attention); off: the CPU runs as one with AVX512-BF16 and no AMX (the avx512-bf16 linear kernel for every "
-    "batch, AVX512-BF16 attention tiles), to measure that kind on an AMX machine")
+    "attention, GGUF batches on AMX-INT8); off: the CPU runs as one with AVX512-BF16 and no AMX (the avx512-bf16 "
+    "linear kernel for every batch, AVX512-BF16 attention tiles, GGUF batches on AVX-512 VNNI), to measure that "
+    "kind on an AMX machine")
 PLAIN_WEIGHTS_OPTION = PlatformOption(
     "amx_plain_weights", bool, False, "keep each AMX linear's plain bf16 weight beside its tiles, for oneDNN's "
     "batches above 256 rows (prefill); off: those batches multiply a copy unpacked from the tiles for the call, "
@@ -125,6 +126,7 @@ class CpuPlatform(Platform):
     def capabilities(self) -> Capabilities:
         """Worked out once (the runner asks every step): reads /proc and /sys."""
         if self._capabilities is None:
+            gguf_ops.allow_amx(load_kernels()[0], self._amx)  # before "gguf batches" reports the switch
             native_bf16 = has_native_bf16()
             invariant_why = _batch_invariant_problem(self._attention)
             self._capabilities = Capabilities(
@@ -194,7 +196,9 @@ class CpuPlatform(Platform):
         """The native ops; in the batch-invariant mode without the top-k pre-filter, which runs only
         when every row of the batch has a top-k, and whose partial sort ranks tied logits unlike the
         reference's full sort: a row's kept set at its k-th rank would depend on its company."""
-        ops = cpu_ops(load_kernels()[0])
+        kernels = load_kernels()[0]
+        gguf_ops.allow_amx(kernels, self._amx)
+        ops = cpu_ops(kernels)
         if self._invariant:
             ops.pop("top_k_top_p", None)
         return ops
