@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import fp8_quant
 from .gemv import _multiprocessors
-from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least, prefetch_l2
+from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least, prefetch_l2_where
 from .split_k import counters, finish_row, last_split, reset
 from .tuning import CUDA_TUNING, KernelTuning
 
@@ -89,8 +89,9 @@ def fp8_mma_gemv_kernel(
     hi = tl.load(hi_ptrs)
     if PREFETCH:  # and the stretch's next lines into L2 while the row is quantized by the launch before
         ahead = tl.minimum(start[:, None] + 16 * UNROLL + 32 * tl.arange(0, 4)[None, :], K4 - 1)  # 128 bytes a line
-        prefetch_l2(w_ptr + lo_row[:, None] * K4 + ahead)  # (each of a thread's UNROLL rows asks the same lines)
-        prefetch_l2(w_ptr + hi_row[:, None] * K4 + ahead)
+        first = (u == 0).to(tl.int32)[:, None]  # a thread's UNROLL steps share these lines: its first one asks
+        prefetch_l2_where(w_ptr + lo_row[:, None] * K4 + ahead, first)
+        prefetch_l2_where(w_ptr + hi_row[:, None] * K4 + ahead, first)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()

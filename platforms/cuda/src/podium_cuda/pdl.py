@@ -44,6 +44,14 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_l2_where(ptrs, ask):
+    """``prefetch_l2`` of the elements where ``ask`` (int32, broadcast against ``ptrs``) is nonzero: for a
+    tensor whose threads hold several elements with the same line, one of them asks."""
+    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p prefetch.global.L2 [$1];\n\t}"
+                              "\n\tmov.u32 $0, 0;", "=r,l,r", [ptrs, ask], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def launch_options(enabled: bool) -> dict:
     """The extra launch keyword for a PDL launch (none otherwise)."""
     return {"launch_pdl": True} if enabled else {}
