@@ -10,7 +10,9 @@
 #                                           weights once (<= 540 s; "ratio" lines against each other)
 #   bash benchmarks/quant_gpu.sh mma        the warp-MMA FP8 GEMV: its tests and the FP8 GEMV tests, the one-row
 #                                           timings (default, quantize-first, mma) with the MMA settings swept,
-#                                           then batch-1 FP8 latency under the default and the MMA tuning (<= 560 s)
+#                                           then batch-1 FP8 latency under the default and the MMA tuning, then
+#                                           while the budget lasts FP8 (MMA tuning) and bf16 256 x 512/256 and AWQ
+#                                           batch 1 (<= 560 s)
 #   bash benchmarks/quant_gpu.sh targets    issue 31's GPU targets under the default tuning: 8B 256 x 512/256 FP8,
 #                                           bf16 weights, FP8 again (alternated), then batch 1 FP8 and AWQ (<= 560 s)
 #
@@ -176,6 +178,13 @@ if [ "$MODE" = mma ]; then
     "${MODEL[@]}" --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/latency_fp8.json"
   KEEP="Decode per token|rror" TAIL=4 run_step latency_fp8_default 70 podium bench latency "${MODEL[@]}" \
     --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/latency_fp8_default.json"
+  # then, while the budget lasts, the rest of the targets: FP8 and bf16 throughput in the same call, AWQ batch 1
+  KEEP="Output tokens/s|rror" TAIL=4 run_step throughput_fp8 100 env PODIUM_CUDA_TUNING="$MEASURED" podium bench \
+    throughput "${MODEL[@]}" --quantization fp8 "${THROUGHPUT[@]}" --json-out "$OUT/throughput_fp8.json"
+  KEEP="Output tokens/s|rror" TAIL=4 run_step throughput_bf16 90 podium bench throughput "${MODEL[@]}" \
+    "${THROUGHPUT[@]}" --json-out "$OUT/throughput_bf16.json"
+  KEEP="Decode per token|rror" TAIL=4 run_step latency_awq 70 podium bench latency "${MODEL[@]}" \
+    --quantization awq "${LATENCY[@]}" --json-out "$OUT/latency_awq.json"
   finish
   exit 0
 fi
