@@ -13,6 +13,9 @@
 #                                           then batch-1 FP8 latency under the default and the MMA tuning, then
 #                                           while the budget lasts FP8 (MMA tuning) and bf16 256 x 512/256 and AWQ
 #                                           batch 1 (<= 560 s)
+#   bash benchmarks/quant_gpu.sh ncu        the one-row GEMVs of an 8B layer (AWQ float32 / packed, FP8 default / MMA)
+#                                           under Nsight Compute: DRAM %, occupancy, issue %, stall reasons
+#                                           (benchmarks/quant_gpu_ncu.py; needs the Firecracker runtime's ncu; <= 300 s)
 #   bash benchmarks/quant_gpu.sh targets    issue 31's GPU targets under the default tuning: 8B 256 x 512/256 FP8,
 #                                           bf16 weights, FP8 again (alternated), then batch 1 FP8 and AWQ (<= 560 s)
 #
@@ -39,7 +42,8 @@ case "$MODE" in
   accum) BUDGET=${BUDGET:-540} ;;
   targets) BUDGET=${BUDGET:-560} ;;
   mma) BUDGET=${BUDGET:-560} ;;
-  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table|accum|targets|mma]" >&2; exit 2 ;;
+  ncu) BUDGET=${BUDGET:-300} ;;
+  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table|accum|targets|mma|ncu]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/podium_quant_out}
 START=$(date +%s)
@@ -185,6 +189,13 @@ if [ "$MODE" = mma ]; then
     "${THROUGHPUT[@]}" --json-out "$OUT/throughput_bf16.json"
   KEEP="Decode per token|rror" TAIL=4 run_step latency_awq 70 podium bench latency "${MODEL[@]}" \
     --quantization awq "${LATENCY[@]}" --json-out "$OUT/latency_awq.json"
+  finish
+  exit 0
+fi
+if [ "$MODE" = ncu ]; then
+  run_step ncu 240 ncu --clock-control none -k regex:gemv --metrics "$(python3 benchmarks/quant_gpu_ncu.py --metrics)" \
+    -f -o "$OUT/gemv" python3 benchmarks/quant_gpu_ncu.py
+  KEEP="^ncu|rror" TAIL=100 run_step ncu_report 40 python3 benchmarks/quant_gpu_ncu.py --report "$OUT/gemv.ncu-rep"
   finish
   exit 0
 fi
