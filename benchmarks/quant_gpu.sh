@@ -8,11 +8,11 @@
 #   bash benchmarks/quant_gpu.sh accum      the FP8 kernel tests, then the 8B 256 x 512/256 FP8 run with
 #                                           _scaled_mm's fast accumulation off and on, alternated, and bf16
 #                                           weights once (<= 540 s; "ratio" lines against each other)
-#   bash benchmarks/quant_gpu.sh mma        the warp-MMA FP8 GEMV: its tests and the FP8 GEMV tests, the one-row
-#                                           timings (default, quantize-first, mma) with the MMA settings swept,
-#                                           then batch-1 FP8 latency under the default and the MMA tuning, then
-#                                           while the budget lasts FP8 (MMA tuning) and bf16 256 x 512/256 and AWQ
-#                                           batch 1 (<= 560 s)
+#   bash benchmarks/quant_gpu.sh mma        the warp-MMA GEMVs (FP8: fp8_mma_gemv.py; AWQ: awq_mma_gemv.py): their tests
+#                                           and the FP8 / INT4 GEMV tests, the one-row timings (FP8 default, quantize-
+#                                           first, mma; AWQ default, packed, mma) with both MMAs' settings swept, then
+#                                           batch-1 AWQ and FP8 latency under the MMA settings and the default, then
+#                                           while the budget lasts FP8 (MMA settings) and bf16 256 x 512/256 (<= 560 s)
 #   bash benchmarks/quant_gpu.sh ncu        the one-row GEMVs of an 8B layer (AWQ float32 / packed, FP8 default / MMA)
 #                                           under Nsight Compute: DRAM %, occupancy, issue %, stall reasons
 #                                           (benchmarks/quant_gpu_ncu.py; needs the Firecracker runtime's ncu; <= 300 s)
@@ -172,23 +172,24 @@ if [ "$MODE" = mma ]; then
   XDIST=()
   python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
   KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE \
-    "${XDIST[@]}" platforms/cuda/tests/test_fp8_mma_gemv.py platforms/cuda/tests/test_fp8_gemv.py \
-    platforms/cuda/tests/test_fp8_quant.py
+    "${XDIST[@]}" platforms/cuda/tests/test_fp8_mma_gemv.py platforms/cuda/tests/test_awq_mma_gemv.py \
+    platforms/cuda/tests/test_fp8_gemv.py platforms/cuda/tests/test_fp8_quant.py platforms/cuda/tests/test_int4_gemv.py
   KEEP=$FIGURES TAIL=400 run_step one_row 200 python3 benchmarks/quant_gpu_one_row.py --mma-only-sweep \
-    --variants "fp8 quantize-first,fp8 mma"
+    --variants "fp8 quantize-first,fp8 mma,awq packed,awq mma"
   MEASURED=$(grep -E "^mma: " "$OUT/one_row.log" 2>/dev/null | grep -oE "PODIUM_CUDA_TUNING=[^ ]+" | tail -1 | cut -d= -f2-)
-  echo "the MMA GEMV's fastest settings: ${MEASURED:=fp8_gemv_mma=1}" | tee -a "$SUMMARY"
-  KEEP="Decode per token|rror" TAIL=4 run_step latency_fp8 70 env PODIUM_CUDA_TUNING="$MEASURED" podium bench latency \
-    "${MODEL[@]}" --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/latency_fp8.json"
-  KEEP="Decode per token|rror" TAIL=4 run_step latency_fp8_default 70 podium bench latency "${MODEL[@]}" \
-    --quantization fp8 "${LATENCY[@]}" --json-out "$OUT/latency_fp8_default.json"
-  # then, while the budget lasts, the rest of the targets: FP8 and bf16 throughput in the same call, AWQ batch 1
+  echo "the MMA GEMVs' fastest settings: ${MEASURED:=fp8_gemv_mma=1,int4_gemv_mma=1}" | tee -a "$SUMMARY"
+  # batch 1 under the MMA settings and the default, AWQ first (its GEMV is the newer one), then, while the
+  # budget lasts, FP8 and bf16 throughput in the same call
+  for fmt in awq fp8; do
+    KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_mma" 70 env PODIUM_CUDA_TUNING="$MEASURED" podium bench \
+      latency "${MODEL[@]}" --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_${fmt}_mma.json"
+    KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_default" 70 podium bench latency "${MODEL[@]}" \
+      --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_${fmt}_default.json"
+  done
   KEEP="Output tokens/s|rror" TAIL=4 run_step throughput_fp8 100 env PODIUM_CUDA_TUNING="$MEASURED" podium bench \
     throughput "${MODEL[@]}" --quantization fp8 "${THROUGHPUT[@]}" --json-out "$OUT/throughput_fp8.json"
   KEEP="Output tokens/s|rror" TAIL=4 run_step throughput_bf16 90 podium bench throughput "${MODEL[@]}" \
     "${THROUGHPUT[@]}" --json-out "$OUT/throughput_bf16.json"
-  KEEP="Decode per token|rror" TAIL=4 run_step latency_awq 70 podium bench latency "${MODEL[@]}" \
-    --quantization awq "${LATENCY[@]}" --json-out "$OUT/latency_awq.json"
   finish
   exit 0
 fi

@@ -6,7 +6,8 @@ current default in the same run, and the tuning they imply; ``bash benchmarks/qu
 check (PASS / FAIL, relative max error against float64 references, bf16 rows): every FP8 GEMV variant
 (the default, packed, packed converting by integer instructions ("bits"), each with the row quantized
 first, tensor cores) with each prologue at the qkv shape, the default and the packed ones at down's K
-(14336: several slices) too; the AWQ GEMV in float32 and packed, each prologue.
+(14336: several slices) too; the AWQ GEMV in float32, packed and on the warp MMA (awq_mma_gemv.py), each
+prologue.
 
 time1: microseconds a call per 8B projection with the prologue the decoder gives it (qkv / gate_up:
 add-RMSNorm, down: SiLU-and-mul, o: none): bf16's fused GEMV, then each FP8 variant with its ratio to
@@ -22,7 +23,9 @@ sweep (not with --no-sweep): the fastest FP8 variant at each global slice width
 8 programs a multiprocessor instead of 4 (``fp8_gemv_programs``), and the fastest AWQ variant at each
 column block (``int4_gemv_block_n``) and split count (``int4_gemv_split_k``), summed over a layer.
 The last line, "tuning: PODIUM_CUDA_TUNING=...", is the fastest setting found (a change from the
-default only where it saves at least 2% of a layer). ``--device cpu``: the checks at small shapes
+default only where it saves at least 2% of a layer). Where a warp-MMA GEMV wins (FP8 or AWQ), its own
+settings are swept instead (warps, steps in flight, programs a multiprocessor); ``--mma-only-sweep``
+sweeps both MMA GEMVs' settings whatever won. ``--device cpu``: the checks at small shapes
 under TRITON_INTERPRET=1 (float32 rows).
 """
 
@@ -53,6 +56,7 @@ from podium_plugin_api.int4 import AWQ, dequantize, random_packed
 
 ONE_ROW_FIELDS = ("fp8_gemv_dot", "fp8_gemv_packed", "fp8_gemv_bits", "fp8_gemv_quantize_first", "fp8_gemv_mma")
 MMA_FIELDS = ("fp8_mma_warps", "fp8_mma_unroll", "fp8_mma_programs", "fp8_mma_prefetch")
+AWQ_MMA_FIELDS = ("int4_mma_warps", "int4_mma_programs")
 
 
 def _fp8(dot=False, packed=False, bits=False, first=False) -> dict:
@@ -70,7 +74,8 @@ FP8_VARIANTS = {  # label -> KernelTuning changes; "fp8 default" is the tuning a
     "fp8 tensor": _fp8(dot=True),
     "fp8 mma": {"fp8_gemv_mma": True},
 }
-AWQ_VARIANTS = {"awq default": {}, "awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True}}
+AWQ_VARIANTS = {"awq default": {}, "awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True},
+                "awq mma": {"int4_gemv_mma": True}}
 FP8_BLOCK_K = (0, 512, 1024, 2048, 4096)  # the sweep's global slice widths (0: fp8_gemv.config's rule)
 FP8_PLAIN_BLOCK_K = (0, 256, 1024)
 FP8_PROGRAMS = (0, 2, 8)  # ... and programs a multiprocessor (0: 4)
@@ -189,6 +194,11 @@ def time_fp8(c: Copies, prologue, changes) -> float | None:
 
 def time_awq(c: Copies, prologue, changes) -> float | None:
     x, residual, g = inputs(c.p, prologue)
+    if tuning(**changes).int4_gemv_mma:  # every copy's MMA layout before the timing graph's capture
+        from podium_cuda.awq_mma_gemv import repacked
+
+        for qweight, _, _ in c.awq:
+            repacked(qweight)
     return rotated([awq_call(*awq, x, prologue, residual, g, changes) for awq in c.awq])
 
 
@@ -315,11 +325,32 @@ def sweep_mma(copies: dict[str, Copies], fp8_changes: dict) -> dict:
     return dict(fp8_changes, fp8_gemv_mma=True, **MMA_SETTINGS[best])
 
 
+AWQ_MMA_SETTINGS = [dict(zip(AWQ_MMA_FIELDS, values)) for values in
+                    [(4, 8), (4, 0), (8, 8), (2, 8), (4, 16), (8, 0), (4, 4), (1, 32)]]
+
+
+def sweep_awq_mma(copies: dict[str, Copies], awq_changes: dict) -> dict:
+    """The AWQ warp-MMA GEMV's warps / programs a multiprocessor over a layer (the first setting is the
+    default), each per-shape and summed: the fastest as AWQ changes (the default's unless 2% faster)."""
+    totals = {}
+    for index, mma in enumerate(AWQ_MMA_SETTINGS):
+        changes = dict(awq_changes, int4_gemv_mma=True, **mma)
+        parts = {name: time_awq(c, PROLOGUE_OF[name], changes) for name, c in copies.items()}
+        total = None if None in parts.values() else sum(parts.values())
+        totals[str(index)] = total
+        shown_parts = ", ".join(f"{name} {'failed' if v is None else f'{v:.1f}'}" for name, v in parts.items())
+        print(f"sweep awq mma {mma}: layer {'failed' if total is None else f'{total:.1f} us'} ({shown_parts})",
+              flush=True)
+    best = int(fastest(totals, list(totals), "0"))
+    return dict(awq_changes, int4_gemv_mma=True, **AWQ_MMA_SETTINGS[best])
+
+
 def setting(changes: dict) -> str:
     """PODIUM_CUDA_TUNING's text for the one-row fields (every one, so the line says the whole choice)."""
     t = tuning(**changes)
     fields = ONE_ROW_FIELDS + ("fp8_gemv_block_k", "fp8_gemv_programs", "int4_gemv_packed", "int4_gemv_block_n",
-                               "int4_gemv_split_k") + (MMA_FIELDS if t.fp8_gemv_mma else ())
+                               "int4_gemv_split_k", "int4_gemv_mma") + (MMA_FIELDS if t.fp8_gemv_mma else ()) \
+        + (AWQ_MMA_FIELDS if t.int4_gemv_mma else ())
     return ",".join(f"{name}={int(getattr(t, name))}" for name in fields)
 
 
@@ -362,12 +393,16 @@ def main() -> None:
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)
     if args.mma_only_sweep:
         mma = sweep_mma(copies, {})
-        print(f"mma: PODIUM_CUDA_TUNING={setting(mma | awq_changes)}", flush=True)
+        awq_mma = sweep_awq_mma(copies, {})
+        print(f"mma: PODIUM_CUDA_TUNING={setting(mma | awq_mma)}", flush=True)
         if fp8_changes.get("fp8_gemv_mma"):
             fp8_changes = mma
+        if awq_changes.get("int4_gemv_mma"):
+            awq_changes = awq_mma
     elif not args.no_sweep:
-        if fp8_changes.get("fp8_gemv_mma"):
-            fp8_changes = sweep_mma(copies, fp8_changes)
+        if fp8_changes.get("fp8_gemv_mma") or awq_changes.get("int4_gemv_mma"):
+            fp8_changes = sweep_mma(copies, fp8_changes) if fp8_changes.get("fp8_gemv_mma") else fp8_changes
+            awq_changes = sweep_awq_mma(copies, awq_changes) if awq_changes.get("int4_gemv_mma") else awq_changes
         else:
             fp8_changes, awq_changes = sweep(copies, fp8_changes, awq_changes)
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)

@@ -142,6 +142,24 @@ def mma_build(n: int, k: int, changes: dict, arch: int = 90):
     return compile_launch(fp8_mma_gemv.fp8_mma_gemv_kernel, (args, kwargs), arch), 2 * fp8_mma_gemv.STEP * unroll
 
 
+def awq_mma_build(n: int, k: int, changes: dict, arch: int = 90, group: int = 128):
+    """(compiled, weights a thread handles per main-loop iteration: a group) of the one-row AWQ warp-MMA
+    GEMV (awq_mma_gemv.py: its launch as awq_mma_gemv would make it on a device of 132 multiprocessors)."""
+    from podium_cuda import awq_mma_gemv
+    from podium_cuda.tuning import CUDA_TUNING
+
+    tuning = dataclasses.replace(CUDA_TUNING, **({"int4_gemv_mma": True} | changes))
+    warps, splits = awq_mma_gemv.config(n, k, group, 132, tuning)
+    out = torch.zeros(1, n, dtype=torch.bfloat16)
+    args = (out, torch.zeros(splits, n), torch.zeros(4096, dtype=torch.int32),
+            torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32), torch.ones(k // group, n),
+            torch.zeros(k // group, n // 8, dtype=torch.int32), out, torch.zeros(k // 2, dtype=torch.int32),
+            torch.zeros(k // group), torch.ones(1), n, k // awq_mma_gemv.STEP_K, k // group // (splits * warps), splits)
+    kwargs = {"WARPS": warps, "UNROLL": group // awq_mma_gemv.STEP_K, "HAS_BIAS": False, "PDL": True,
+              "num_warps": warps, "num_stages": 1, "launch_pdl": True}
+    return compile_launch(awq_mma_gemv.awq_mma_gemv_kernel, (args, kwargs), arch), 32 * group // awq_mma_gemv.STEP_K
+
+
 def per_weight(compiled, weights: float) -> tuple[float, collections.Counter]:
     """The largest loop's instructions over ``weights``, and its opcodes."""
     count, ops = max(loops(sass(compiled)), key=lambda body: body[0])

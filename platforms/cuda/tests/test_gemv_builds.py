@@ -79,3 +79,30 @@ def test_fp8_mma_gemv_loop(gemv_sass):
     if not _counts_calibrated():
         pytest.skip("built; the instruction-count bounds are Triton 3.9's")
     assert count / weight_bytes < 0.6, f"{count / weight_bytes:.2f} instructions a weight byte: {dict(ops)}"
+
+
+@pytest.mark.parametrize("group", [64, 128, 256])
+def test_awq_mma_gemv_loop(gemv_sass, group):
+    """The AWQ warp-MMA GEMV's main loop (a group a warp): its MMAs read the 16-byte loads' words as they are
+    (no shared memory, no layout conversion, no spills), one 16-byte weight load and four MMAs a super-step
+    of 64 k, and the sums' layout a thread's four words down the rows (lane = row % 32): the layout Triton
+    3.6 gave the MMA's operands when a group's scales and zeros were gathered as [rows, 4] tensors spread a
+    thread's four sums over other rows."""
+    compiled, _ = gemv_sass.awq_mma_build(28672, 4096, {"int4_mma_programs": 0}, group=group)
+    ptx = compiled.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "ld.global.v4.b32" in ptx, "the weight is not loaded 16 bytes a lane: the MMA operands' layout breaks"
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", compiled.asm["ttgir"], re.M))
+    mma = re.findall(r'tt\.elementwise_inline_asm "\{[^\n]*mma\.sync[^\n]*-> tensor<\d+x4xf32, (#\w+)>',
+                     compiled.asm["ttgir"])
+    assert mma and all(layouts.get(name, "").startswith(
+        "#ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [32, 1], warpsPerCTA = [4, 1]") for name in mma), \
+        [layouts.get(name) for name in mma]
+    count, ops = max(gemv_sass.loops(gemv_sass.sass(compiled)), key=lambda body: body[0])
+    assert ops["LDS"] == ops["STS"] == ops["STL"] == ops["LDL"] == ops["BAR"] == 0, dict(ops)
+    # four m16n8k16 a super-step, a group's super-steps an iteration (or several groups, where unrolled)
+    assert ops["HMMA"] and ops["HMMA"] % (4 * (group // 64)) == 0, dict(ops)
+    weights = 8 * ops["HMMA"]  # an m16n8k16's 256 weights are 8 a lane
+    if not _counts_calibrated():
+        pytest.skip("built; the instruction-count bounds are Triton 3.9's")
+    assert count / weights < 2.2, f"{count / weights:.2f} instructions a weight: {dict(ops)}"

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from podium_plugin_api.int4 import AWQ, GPTQ
 
-from . import awq_gemv
+from . import awq_gemv, awq_mma_gemv
 from .fp8_gemm import interpreting
 from .gemv import _multiprocessors
 from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options
@@ -228,6 +228,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     blocks = triton.cdiv(n, block_n)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     pdl = tuning.gemv_pdl and dependent_launch(x.device)
+    if awq_mma_gemv.takes(x, n, k, group_size, fmt == AWQ, tuning):
+        return awq_mma_gemv.awq_mma_gemv(x, qweight, qzeros, scales, group_size, bias, prologue, residual,
+                                         norm_weight, eps, summed, tuning), summed
     if awq_gemv.takes(rows, fmt == AWQ, group_size):  # splits count groups
         splits = triton.cdiv(k // group_size, triton.cdiv(k // group_size, min(splits, k // group_size)))
         partial = torch.empty((splits, n), dtype=torch.float32, device=x.device)

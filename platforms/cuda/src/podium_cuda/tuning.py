@@ -191,6 +191,13 @@ class KernelTuning:
     # (0: int4_gemv.config's rule, about four programs a multiprocessor)
     int4_gemv_block_n: int = 0
     int4_gemv_split_k: int = 0
+    # one AWQ row on the tensor cores' warp MMA over a Marlin-style copy of the weight (awq_mma_gemv.py:
+    # ~0.8 instructions a weight; the copy doubles the INT4 weight memory): off until
+    # `bash benchmarks/quant_gpu.sh mma` has checked and timed it on the device; its warps a program and
+    # the programs a multiprocessor its split of the groups aims at (awq_mma_gemv.config)
+    int4_gemv_mma: bool = False
+    int4_mma_warps: int = 4
+    int4_mma_programs: int = 8
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True

@@ -1,0 +1,316 @@
+"""One AWQ row on the tensor cores' warp MMA, the weight repacked into the MMA's fragment order (Marlin-style).
+
+awq_gemv.py multiplies every nibble on the CUDA cores: ~2.4 SASS instructions a weight in its packed
+half-precision form, ~4.7 in float32, and ~0.6-0.8 TB/s of packed weight at one row on an H100.
+``mma.sync.m16n8k16`` f16 multiplies a 16 x 16 tile by a 16 x 8 one into float32 sums; its A operand
+is four f16 pairs a lane: lane l (g = l / 4, q = l % 4) holds row g at k slots (2q, 2q + 1) and
+(2q + 8, 2q + 9), and the same slots of row g + 8. ``repack`` lays the weight out once so that one
+32-bit word of a lane holds exactly those eight nibbles of a 16-output x 16-k tile (W^T as A, x in
+every column of B), in the order two masks take them apart:
+
+    nibbles 0, 4  row g,     k slots 2q, 2q + 1       a0 = word      & 0x000F000F | 0x64006400
+    nibbles 1, 5  row g + 8, k slots 2q, 2q + 1       a1 = word      & 0x00F000F0 | 0x64006400
+    nibbles 2, 6  row g,     k slots 2q + 8, 2q + 9   a2 = word >> 8 & 0x000F000F | 0x64006400
+    nibbles 3, 7  row g + 8, k slots 2q + 8, 2q + 9   a3 = word >> 8 & 0x00F000F0 | 0x64006400
+
+(LOP3 each: the f16 pair 1024 + q, exactly, or 1024 + 16 q for row g + 8, whose sums are 16 times
+too large and scaled back once a group). A dot product does not care which k a slot stands for as
+long as A's and B's agree, so lane q's slots in a 64-k super-step of four MMAs are the 16 contiguous
+k from 64 s + 16 q: its x (f16) is 32 contiguous bytes, its weight 16 (the four MMAs' words), each
+a 16-byte load, and a warp's 32 lanes read a super-step's 512 weight bytes of one 16-output tile in
+one pass. Per lane and MMA: one shift, four LOP3 and the MMA for 8 weights (~0.8 instructions a
+weight, the loads included).
+
+The zero is not subtracted per nibble: a group's MMA chain starts from -(1024 + z) X (row g + 8:
+-(1024 + 16 z) X), X the sum of the group's x as the MMA multiplies them, so it ends at sum (q - z) x
+(16 times for row g + 8), which the group's scale multiplies into the total. The f32 chain holds
+terms of ~1024 |x|, so its rounding is ~2^-24 of 1024 sum |x| a group: ~1e-4 of the result, well under
+a bf16 output's 2^-9.
+
+x is the prologue's output (prologue.py; RMSNorm / add-RMSNorm / SiLU-and-mul), computed by one launch
+before (``prepare``: rounded to x's dtype as the separate kernel rounds it, then to f16 after a power
+of two that keeps its largest |x| below 2^15, which the GEMV undoes at the end) together with the
+groups' sums. A program takes 16 outputs (a tile) and one of ``splits`` slices of the groups, its
+warps consecutive stretches of whole groups, a group's super-steps in flight at once and the next
+group's loads issued before this group's MMAs. The warps' sums are added in the program, the slices'
+by the last program of the tile (split_k.py: in split order, deterministic), then the bias.
+
+The repacked copy is made on a weight's first call and kept beside the checkpoint's tensors
+(``KernelTuning.int4_gemv_mma``, off: the INT4 weight memory doubles while it is on; measured first).
+Like fp8_mma_gemv.py the MMA is inline PTX over [R, 4] tensors that Triton lays out four words a
+thread, the threads down the rows in order (test_gemv_builds checks the compiled layout).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from podium_plugin_api.int4 import unpack_columns
+
+from .gemv import _multiprocessors
+from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least
+from .prologue import input_chunk, rows_rstd
+from .split_k import counters, finish_row, last_split, reset
+from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
+
+STEP_K = 64  # k a super-step: four MMAs of 16
+F16_LIMIT_EXP = 15  # x is scaled by a power of two below 2^15 before the f16 rounding
+# nibble i of a repacked word: (k offset within the MMA's four k of the lane, row g + 8 or not)
+_NIBBLE_K = (0, 0, 2, 2, 1, 1, 3, 3)
+_NIBBLE_HIGH_ROW = (0, 1, 0, 1, 0, 1, 0, 1)
+
+# $0-$3 the f32 sums (row g twice, row g + 8 twice), $4-$7 the four MMAs' weight words, $8-$15 x's eight
+# words (two an MMA), $16-$19 the sums so far
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+_SUPER_STEP = tl.constexpr("{\n.reg .b32 a0, a1, a2, a3, t;\n" + "".join(
+    f"shr.b32 t, ${4 + u}, 8;\n"
+    f"lop3.b32 a0, ${4 + u}, 0x000F000F, 0x64006400, 0xEA;\n"
+    f"lop3.b32 a1, ${4 + u}, 0x00F000F0, 0x64006400, 0xEA;\n"
+    "lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA;\n"
+    "lop3.b32 a3, t, 0x00F000F0, 0x64006400, 0xEA;\n"
+    f"{_MMA} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{${8 + 2 * u}, ${9 + 2 * u}}}, "
+    + ("{$16, $17, $18, $19};\n" if u == 0 else "{$0, $1, $2, $3};\n")
+    for u in range(4)) + "}")
+_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 12) + ",f,f,f,f")
+
+
+@triton.jit
+def _super_step(acc, w, x_lo, x_hi):
+    """acc + the four MMAs of a super-step (w: the lane's four words, x_lo / x_hi: its eight x words)."""
+    return tl.inline_asm_elementwise(_SUPER_STEP, _CONSTRAINTS, [w, x_lo, x_hi, acc], dtype=tl.float32,
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _four(low, high):
+    """[M] low, high -> [M, 4] (low, low, high, high): a row's values for the MMA's four sums of a lane
+    (rows g, g, g + 8, g + 8), joined in registers."""
+    return tl.reshape(tl.join(tl.join(low, low), tl.join(high, high)), (low.shape[0], 4))
+
+
+@triton.jit
+def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps,
+                   GROUP: tl.constexpr, BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr):
+    """h [K] f16 = prologue(x) (rounded to x's dtype) times ``down``, a power of two that keeps max |h| below
+    2^15; xs [K / GROUP] float32, each group's sum of those f16 values; up [1] = 1 / down. One program."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    one = tl.zeros([1, 1], dtype=tl.int64)
+    x_rows, r_rows = x_ptr + one, r_ptr + one
+    row_ok = one == 0
+    rstd = rows_rstd(x_rows, r_rows, sum_ptr + one, row_ok, K, eps, 0, PROLOGUE, BLOCK)
+    amax = tl.zeros([1, 1], dtype=tl.float32)
+    for c0 in range(0, K, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        h = input_chunk(x_rows, r_rows, g_ptr, rstd, cols, row_ok & (cols < K), K, PROLOGUE)
+        amax = tl.maximum(amax, tl.max(tl.abs(h), 1, keep_dims=True))
+    biased = tl.minimum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 254)  # amax < 2^(biased - 126)
+    shift = tl.maximum(biased - (127 + F16_LIMIT_EXP - 1), 0)  # 2^-shift brings amax below 2^15
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    for c0 in range(0, K, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        ok = row_ok & (cols < K)
+        h = (input_chunk(x_rows, r_rows, g_ptr, rstd, cols, ok, K, PROLOGUE) * down).to(tl.float16)
+        tl.store(h_ptr + cols, h, mask=ok)
+        sums = tl.sum(tl.reshape(h.to(tl.float32), (BLOCK // GROUP, GROUP)), 1)
+        groups = c0 // GROUP + tl.arange(0, BLOCK // GROUP)
+        tl.store(xs_ptr + groups, sums, mask=groups < K // GROUP)
+    tl.store(up_ptr + one, up)
+
+
+@triton.jit
+def awq_mma_gemv_kernel(
+    out_ptr, partial_ptr, count_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, xs_ptr, up_ptr,
+    N, SUPER_STEPS, GROUPS_PER_WARP, splits,
+    WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):
+    """out [1, N] = h . W (+ bias): W repacked ([N / 16, K / 64, 32, 4] int32, ``repack``), scales [K / G, N]
+    float32 and AWQ qzeros [K / G, N / 8] as stored, h the f16 row as int32 words, xs its groups' sums,
+    up its scale back. Grid (N / 16, splits): warp w of program (t, s) takes outputs 16t..16t+15 over
+    the groups from (s * WARPS + w) * GROUPS_PER_WARP; UNROLL = G / 64 super-steps a group."""
+    tile, split = tl.program_id(0), tl.program_id(1)
+    R: tl.constexpr = 32 * WARPS
+    idx = tl.arange(0, UNROLL * R)  # element (u * R + thread, word): two dimensions, one layout (fp8_mma_gemv)
+    thread, u = idx % R, idx // R
+    lane, warp = thread % 32, thread // 32
+    g, quad = lane // 4, lane % 4
+    j = tl.arange(0, 4)[None, :]
+    # the group's scale and zero of rows g and g + 8 are loaded a thread's [UNROLL * R] and joined into its
+    # four sums' places (_four): gathers shaped [UNROLL * R, 4] get a layout of their own, and operands of
+    # another layout change the MMAs' (Triton 3.6 then spreads a thread's four sums over other rows)
+    feature = tile * 16 + g  # row g's output; row g + 8's is 8 on (the same qzeros word)
+    z_shift = (feature % 2) * 16 + ((feature % 8) // 2) * 4  # AWQ_ORDER's nibble of the column
+    first_group = (split * WARPS + warp) * GROUPS_PER_WARP  # [UNROLL * R]
+    step = first_group * UNROLL + u  # the super-step each element's thread starts on
+    w_offs = (((tile * SUPER_STEPS + step) * 32 + lane) * 4).to(tl.int64)[:, None] + j
+    x_offs = (step * 32 + quad * 8)[:, None] + j  # x as int32 words: 32 a super-step, 8 a lane
+    w = tl.load(w_ptr + w_offs)  # the first group's weights do not depend on the launch before
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    x_lo = tl.load(h_ptr + x_offs)
+    x_hi = tl.load(h_ptr + x_offs + 4)
+    total = tl.zeros((UNROLL * R, 4), dtype=tl.float32)
+    for i in range(0, GROUPS_PER_WARP):
+        group = first_group + i
+        if i + 1 < GROUPS_PER_WARP:  # the next group's loads before this group's MMAs
+            w_next = tl.load(w_ptr + w_offs + (i + 1) * UNROLL * 128)
+            x_lo_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32)
+            x_hi_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32 + 4)
+        else:
+            w_next, x_lo_next, x_hi_next = w, x_lo, x_hi
+        zeros = tl.load(z_ptr + group * (N // 8) + feature // 8)  # columns c and c + 8 share a word's nibble
+        z_low = ((zeros >> z_shift) & 15).to(tl.float32)
+        z_high = ((tl.load(z_ptr + group * (N // 8) + feature // 8 + 1) >> z_shift) & 15).to(tl.float32)
+        x_sum = tl.where(u == 0, tl.load(xs_ptr + group), 0.0)  # the zero term goes into one chain
+        start = _four(-(1024.0 + z_low) * x_sum, -(1024.0 + 16.0 * z_high) * x_sum)
+        scale = _four(tl.load(s_ptr + group * N + feature), tl.load(s_ptr + group * N + feature + 8) * (1.0 / 16))
+        acc = _super_step(tl.zeros((UNROLL * R, 4), dtype=tl.float32), w, x_lo, x_hi)
+        total += (acc + start) * scale
+        w, x_lo, x_hi = w_next, x_lo_next, x_hi_next
+    # every column of a lane's sums is the same dot product: lane q == 0 of each group g, word 0 (row g)
+    # and word 2 (row g + 8), summed over the super-steps in flight and the warps
+    sums = tl.reshape(tl.sum(tl.reshape(total, (UNROLL, R, 4)), 0), (WARPS, 8, 4, 4))
+    q_ix = tl.arange(0, 4)[None, None, :, None]
+    w_ix = tl.arange(0, 4)[None, None, None, :]
+    up = tl.load(up_ptr)
+    low = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (w_ix == 0), sums, 0.0), 3), 2), 0) * up  # [8]
+    hi = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (w_ix == 2), sums, 0.0), 3), 2), 0) * up
+    n_low = tile * 16 + tl.arange(0, 8)
+    n_high = n_low + 8
+    if splits == 1:
+        if HAS_BIAS:
+            low += tl.load(b_ptr + n_low).to(tl.float32)
+            hi += tl.load(b_ptr + n_high).to(tl.float32)
+        tl.store(out_ptr + n_low, low.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + n_high, hi.to(out_ptr.dtype.element_ty))
+    else:
+        part = partial_ptr + split.to(tl.int64) * N
+        tl.store(part + n_low, low)
+        tl.store(part + n_high, hi)
+        if last_split(count_ptr, tile, splits):
+            finish_row(out_ptr, partial_ptr, b_ptr, tile * 16, N, splits, 16, HAS_BIAS)
+            reset(count_ptr, tile, splits)
+
+
+def repack(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ qweight [K, N/8] int32 -> int32 [N / 16, K / 64, 32, 4]: tile t, super-step s, lane l, MMA u; nibble
+    i of a word is column 16 t + l // 4 + 8 (i % 2) at k = 64 s + 16 (l % 4) + 4 u + _NIBBLE_K[i] (module
+    docstring). K a multiple of 64, N of 16."""
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    if k % STEP_K or n % 16:
+        raise ValueError(f"awq_mma_gemv.repack: K {k} must be a multiple of {STEP_K} and N {n} of 16")
+    q = unpack_columns(qweight, awq=True).to(torch.int64)  # [K, N] 0..15
+    # k = 64 s + 16 quad + 4 u + kk, n = 16 t + 8 high + g  ->  [t, s, g, quad, u, kk, high]
+    q = q.reshape(k // 64, 4, 4, 4, n // 16, 2, 8).permute(4, 0, 6, 1, 2, 3, 5)
+    # nibble i = 4 (kk % 2) + 2 (kk // 2) + high: kk in the order 0, 2, 1, 3
+    q = q[:, :, :, :, :, [0, 2, 1, 3], :].reshape(n // 16, k // 64, 32, 4, 8)
+    words = (q << (4 * torch.arange(8, device=q.device))).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+
+
+_REPACKED: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def repacked(qweight: torch.Tensor) -> torch.Tensor:
+    """``repack(qweight)``, made on the weight's first call and kept while the tensor first seen with it lives
+    (another view of the same memory finds it too; a tensor later allocated at a freed one's address
+    does not, its first one being gone)."""
+    key = (qweight.data_ptr(), tuple(qweight.shape), qweight.device)
+    entry = _REPACKED.get(key)
+    if entry is not None and entry[0]() is not None:
+        return entry[1]
+    if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("awq_mma_gemv: a weight without its MMA copy inside a CUDA graph's capture (the copy "
+                           "would be made on every replay); make it before (repack_model)")
+    for stale in [k for k, (ref, _) in _REPACKED.items() if ref() is None]:
+        del _REPACKED[stale]
+    packed = repack(qweight)
+    _REPACKED[key] = (weakref.ref(qweight), packed)
+    return packed
+
+
+def repack_model(model: torch.nn.Module) -> int:
+    """Make the MMA copy of every AWQ layer's weight this kernel takes (on a CUDA device, whole tiles, groups
+    of 64-256), so that no first call makes it inside a CUDA graph's capture; the count made."""
+    from podium_plugin_api.int4 import AWQ
+
+    made = 0
+    for module in model.modules():
+        qweight = getattr(module, "qweight", None)
+        if (getattr(module, "format", None) != AWQ or not isinstance(qweight, torch.Tensor) or not qweight.is_cuda
+                or getattr(module, "group_size", 0) not in (64, 128, 256)):
+            continue
+        if qweight.shape[0] % module.group_size == 0 and qweight.shape[0] % STEP_K == 0 and qweight.shape[1] % 2 == 0:
+            repacked(qweight)
+            made += 1
+    return made
+
+
+def takes(x: torch.Tensor, n: int, k: int, group_size: int, is_awq: bool, tuning: KernelTuning) -> bool:
+    """Whether a call goes here: ``tuning.int4_gemv_mma`` on, one AWQ row on an NVIDIA sm80+ GPU, groups of 64,
+    128 or 256 (whole super-steps, at most four in flight), N a multiple of 16."""
+    return (tuning.int4_gemv_mma and is_awq and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
+            and x.dtype in (torch.float16, torch.bfloat16) and nvidia_at_least(x.device, (8, 0))
+            and group_size in (64, 128, 256) and k % group_size == 0 and n % 16 == 0)
+
+
+def config(n: int, k: int, group_size: int, multiprocessors: int, tuning: KernelTuning) -> tuple[int, int]:
+    """(warps, splits): ``tuning.int4_mma_warps`` warps a program (halved while the groups do not divide
+    among them), and the most splits of the groups up to about ``tuning.int4_mma_programs`` programs a
+    multiprocessor that leave every warp whole groups."""
+    groups = k // group_size
+    warps = tuning.int4_mma_warps
+    while warps > 1 and groups % warps:
+        warps //= 2
+    want = max(1, triton.cdiv(tuning.int4_mma_programs * multiprocessors, n // 16))
+    splits = 1
+    for candidate in range(1, want + 1):
+        if groups % (candidate * warps) == 0:
+            splits = candidate
+    return warps, splits
+
+
+def prepare(x: torch.Tensor, k: int, group_size: int, prologue: int, residual: torch.Tensor | None,
+            norm_weight: torch.Tensor | None, eps: float, summed: torch.Tensor | None,
+            pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h f16 [K], the groups' sums float32 [K / G], up float32 [1]) of one row (``prepare_kernel``)."""
+    h = torch.empty(k, dtype=torch.float16, device=x.device)
+    sums = torch.empty(k // group_size, dtype=torch.float32, device=x.device)
+    up = torch.empty(1, dtype=torch.float32, device=x.device)
+    block = max(group_size, min(4096, next_power_of_2(k)))
+    prepare_kernel[(1,)](h, sums, up, summed if summed is not None else x, x,
+                         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+                         k, float(eps), GROUP=group_size, BLOCK=block, PROLOGUE=prologue, PDL=pdl,
+                         num_warps=max(4, min(block // 256, 16)), **launch_options(pdl))
+    return h, sums, up
+
+
+def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None, prologue: int, residual: torch.Tensor | None,
+                 norm_weight: torch.Tensor | None, eps: float, summed: torch.Tensor | None,
+                 tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
+    """out [1, N] in x's dtype (``summed``, given for ADD_RMSNORM, receives x + residual); ``takes`` must hold
+    and the caller has checked the prologue's arguments (int4_gemv.int4_gemv)."""
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    pdl = tuning.gemv_pdl and dependent_launch(x.device)
+    h, sums, up = prepare(x, k, group_size, prologue, residual, norm_weight, eps, summed, pdl)
+    warps, splits = config(n, k, group_size, _multiprocessors(x.device), tuning)
+    tiles = n // 16
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    partial = torch.empty((splits, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    scale = scales if scales.dtype == torch.float32 and scales.is_contiguous() else scales.float().contiguous()
+    awq_mma_gemv_kernel[(tiles, splits)](
+        out, partial, counters(x.device, tiles) if splits > 1 else out, repacked(qweight), scale, qzeros,
+        bias if bias is not None else out, h.view(torch.int32), sums, up, n, k // STEP_K,
+        k // group_size // (splits * warps), splits, WARPS=warps, UNROLL=group_size // STEP_K,
+        HAS_BIAS=bias is not None, PDL=pdl, num_warps=warps, num_stages=1, **launch_options(pdl),
+    )
+    return out
+

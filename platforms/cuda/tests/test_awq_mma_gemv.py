@@ -1,0 +1,168 @@
+"""The one-row AWQ GEMV on the warp MMA over a Marlin-style copy of the weight (``podium_cuda.awq_mma_gemv``).
+
+Anywhere: ``repack``'s words, taken apart by the kernel's masks and placed by the PTX ISA's fragment
+layout of ``mma.m16n8k16`` (A: lane l = 4 g + q holds row g at k slots 2q, 2q + 1 in a0, row g + 8
+in a1, slots 2q + 8, 2q + 9 in a2 / a3; B: b0 slots 2q, 2q + 1, b1 2q + 8, 2q + 9), with x read at the
+kernel's offsets and each group's chain started from the zero term, multiply to the contract's
+dequantized weight in float64. On an NVIDIA GPU: the kernel against the same reference, N over
+several tiles, K over one and several slices, group sizes 64-256, a bias, each prologue, x of every
+magnitude (the f16 scaling), each warp / split setting."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from podium_plugin_api.int4 import AWQ, dequantize, random_packed
+
+
+def _f16_halves(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """32-bit values (int64) -> the f16 pair they hold, as float64 (low half, high half)."""
+    halves = np.stack([(bits & 0xFFFF).numpy(), (bits >> 16 & 0xFFFF).numpy()]).astype(np.uint16)
+    values = torch.from_numpy(halves.view(np.float16).astype(np.float64))
+    return values[0], values[1]
+
+
+def _emulate(words: torch.Tensor, h: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
+             n: int) -> torch.Tensor:
+    """What awq_mma_gemv_kernel computes (before ``up``), in float64, MMA by MMA from the PTX fragment layout."""
+    tiles, steps = words.shape[0], words.shape[1]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifted = w >> 8
+    magic = 0x64006400
+    regs = [(w & 0x000F000F) | magic, (w & 0x00F000F0) | magic, (shifted & 0x000F000F) | magic,
+            (shifted & 0x00F000F0) | magic]  # a0..a3, each [T, S, 32 lanes, 4 MMAs]
+    a = torch.zeros(tiles, steps, 4, 16, 16, dtype=torch.float64)  # [t, s, u, row, slot]
+    b = torch.zeros(steps, 4, 16, dtype=torch.float64)  # [s, u, slot]: x in every column of B
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for reg, (row, slot) in enumerate([(g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8)]):
+            lo, hi = _f16_halves(regs[reg][:, :, lane, :])
+            a[:, :, :, row, slot], a[:, :, :, row, slot + 1] = lo, hi
+        for s in range(steps):  # the lane's x: f16 64 s + 16 q .. + 16, words 2u and 2u + 1 for MMA u
+            for u in range(4):
+                k0 = 64 * s + 16 * q + 4 * u
+                b[s, u, 2 * q], b[s, u, 2 * q + 1] = h[k0], h[k0 + 1]
+                b[s, u, 2 * q + 8], b[s, u, 2 * q + 9] = h[k0 + 2], h[k0 + 3]
+    d = torch.einsum("tsurk,suk->tsr", a, b)  # [t, s, 16 rows]
+    per_group = group // 64
+    features = torch.arange(tiles * 16).reshape(tiles, 16)
+    shifts = torch.tensor([4 * (0, 2, 4, 6, 1, 3, 5, 7).index(c) for c in range(8)])
+    total = torch.zeros(tiles, 16, dtype=torch.float64)
+    sixteen = torch.tensor([1.0] * 8 + [16.0] * 8, dtype=torch.float64)
+    for gi in range(steps // per_group):
+        x_sum = h[gi * group:(gi + 1) * group].sum()
+        zero = ((qzeros[gi, features // 8].to(torch.int64) >> shifts[features % 8]) & 15).double()
+        acc = -(1024 + sixteen * zero) * x_sum + d[:, gi * per_group:(gi + 1) * per_group].sum(1)
+        total += acc * scales[gi, features].double() / sixteen
+    return total.reshape(-1)[:n]
+
+
+@pytest.mark.parametrize("k,n,group", [(256, 48, 128), (128, 16, 64), (512, 32, 256)])
+def test_the_repacked_words_through_the_fragment_layout_give_the_weight(k, n, group):
+    from podium_cuda.awq_mma_gemv import repack
+
+    gen = torch.Generator().manual_seed(k + n)
+    packed = random_packed(AWQ, k, n, group, False, gen)
+    words = repack(packed["qweight"])
+    assert words.shape == (n // 16, k // 64, 32, 4) and words.dtype == torch.int32
+    h = torch.randn(k, generator=gen).half().double()
+    w = dequantize(packed["qweight"], packed["qzeros"], packed["scales"], None, group, AWQ).double()
+    got = _emulate(words, h, packed["qzeros"], packed["scales"], group, n)
+    want = h @ w  # (dequantize's weight is float32: ~1e-7 of its products; a misplaced nibble is ~1)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item()), (got - want).abs().max()
+
+
+def test_repack_refuses_shapes_without_whole_tiles():
+    from podium_cuda.awq_mma_gemv import repack
+
+    with pytest.raises(ValueError, match="multiple of 64"):
+        repack(torch.zeros(96, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="of 16"):
+        repack(torch.zeros(128, 3, dtype=torch.int32))
+
+
+def test_config_gives_every_warp_whole_groups():
+    from podium_cuda.awq_mma_gemv import config
+    from podium_cuda.tuning import CUDA_TUNING
+
+    for n, k, group in [(4096, 4096, 128), (28672, 4096, 128), (4096, 14336, 128), (6144, 4096, 64), (48, 384, 128)]:
+        for programs in (0, 2, 8, 64):
+            for warps_wanted in (1, 4, 8):
+                tuning = dataclasses.replace(CUDA_TUNING, int4_mma_programs=programs, int4_mma_warps=warps_wanted)
+                warps, splits = config(n, k, group, 132, tuning)
+                assert (k // group) % (warps * splits) == 0 and 1 <= warps <= warps_wanted
+                assert splits == 1 or n // 16 * splits <= max(1, programs) * 132 + n // 16
+
+
+def _tuning(**changes):
+    from podium_cuda.tuning import CUDA_TUNING
+
+    return dataclasses.replace(CUDA_TUNING, **({"int4_gemv_mma": True} | changes))
+
+
+@pytest.fixture
+def sm80():
+    if not torch.cuda.is_available() or getattr(torch.version, "hip", None) \
+            or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs an NVIDIA GPU of compute capability 8.0 or newer")
+    return torch.device("cuda")
+
+
+SETTINGS = {"default": {}, "8-warps": {"int4_mma_warps": 8}, "1-warp-many-splits": {"int4_mma_warps": 1, "int4_mma_programs": 64},
+            "one-split": {"int4_mma_programs": 0}}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prologue", ["plain", "rms_norm", "add_rms_norm", "silu_and_mul"])
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e4])  # the last past f16's range: x scaled down first
+@pytest.mark.parametrize("k,n,group", [(512, 48, 128), (4096, 4096, 128), (1536, 272, 64), (1024, 64, 256)])
+def test_awq_mma_gemv(setting, dtype, prologue, magnitude, k, n, group, sm80):
+    from podium_cuda import fused_ops
+    from podium_cuda.int4_gemv import ADD_RMSNORM, PLAIN, RMSNORM, SILU, int4_gemv
+    from podium_cuda.split_k import counters
+
+    gen = torch.Generator().manual_seed(k + n + group)
+    packed = random_packed(AWQ, k, n, group, False, gen)
+    w = dequantize(packed["qweight"], packed["qzeros"], packed["scales"], None, group, AWQ).double()
+    on = {name: t.to(sm80) for name, t in packed.items()}
+    width = 2 * k if prologue == "silu_and_mul" else k
+    x = (torch.randn(1, width, generator=gen) * magnitude).to(dtype).to(sm80)
+    residual = (torch.randn(1, k, generator=gen) * magnitude).to(dtype).to(sm80)
+    g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(sm80)
+    bias = (torch.randn(n, generator=gen) * magnitude).to(dtype).to(sm80) if n % 32 == 0 else None
+    code = {"plain": PLAIN, "rms_norm": RMSNORM, "add_rms_norm": ADD_RMSNORM, "silu_and_mul": SILU}[prologue]
+    out, summed = int4_gemv(x, on["qweight"], on["qzeros"], on["scales"], group, AWQ, bias, code, residual, g,
+                            1e-5, _tuning(**SETTINGS[setting]))
+    if prologue == "rms_norm":
+        separate = fused_ops.rms_norm(x, g, 1e-5)
+    elif prologue == "add_rms_norm":
+        separate, want_sum = fused_ops.fused_add_rms_norm(x, residual, g, 1e-5)
+        assert torch.equal(summed, want_sum)
+    else:
+        separate = fused_ops.silu_and_mul(x) if prologue == "silu_and_mul" else x
+    want = separate.double().cpu() @ w + (0 if bias is None else bias.double().cpu())
+    if not torch.isfinite(want).all():
+        pytest.skip("the reference itself overflows at this magnitude")
+    err = ((out.double().cpu() - want).abs().max() / want.abs().max()).item()
+    bound = 1e-2 if dtype == torch.bfloat16 else 2e-3  # the output's rounding; x's f16 rounding is below it
+    assert err <= bound, f"mma {prologue} {k} -> {n} g{group} {dtype} {setting}: relative max error {err:.2e}"
+    assert int(counters(sm80, 1).abs().sum()) == 0, "a split count was left nonzero"
+
+
+@pytest.mark.cuda
+def test_awq_mma_gemv_keeps_one_repacked_copy_a_weight(sm80):
+    from podium_cuda import awq_mma_gemv
+    from podium_cuda.int4_gemv import int4_gemv
+
+    packed = {name: t.to(sm80) for name, t in random_packed(AWQ, 512, 64, 128, False).items()}
+    x = torch.randn(1, 512, device=sm80, dtype=torch.bfloat16)
+    first, _ = int4_gemv(x, packed["qweight"], packed["qzeros"], packed["scales"], 128, AWQ, tuning=_tuning())
+    copy = awq_mma_gemv.repacked(packed["qweight"])
+    again, _ = int4_gemv(x, packed["qweight"], packed["qzeros"], packed["scales"], 128, AWQ, tuning=_tuning())
+    assert awq_mma_gemv.repacked(packed["qweight"]) is copy and torch.equal(first, again)
