@@ -130,6 +130,8 @@ def test_fp8_mma_gemv_config_gives_whole_stretches():
             assert w <= warps and u <= unroll and s >= 1
             if programs == 0:
                 assert s == 1
-    assert config(4096, 4096, 132, _tuning()) == (4, 4, 4)  # 256 tiles: 4 splits of 1024 columns
-    assert config(28672, 4096, 132, _tuning()) == (4, 4, 1)  # 1792 tiles: enough programs unsplit
-    assert config(4096, 14336, 132, _tuning()) == (4, 4, 2)  # 224 steps = 14 x 16: 4 or 5 splits would not divide
+    assert config(4096, 4096, 132, _tuning()) == (4, 4, 1)  # the default: never split (fp8_mma_programs 0)
+    assert config(4096, 4096, 132, _tuning(fp8_mma_programs=8)) == (4, 4, 4)  # 256 tiles: 4 splits of 1024 columns
+    assert config(28672, 4096, 132, _tuning(fp8_mma_programs=8)) == (4, 4, 1)  # 1792 tiles: enough programs unsplit
+    # 224 steps = 14 x 16: 4 or 5 splits would not divide
+    assert config(4096, 14336, 132, _tuning(fp8_mma_programs=8)) == (4, 4, 2)

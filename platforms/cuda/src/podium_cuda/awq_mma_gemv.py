@@ -28,9 +28,9 @@ terms of ~1024 |x|, so its rounding is ~2^-24 of 1024 sum |x| a group: ~1e-4 of 
 a bf16 output's 2^-9.
 
 x is the prologue's output (prologue.py; RMSNorm / add-RMSNorm / SiLU-and-mul), computed by one launch
-before (``prepare``: rounded to x's dtype as the separate kernel rounds it, then to f16 after a power
-of two that keeps its largest |x| below 2^15, which the GEMV undoes at the end) together with the
-groups' sums. A program takes 16 outputs (a tile) and one of ``splits`` slices of the groups, its
+before (``prepare``: rounded to x's dtype as the separate kernel rounds it, then to f16 after the power
+of two that puts its largest |x| in [2^14, 2^15), which the GEMV undoes at the end: bf16 rows past
+f16's range and rows of tiny values keep f16's 11 bits) together with the groups' sums. A program takes 16 outputs (a tile) and one of ``splits`` slices of the groups, its
 warps consecutive stretches of whole groups, a group's super-steps in flight at once and the next
 group's loads issued before this group's MMAs. The warps' sums are added in the program, the slices'
 by the last program of the tile (split_k.py: in split order, deterministic), then the bias.
@@ -58,7 +58,7 @@ from .split_k import counters, finish_row, last_split, reset
 from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
 
 STEP_K = 64  # k a super-step: four MMAs of 16
-F16_LIMIT_EXP = 15  # x is scaled by a power of two below 2^15 before the f16 rounding
+F16_LIMIT_EXP = tl.constexpr(15)  # x is scaled by a power of two to just below 2^15 before the f16 rounding
 # nibble i of a repacked word: (k offset within the MMA's four k of the lane, row g + 8 or not)
 _NIBBLE_K = (0, 0, 2, 2, 1, 1, 3, 3)
 _NIBBLE_HIGH_ROW = (0, 1, 0, 1, 0, 1, 0, 1)
@@ -88,15 +88,17 @@ def _super_step(acc, w, x_lo, x_hi):
 @triton.jit
 def _four(low, high):
     """[M] low, high -> [M, 4] (low, low, high, high): a row's values for the MMA's four sums of a lane
-    (rows g, g, g + 8, g + 8), joined in registers."""
-    return tl.reshape(tl.join(tl.join(low, low), tl.join(high, high)), (low.shape[0], 4))
+    (rows g, g, g + 8, g + 8), joined in registers. A join's new dimension is the last one: element
+    [m, i, o] of the outer join is join(low, high)[m, i] for either o, so [m, 2 i + o] is low for i = 0."""
+    pair = tl.join(low, high)
+    return tl.reshape(tl.join(pair, pair), (low.shape[0], 4))
 
 
 @triton.jit
 def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps,
                    GROUP: tl.constexpr, BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr):
-    """h [K] f16 = prologue(x) (rounded to x's dtype) times ``down``, a power of two that keeps max |h| below
-    2^15; xs [K / GROUP] float32, each group's sum of those f16 values; up [1] = 1 / down. One program."""
+    """h [K] f16 = prologue(x) (rounded to x's dtype) times ``down``, the power of two that puts max |h| in
+    [2^14, 2^15); xs [K / GROUP] float32, each group's sum of those f16 values; up [1] = 1 / down. One program."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -109,10 +111,12 @@ def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps,
         cols = c0 + tl.arange(0, BLOCK)[None, :]
         h = input_chunk(x_rows, r_rows, g_ptr, rstd, cols, row_ok & (cols < K), K, PROLOGUE)
         amax = tl.maximum(amax, tl.max(tl.abs(h), 1, keep_dims=True))
-    biased = tl.minimum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 254)  # amax < 2^(biased - 126)
-    shift = tl.maximum(biased - (127 + F16_LIMIT_EXP - 1), 0)  # 2^-shift brings amax below 2^15
-    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    # 2^(141 - biased) brings amax into [2^14, 2^15) from either side (amax in [2^(biased - 127), 2^(biased - 126))):
+    # a row of small values is scaled up, so that f16 keeps their 11 bits instead of going subnormal
+    biased = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)  # both stay normal
+    shift = (127 + F16_LIMIT_EXP - 1) - biased
+    down = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    up = ((127 - shift) << 23).to(tl.float32, bitcast=True)
     for c0 in range(0, K, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)[None, :]
         ok = row_ok & (cols < K)

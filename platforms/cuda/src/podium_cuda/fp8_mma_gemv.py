@@ -144,7 +144,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, tun
     per-channel scales. The alignment is what lets Triton load 16 bytes a lane, the layout the MMA's
     operands rely on (with less, the words of one asm instance would come from other lanes' rows)."""
     n, k = weight.shape
-    per_row = weight_scale.numel() == 1 or tuple(weight_scale.shape) == (n, 1)
+    per_row = (weight_scale.numel() == 1 and weight_scale.dim() <= 2) or tuple(weight_scale.shape) == (n, 1)
     return (tuning.fp8_gemv_mma and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
             and nvidia_at_least(x.device, (8, 9)) and per_row and weight.is_contiguous() and k % STEP == 0
             and weight.data_ptr() % 16 == 0)

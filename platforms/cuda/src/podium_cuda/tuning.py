@@ -157,14 +157,17 @@ class KernelTuning:
     fp8_gemv_quantize_first: bool = False
     # one row on the tensor cores' warp MMA over the weight as it lies (fp8_mma_gemv.py: the row quantized
     # first by fp8_quant's launch, then two e4m3 m16n8k32 MMAs a lane for three 16-byte loads, no
-    # conversions). Off until quant_gpu.sh's one_row step has timed it on the device
-    fp8_gemv_mma: bool = False
+    # conversions). Measured on the H200 (`bash benchmarks/quant_gpu.sh mma`): an 8B layer's four
+    # linears at one row 79.7 us against the CUDA-core GEMV's 110.1, batch-1 decode 3.01 ms a token
+    # against 4.13
+    fp8_gemv_mma: bool = True
     # its warps a program, steps of 64 K bytes a warp has in flight, and the programs a multiprocessor
-    # its split of K aims at (fp8_mma_gemv.config); the lines after the first steps asked for into L2
-    # while the row is quantized
+    # its split of K aims at (fp8_mma_gemv.config; 0: never split, the fastest of ten settings on the
+    # H100 and the H200: 79.7 us a layer against 85-112); the lines after the first steps asked for
+    # into L2 while the row is quantized
     fp8_mma_warps: int = 4
     fp8_mma_unroll: int = 4
-    fp8_mma_programs: int = 8
+    fp8_mma_programs: int = 0
     fp8_mma_prefetch: bool = False
     # FP8 calls that take _scaled_mm quantize their rows in one Triton launch (fp8_quant.py), the
     # RMSNorm / add-RMSNorm / SiLU-and-mul before them inside it; False: the contract's torch
@@ -191,13 +194,15 @@ class KernelTuning:
     # (0: int4_gemv.config's rule, about four programs a multiprocessor)
     int4_gemv_block_n: int = 0
     int4_gemv_split_k: int = 0
-    # one AWQ row on the tensor cores' warp MMA over a Marlin-style copy of the weight (awq_mma_gemv.py:
-    # ~0.8 instructions a weight; the copy doubles the INT4 weight memory): off until
-    # `bash benchmarks/quant_gpu.sh mma` has checked and timed it on the device; its warps a program and
-    # the programs a multiprocessor its split of the groups aims at (awq_mma_gemv.config)
+    # one AWQ row on the tensor cores' warp MMA over a Marlin-style copy of the weight (awq_mma_gemv.py):
+    # on the H200 an 8B layer's four linears at one row 60.0 us against awq_gemv's 153.6, batch-1 decode
+    # 2.46 ms a token against 5.46. Off by default because the copy doubles the INT4 weight memory
+    # (issue 31 holds a quantized model to 1.1x its packed size); its warps a program and the programs a
+    # multiprocessor its split of the groups aims at (awq_mma_gemv.config; 8 and never split: the
+    # fastest of eight settings, 60.0 us a layer against 66-73)
     int4_gemv_mma: bool = False
-    int4_mma_warps: int = 4
-    int4_mma_programs: int = 8
+    int4_mma_warps: int = 8
+    int4_mma_programs: int = 0
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
