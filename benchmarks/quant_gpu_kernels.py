@@ -111,7 +111,7 @@ def check(device: str) -> list[str]:
             q, s = quantize_per_token(separate(prologue, x, residual, g))
             want = (q.double() @ weight.double().t()) * s.double() * scale.double().t()
             for dot in (True, False) if rows == 1 or prologue is None else (True,):
-                got, _ = fp8_gemv(x, weight, scale, None, code(prologue), residual, g, 1e-5, tuning(fp8_gemv_dot=dot))
+                got, _ = fp8_gemv(x, weight, scale, None, code(prologue), residual, g, 1e-5, tuning(fp8_gemv_dot=dot, fp8_gemv_mma=False))
                 lines.append(verdict(f"fp8 gemv {'tensor' if dot else 'cuda'}-cores {prologue or 'plain'} rows {rows}",
                                      rel_error(got, want), bound))
             if device != "cpu" and prologue is None:
@@ -188,8 +188,8 @@ def plain_timings(p: Projection, rows: int) -> dict[str, float]:
     t["fp8 new quant+mm"] = timed(lambda: scaled_mm_linear(x, p.w8, p.s_w))
     t["fp8 _scaled_mm alone"] = timed(lambda: scaled_mm(q, s, p.w8, p.s_w))
     if rows <= GEMV_ROWS:
-        t["fp8 gemv tensor"] = timed(lambda: fp8_gemv(x, p.w8, p.s_w, tuning=tuning(fp8_gemv_dot=True)))
-        t["fp8 gemv cuda"] = timed(lambda: fp8_gemv(x, p.w8, p.s_w, tuning=tuning(fp8_gemv_dot=False)))
+        t["fp8 gemv tensor"] = timed(lambda: fp8_gemv(x, p.w8, p.s_w, tuning=tuning(fp8_gemv_dot=True, fp8_gemv_mma=False)))
+        t["fp8 gemv cuda"] = timed(lambda: fp8_gemv(x, p.w8, p.s_w, tuning=tuning(fp8_gemv_dot=False, fp8_gemv_mma=False)))
     t["int4 old"] = timed(lambda: int4_linear(x, *p.awq, None, 128, AWQ, tuning=old_int4))
     if rows <= GEMV_ROWS:
         t["int4 new gemv"] = timed(lambda: int4_gemv(x, *p.awq, 128, AWQ))
@@ -266,7 +266,7 @@ def sweep(p: Projection) -> list[str]:
 
     x = torch.randn(1, p.k, device=DEVICE, dtype=DTYPE)
     fp8 = {f"{'tensor' if dot else 'cuda'} block_k {bk}":
-           attempt(lambda: fp8_gemv(x, p.w8, p.s_w, tuning=tuning(fp8_gemv_block_k=bk, fp8_gemv_dot=dot)))
+           attempt(lambda: fp8_gemv(x, p.w8, p.s_w, tuning=tuning(fp8_gemv_block_k=bk, fp8_gemv_dot=dot, fp8_gemv_mma=False)))
            for dot in (False, True) for bk in (256, 512, 1024)}
     base_splits = config(1, p.n, p.k, 128, _multiprocessors(x.device), tuning())[2]
     int4 = {}

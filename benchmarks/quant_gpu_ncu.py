@@ -6,8 +6,8 @@ occupancy, issue rate, the warps' stall reasons), the question a timing alone do
         -o gemv python3 benchmarks/quant_gpu_ncu.py
     python3 benchmarks/quant_gpu_ncu.py --report gemv.ncu-rep
 
-Each variant (``--variants``: the one-row AWQ GEMV in float32 and packed, FP8 on the CUDA cores and on the
-warp MMA) is called once per projection with the prologue the decoder gives it, in the order printed, so
+Each variant (``--variants``: the one-row AWQ GEMV in float32, packed and on the warp MMA over its Marlin-style
+copy, FP8 on the CUDA cores and on the warp MMA) is called once per projection with the prologue the decoder gives it, in the order printed, so
 the profiled launches come in that order (the FP8 paths' quantize launches are not GEMVs and are not
 matched). ncu flushes the caches before each profiled launch: every weight comes from DRAM.
 """
@@ -25,7 +25,8 @@ from quant_gpu_kernels import PROLOGUE_OF, SHAPES, Projection, code, prologue_in
 from podium_plugin_api.int4 import AWQ
 
 VARIANTS = {"awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True},
-            "fp8 default": {"fp8_gemv_mma": False}, "fp8 mma": {"fp8_gemv_mma": True, "fp8_mma_programs": 0}}
+            "awq mma": {"int4_gemv_mma": True}, "fp8 cuda cores": {"fp8_gemv_mma": False},
+            "fp8 mma": {"fp8_gemv_mma": True}}
 # (label, ncu metric): the figures a row of the report shows
 METRICS = (
     ("us", "gpu__time_duration.sum"),

@@ -60,7 +60,9 @@ AWQ_MMA_FIELDS = ("int4_mma_warps", "int4_mma_programs")
 
 
 def _fp8(dot=False, packed=False, bits=False, first=False) -> dict:
-    return {"fp8_gemv_dot": dot, "fp8_gemv_packed": packed, "fp8_gemv_bits": bits, "fp8_gemv_quantize_first": first}
+    """A variant of the CUDA-core / tensor-core GEMV (the warp MMA, the default, off: it would take the call)."""
+    return {"fp8_gemv_dot": dot, "fp8_gemv_packed": packed, "fp8_gemv_bits": bits, "fp8_gemv_quantize_first": first,
+            "fp8_gemv_mma": False}
 
 
 FP8_VARIANTS = {  # label -> KernelTuning changes; "fp8 default" is the tuning as committed
@@ -305,44 +307,38 @@ def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tu
             dict(awq_changes, int4_gemv_block_n=best_n, int4_gemv_split_k=best_s))
 
 
+# the warp-MMA GEMVs' settings a sweep times, the current default first
 MMA_SETTINGS = [dict(zip(MMA_FIELDS, values)) for values in
-                [(4, 4, 8, False), (4, 4, 8, True), (4, 2, 8, False), (4, 2, 16, False), (8, 2, 8, False),
-                 (8, 4, 8, False), (2, 4, 8, False), (4, 4, 4, False), (4, 4, 16, False), (4, 4, 0, False)]]
+                [(4, 4, 0, False), (4, 4, 8, False), (4, 4, 8, True), (4, 2, 8, False), (4, 2, 16, False),
+                 (8, 2, 8, False), (8, 4, 8, False), (2, 4, 8, False), (4, 4, 4, False), (4, 4, 16, False)]]
+AWQ_MMA_SETTINGS = [dict(zip(AWQ_MMA_FIELDS, values)) for values in
+                    [(8, 0), (4, 8), (4, 0), (8, 8), (2, 8), (4, 16), (4, 4), (1, 32)]]
+
+
+def sweep_settings(what: str, copies: dict[str, Copies], base: dict, settings: list[dict], time_one) -> dict:
+    """``settings`` (each a dict of tuning changes on top of ``base``) over a layer, each per-shape and summed
+    (``time_one(copies, prologue, changes)``), a line each: the fastest as changes (the first's unless 2%
+    faster)."""
+    totals = {}
+    for index, changes in enumerate(settings):
+        merged = dict(base, **changes)
+        parts = {name: time_one(c, PROLOGUE_OF[name], merged) for name, c in copies.items()}
+        total = None if None in parts.values() else sum(parts.values())
+        totals[str(index)] = total
+        shown_parts = ", ".join(f"{name} {'failed' if v is None else f'{v:.1f}'}" for name, v in parts.items())
+        print(f"sweep {what} {changes}: layer {'failed' if total is None else f'{total:.1f} us'} ({shown_parts})",
+              flush=True)
+    return dict(base, **settings[int(fastest(totals, list(totals), "0"))])
 
 
 def sweep_mma(copies: dict[str, Copies], fp8_changes: dict) -> dict:
-    """The warp-MMA GEMV's warps / unroll / programs / prefetch over a layer (the first setting is the
-    default), each per-shape and summed: the fastest as FP8 changes (the default's unless 2% faster)."""
-    totals = {}
-    for index, mma in enumerate(MMA_SETTINGS):
-        changes = dict(fp8_changes, fp8_gemv_mma=True, **mma)
-        parts = {name: time_fp8(c, PROLOGUE_OF[name], changes) for name, c in copies.items()}
-        total = None if None in parts.values() else sum(parts.values())
-        totals[str(index)] = total
-        shown_parts = ", ".join(f"{name} {'failed' if v is None else f'{v:.1f}'}" for name, v in parts.items())
-        print(f"sweep mma {mma}: layer {'failed' if total is None else f'{total:.1f} us'} ({shown_parts})", flush=True)
-    best = int(fastest(totals, list(totals), "0"))
-    return dict(fp8_changes, fp8_gemv_mma=True, **MMA_SETTINGS[best])
-
-
-AWQ_MMA_SETTINGS = [dict(zip(AWQ_MMA_FIELDS, values)) for values in
-                    [(4, 8), (4, 0), (8, 8), (2, 8), (4, 16), (8, 0), (4, 4), (1, 32)]]
+    """The FP8 warp-MMA GEMV's warps / unroll / programs / prefetch over a layer."""
+    return sweep_settings("mma", copies, dict(fp8_changes, fp8_gemv_mma=True), MMA_SETTINGS, time_fp8)
 
 
 def sweep_awq_mma(copies: dict[str, Copies], awq_changes: dict) -> dict:
-    """The AWQ warp-MMA GEMV's warps / programs a multiprocessor over a layer (the first setting is the
-    default), each per-shape and summed: the fastest as AWQ changes (the default's unless 2% faster)."""
-    totals = {}
-    for index, mma in enumerate(AWQ_MMA_SETTINGS):
-        changes = dict(awq_changes, int4_gemv_mma=True, **mma)
-        parts = {name: time_awq(c, PROLOGUE_OF[name], changes) for name, c in copies.items()}
-        total = None if None in parts.values() else sum(parts.values())
-        totals[str(index)] = total
-        shown_parts = ", ".join(f"{name} {'failed' if v is None else f'{v:.1f}'}" for name, v in parts.items())
-        print(f"sweep awq mma {mma}: layer {'failed' if total is None else f'{total:.1f} us'} ({shown_parts})",
-              flush=True)
-    best = int(fastest(totals, list(totals), "0"))
-    return dict(awq_changes, int4_gemv_mma=True, **AWQ_MMA_SETTINGS[best])
+    """The AWQ warp-MMA GEMV's warps / programs a multiprocessor over a layer."""
+    return sweep_settings("awq mma", copies, dict(awq_changes, int4_gemv_mma=True), AWQ_MMA_SETTINGS, time_awq)
 
 
 def setting(changes: dict) -> str:

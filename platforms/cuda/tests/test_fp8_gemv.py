@@ -38,7 +38,9 @@ def _close(got, want, dtype, what):
 def _tuning(dot: bool, block_k: int = 0, **changes):
     from podium_cuda.tuning import CUDA_TUNING
 
-    return dataclasses.replace(CUDA_TUNING, fp8_gemv_dot=dot, fp8_gemv_block_k=block_k, **changes)
+    # the CUDA-core / tensor-core GEMV: the warp MMA (the default at one row, test_fp8_mma_gemv.py) off
+    return dataclasses.replace(CUDA_TUNING, fp8_gemv_dot=dot, fp8_gemv_block_k=block_k,
+                               **({"fp8_gemv_mma": False} | changes))
 
 
 @pytest.mark.parametrize("dot", [True, False], ids=["tensor-cores", "cuda-cores"])
