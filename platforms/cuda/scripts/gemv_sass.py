@@ -155,7 +155,7 @@ def awq_mma_build(n: int, k: int, changes: dict, arch: int = 90, group: int = 12
             torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32), torch.ones(k // group, n),
             torch.zeros(k // group, n // 8, dtype=torch.int32), out, torch.zeros(k // 2, dtype=torch.int32),
             torch.zeros(k // group), torch.ones(1), n, k // awq_mma_gemv.STEP_K, k // group // (splits * warps), splits)
-    kwargs = {"WARPS": warps, "UNROLL": group // awq_mma_gemv.STEP_K, "HAS_BIAS": False, "PDL": True,
+    kwargs = {"WARPS": warps, "UNROLL": group // awq_mma_gemv.STEP_K, "HAS_BIAS": False, "PDL": True, "HW_ASM": True,
               "num_warps": warps, "num_stages": 1, "launch_pdl": True}
     return compile_launch(awq_mma_gemv.awq_mma_gemv_kernel, (args, kwargs), arch), 32 * group // awq_mma_gemv.STEP_K
 

@@ -145,7 +145,14 @@ SETTINGS = {"default": {}, "8-warps": {"int4_mma_warps": 8}, "1-warp-many-splits
 @pytest.mark.parametrize("prologue", ["plain", "rms_norm", "add_rms_norm", "silu_and_mul"])
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e4])  # x scaled into f16's range: up (its subnormals), down
 @pytest.mark.parametrize("k,n,group", [(512, 48, 128), (4096, 4096, 128), (1536, 272, 64), (1024, 64, 256)])
-def test_awq_mma_gemv(setting, dtype, prologue, magnitude, k, n, group, sm80):
+def test_awq_mma_gemv(setting, dtype, prologue, magnitude, k, n, group, kernel_device, check_dtype):
+    """On the GPU the PTX; under Triton's interpreter (the CPU) the same kernel with the MMAs emulated by the
+    fragment layout in plain Triton (``_emulated``): every offset, the groups' loop, the zero and scale terms,
+    the splits and the prologue launch as on the device. The interpreter takes the small shapes only."""
+    check_dtype(dtype)
+    if kernel_device == "cpu" and k * n > 1 << 20:
+        pytest.skip("the interpreter takes the small shapes")
+    sm80 = torch.device(kernel_device)
     from podium_cuda import fused_ops
     from podium_cuda.int4_gemv import ADD_RMSNORM, PLAIN, RMSNORM, SILU, int4_gemv
     from podium_cuda.split_k import counters
@@ -174,9 +181,13 @@ def test_awq_mma_gemv(setting, dtype, prologue, magnitude, k, n, group, sm80):
     want = separate.double().cpu() @ w + (0 if bias is None else bias.double().cpu())
     if not torch.isfinite(want).all():
         pytest.skip("the reference itself overflows at this magnitude")
-    err = ((out.double().cpu() - want).abs().max() / want.abs().max()).item()
-    bound = 1e-2 if dtype == torch.bfloat16 else 2e-3  # the output's rounding; x's f16 rounding is below it
-    assert err <= bound, f"mma {prologue} {k} -> {n} g{group} {dtype} {setting}: relative max error {err:.2e}"
+    # the output's rounding (x's f16 rounding is below it); float16 outputs of tiny rows are subnormal, where
+    # the rounding is absolute: up to half of 2^-24
+    bound = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    floor = 2.0 ** -25 if dtype == torch.float16 else 0.0
+    err = (out.double().cpu() - want).abs().max().item()
+    assert err <= bound * want.abs().max().item() + floor, \
+        f"mma {prologue} {k} -> {n} g{group} {dtype} {setting}: max error {err:.2e} of {want.abs().max().item():.2e}"
     assert int(counters(sm80, 1).abs().sum()) == 0, "a split count was left nonzero"
 
 

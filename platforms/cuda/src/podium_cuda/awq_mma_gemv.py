@@ -38,7 +38,10 @@ by the last program of the tile (split_k.py: in split order, deterministic), the
 The repacked copy is made on a weight's first call and kept beside the checkpoint's tensors
 (``KernelTuning.int4_gemv_mma``, off: the INT4 weight memory doubles while it is on; measured first).
 Like fp8_mma_gemv.py the MMA is inline PTX over [R, 4] tensors that Triton lays out four words a
-thread, the threads down the rows in order (test_gemv_builds checks the compiled layout).
+thread, the threads down the rows in order (test_gemv_builds checks the compiled layout). Under Triton's
+interpreter, which runs no PTX, ``_emulated`` computes the four MMAs from the same words by the fragment
+layout, so that the rest of the kernel (offsets, the groups' loop, the zero and scale terms, the splits)
+is tested on a CPU too (TRITON_INTERPRET=1 with numpy < 2.4).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ import triton.language as tl
 
 from podium_plugin_api.int4 import unpack_columns
 
+from .awq_gemv import _f16_halves
+from .fp8_gemm import interpreting
 from .gemv import _multiprocessors
 from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least
 from .prologue import input_chunk, rows_rstd
@@ -79,10 +84,47 @@ _CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 12) + ",f,f,f,f")
 
 
 @triton.jit
-def _super_step(acc, w, x_lo, x_hi):
-    """acc + the four MMAs of a super-step (w: the lane's four words, x_lo / x_hi: its eight x words)."""
-    return tl.inline_asm_elementwise(_SUPER_STEP, _CONSTRAINTS, [w, x_lo, x_hi, acc], dtype=tl.float32,
-                                     is_pure=True, pack=4)
+def _super_step(acc, w, x_lo, x_hi, HW_ASM: tl.constexpr):
+    """acc + the four MMAs of a super-step (w: the lane's four words, x_lo / x_hi: its eight x words). Under
+    Triton's interpreter, which runs no PTX, ``_emulated`` computes the same sums from the same words."""
+    if HW_ASM:
+        return tl.inline_asm_elementwise(_SUPER_STEP, _CONSTRAINTS, [w, x_lo, x_hi, acc], dtype=tl.float32,
+                                         is_pure=True, pack=4)
+    return acc + _emulated(w, x_lo, x_hi)
+
+
+@triton.jit
+def _column(t, j: tl.constexpr):
+    """Column j of a [M, 4] tensor, [M]."""
+    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == j, t, 0), 1)
+
+
+@triton.jit
+def _pair_dot(a, b):
+    """The f16 pairs a . b (int32 bits each) in float32: lo * lo + hi * hi."""
+    a_lo, a_hi = _f16_halves(a)
+    b_lo, b_hi = _f16_halves(b)
+    return a_lo * b_lo + a_hi * b_hi
+
+
+@triton.jit
+def _emulated(w, x_lo, x_hi):
+    """The four MMAs' sums by the PTX fragment layout, in plain Triton (the interpreter's stand-in for the asm;
+    slow on a GPU): lane (g, q) adds its row g and row g + 8 products, a quad of lanes (q = 0..3, one g) sums
+    them, and every lane of the quad gets the rows' sums in its four places (rows g, g, g + 8, g + 8)."""
+    M: tl.constexpr = w.shape[0]
+    low = tl.zeros((M,), dtype=tl.float32)
+    high = tl.zeros((M,), dtype=tl.float32)
+    for u in tl.static_range(4):
+        word = _column(w, u)
+        shifted = word >> 8
+        xs = x_lo if u < 2 else x_hi
+        b0, b1 = _column(xs, 2 * (u % 2)), _column(xs, 2 * (u % 2) + 1)
+        low += _pair_dot((word & 0x000F000F) | 0x64006400, b0) + _pair_dot((shifted & 0x000F000F) | 0x64006400, b1)
+        high += _pair_dot((word & 0x00F000F0) | 0x64006400, b0) + _pair_dot((shifted & 0x00F000F0) | 0x64006400, b1)
+    low = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(low, (M // 4, 4)), 1)[:, None], (M // 4, 4)), (M,))
+    high = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(high, (M // 4, 4)), 1)[:, None], (M // 4, 4)), (M,))
+    return _four(low, high)
 
 
 @triton.jit
@@ -132,7 +174,7 @@ def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps,
 def awq_mma_gemv_kernel(
     out_ptr, partial_ptr, count_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, xs_ptr, up_ptr,
     N, SUPER_STEPS, GROUPS_PER_WARP, splits,
-    WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, HW_ASM: tl.constexpr,
 ):
     """out [1, N] = h . W (+ bias): W repacked ([N / 16, K / 64, 32, 4] int32, ``repack``), scales [K / G, N]
     float32 and AWQ qzeros [K / G, N / 8] as stored, h the f16 row as int32 words, xs its groups' sums,
@@ -175,7 +217,7 @@ def awq_mma_gemv_kernel(
         x_sum = tl.where(u == 0, tl.load(xs_ptr + group), 0.0)  # the zero term goes into one chain
         start = _four(-(1024.0 + z_low) * x_sum, -(1024.0 + 16.0 * z_high) * x_sum)
         scale = _four(tl.load(s_ptr + group * N + feature), tl.load(s_ptr + group * N + feature + 8) * (1.0 / 16))
-        acc = _super_step(tl.zeros((UNROLL * R, 4), dtype=tl.float32), w, x_lo, x_hi)
+        acc = _super_step(tl.zeros((UNROLL * R, 4), dtype=tl.float32), w, x_lo, x_hi, HW_ASM)
         total += (acc + start) * scale
         w, x_lo, x_hi = w_next, x_lo_next, x_hi_next
     # every column of a lane's sums is the same dot product: lane q == 0 of each group g, word 0 (row g)
@@ -258,10 +300,12 @@ def repack_model(model: torch.nn.Module) -> int:
 
 
 def takes(x: torch.Tensor, n: int, k: int, group_size: int, is_awq: bool, tuning: KernelTuning) -> bool:
-    """Whether a call goes here: ``tuning.int4_gemv_mma`` on, one AWQ row on an NVIDIA sm80+ GPU, groups of 64,
-    128 or 256 (whole super-steps, at most four in flight), N a multiple of 16."""
-    return (tuning.int4_gemv_mma and is_awq and x.dim() == 2 and x.shape[0] == 1 and x.is_cuda
-            and x.dtype in (torch.float16, torch.bfloat16) and nvidia_at_least(x.device, (8, 0))
+    """Whether a call goes here: ``tuning.int4_gemv_mma`` on, one f16 / bf16 AWQ row on an NVIDIA sm80+ GPU (or
+    Triton's interpreter: ``_emulated``), groups of 64, 128 or 256 (whole super-steps, at most four in
+    flight), N a multiple of 16. float32 rows do not: x goes in as f16."""
+    return (tuning.int4_gemv_mma and is_awq and x.dim() == 2 and x.shape[0] == 1
+            and ((x.is_cuda and nvidia_at_least(x.device, (8, 0))) or interpreting())
+            and x.dtype in (torch.float16, torch.bfloat16)
             and group_size in (64, 128, 256) and k % group_size == 0 and n % 16 == 0)
 
 
@@ -314,7 +358,8 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
         out, partial, counters(x.device, tiles) if splits > 1 else out, repacked(qweight), scale, qzeros,
         bias if bias is not None else out, h.view(torch.int32), sums, up, n, k // STEP_K,
         k // group_size // (splits * warps), splits, WARPS=warps, UNROLL=group_size // STEP_K,
-        HAS_BIAS=bias is not None, PDL=pdl, num_warps=warps, num_stages=1, **launch_options(pdl),
+        HAS_BIAS=bias is not None, PDL=pdl, HW_ASM=not interpreting(), num_warps=warps, num_stages=1,
+        **launch_options(pdl),
     )
     return out
 
