@@ -4,9 +4,10 @@ Anywhere: ``repack``'s words, taken apart by the kernel's masks and placed by th
 layout of ``mma.m16n8k16`` (A: lane l = 4 g + q holds row g at k slots 2q, 2q + 1 in a0, row g + 8
 in a1, slots 2q + 8, 2q + 9 in a2 / a3; B: b0 slots 2q, 2q + 1, b1 2q + 8, 2q + 9), with x read at the
 kernel's offsets and each group's chain started from the zero term, multiply to the contract's
-dequantized weight in float64. On an NVIDIA GPU: the kernel against the same reference, N over
-several tiles, K over one and several slices, group sizes 64-256, a bias, each prologue, x of every
-magnitude (the f16 scaling), each warp / split setting."""
+dequantized weight in float64. On an NVIDIA GPU, or under Triton's interpreter with the MMAs emulated
+(``_emulated``, the small shapes): the kernel against the same reference, N over several tiles, K over
+one and several slices, group sizes 64-256, a bias, each prologue, x of every magnitude (the f16
+scaling), each warp / split setting."""
 
 from __future__ import annotations
 
