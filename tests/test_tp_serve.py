@@ -12,7 +12,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,16 +20,11 @@ import time
 import httpx
 import pytest
 from model_fixtures import ARCHITECTURES, save_tiny_model
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
 PODIUM = pathlib.Path(sys.executable).parent / "podium"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -50,7 +44,7 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-tp")
     model_type, overrides = ARCHITECTURES["qwen2-bias"]
     save_tiny_model(model_type, overrides, folder)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(PODIUM), "serve", str(folder), "--port", str(port), "--served-model-name", "tiny",
                              "-tp", "2", "--dtype", "float32", "--max-num-seqs", "32", "--enforce-eager",
                              "--kv-cache-memory-bytes", "16MiB", "--max-model-len", "96"],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -231,6 +232,23 @@ def _node_ip() -> str:
 
 
 def _free_port() -> int:
+    """A port nothing is bound to now, for a replica's server, below the kernel's ephemeral range (Linux:
+    ``ip_local_port_range``): a port from bind(0) is one an outgoing connection may take before the replica
+    binds it, and a tensor-parallel replica's ranks connect to each other while its server starts."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
+    chooser = random.Random()
+    for _ in range(500):
+        port = chooser.randrange(max(1024, high - 12000), high)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
