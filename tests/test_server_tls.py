@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 import uvicorn
+from ports import free_port
 from scripted_engine import ScriptedEngine, expected
-from test_server_plumbing import _free_port
 
 from podium_server.app import create_app
 from podium_server.cli import uvicorn_config
@@ -57,7 +57,7 @@ def trusting(pki) -> ssl.SSLContext:
 
 class TLSServer:
     def __init__(self, tls: TLSSettings) -> None:
-        settings = ServerSettings(port=_free_port(), tls=tls, log_level="warning")
+        settings = ServerSettings(port=free_port(), tls=tls, log_level="warning")
         self.url = settings.url
         self.server = uvicorn.Server(uvicorn_config(create_app(settings, ThreadEngine(ScriptedEngine())), settings))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
