@@ -64,9 +64,6 @@ from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
 
 STEP_K = 64  # k a super-step: four MMAs of 16
 F16_LIMIT_EXP = tl.constexpr(15)  # x is scaled by a power of two to just below 2^15 before the f16 rounding
-# nibble i of a repacked word: (k offset within the MMA's four k of the lane, row g + 8 or not)
-_NIBBLE_K = (0, 0, 2, 2, 1, 1, 3, 3)
-_NIBBLE_HIGH_ROW = (0, 1, 0, 1, 0, 1, 0, 1)
 
 # $0-$3 the f32 sums (row g twice, row g + 8 twice), $4-$7 the four MMAs' weight words, $8-$15 x's eight
 # words (two an MMA), $16-$19 the sums so far
@@ -247,8 +244,8 @@ def awq_mma_gemv_kernel(
 
 def repack(qweight: torch.Tensor) -> torch.Tensor:
     """AWQ qweight [K, N/8] int32 -> int32 [N / 16, K / 64, 32, 4]: tile t, super-step s, lane l, MMA u; nibble
-    i of a word is column 16 t + l // 4 + 8 (i % 2) at k = 64 s + 16 (l % 4) + 4 u + _NIBBLE_K[i] (module
-    docstring). K a multiple of 64, N of 16."""
+    i of a word is column 16 t + l // 4 + 8 (i % 2) at k = 64 s + 16 (l % 4) + 4 u + (0, 0, 2, 2, 1, 1, 3, 3)[i]
+    (module docstring). K a multiple of 64, N of 16."""
     k, n = qweight.shape[0], qweight.shape[1] * 8
     if k % STEP_K or n % 16:
         raise ValueError(f"awq_mma_gemv.repack: K {k} must be a multiple of {STEP_K} and N {n} of 16")
@@ -290,23 +287,25 @@ def repack_model(model: torch.nn.Module) -> int:
     made = 0
     for module in model.modules():
         qweight = getattr(module, "qweight", None)
-        if (getattr(module, "format", None) != AWQ or not isinstance(qweight, torch.Tensor) or not qweight.is_cuda
-                or getattr(module, "group_size", 0) not in (64, 128, 256)):
-            continue
-        if qweight.shape[0] % module.group_size == 0 and qweight.shape[0] % STEP_K == 0 and qweight.shape[1] % 2 == 0:
+        if (getattr(module, "format", None) == AWQ and isinstance(qweight, torch.Tensor) and qweight.is_cuda
+                and fits(qweight.shape[0], qweight.shape[1] * 8, getattr(module, "group_size", 0))):
             repacked(qweight)
             made += 1
     return made
 
 
+def fits(k: int, n: int, group_size: int) -> bool:
+    """The weight shapes the kernel takes: groups of 64, 128 or 256 (whole super-steps, at most four in
+    flight), N a multiple of 16 (whole tiles)."""
+    return group_size in (64, 128, 256) and k % group_size == 0 and n % 16 == 0
+
+
 def takes(x: torch.Tensor, n: int, k: int, group_size: int, is_awq: bool, tuning: KernelTuning) -> bool:
     """Whether a call goes here: ``tuning.int4_gemv_mma`` on, one f16 / bf16 AWQ row on an NVIDIA sm80+ GPU (or
-    Triton's interpreter: ``_emulated``), groups of 64, 128 or 256 (whole super-steps, at most four in
-    flight), N a multiple of 16. float32 rows do not: x goes in as f16."""
+    Triton's interpreter: ``_emulated``), a weight that ``fits``. float32 rows do not: x goes in as f16."""
     return (tuning.int4_gemv_mma and is_awq and x.dim() == 2 and x.shape[0] == 1
             and ((x.is_cuda and nvidia_at_least(x.device, (8, 0))) or interpreting())
-            and x.dtype in (torch.float16, torch.bfloat16)
-            and group_size in (64, 128, 256) and k % group_size == 0 and n % 16 == 0)
+            and x.dtype in (torch.float16, torch.bfloat16) and fits(k, n, group_size))
 
 
 def config(n: int, k: int, group_size: int, multiprocessors: int, tuning: KernelTuning) -> tuple[int, int]:

@@ -224,13 +224,13 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         summed = torch.empty_like(x)
     if prologue in (RMSNORM, ADD_RMSNORM) and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"int4_gemv: the norm's weight must be [{k}]")
+    if awq_mma_gemv.takes(x, n, k, group_size, fmt == AWQ, tuning):  # before this path's config and buffers
+        return awq_mma_gemv.awq_mma_gemv(x, qweight, qzeros, scales, group_size, bias, prologue, residual,
+                                         norm_weight, eps, summed, tuning), summed
     block_n, block_k, splits, warps = config(rows, n, k, group_size, _multiprocessors(x.device), tuning)
     blocks = triton.cdiv(n, block_n)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     pdl = tuning.gemv_pdl and dependent_launch(x.device)
-    if awq_mma_gemv.takes(x, n, k, group_size, fmt == AWQ, tuning):
-        return awq_mma_gemv.awq_mma_gemv(x, qweight, qzeros, scales, group_size, bias, prologue, residual,
-                                         norm_weight, eps, summed, tuning), summed
     if awq_gemv.takes(rows, fmt == AWQ, group_size):  # splits count groups
         splits = triton.cdiv(k // group_size, triton.cdiv(k // group_size, min(splits, k // group_size)))
         partial = torch.empty((splits, n), dtype=torch.float32, device=x.device)
