@@ -13,6 +13,10 @@
 #                                           first, mma; AWQ default, packed, mma) with both MMAs' settings swept, then
 #                                           batch-1 AWQ and FP8 latency under the MMA settings and the default, then
 #                                           while the budget lasts FP8 (MMA settings) and bf16 256 x 512/256 (<= 560 s)
+#   bash benchmarks/quant_gpu.sh int4       AWQ as stored against AWQ_MMA (the layout the platform converts AWQ weights to):
+#                                           the INT4 tests, benchmarks/quant_gpu_int4.py's per-projection timings at
+#                                           1-1024 rows, then batch-1 AWQ latency and AWQ 256 x 512/256 throughput under
+#                                           the default (AWQ_MMA) and int4_gemv_mma=0 (the stored layout) (<= 560 s)
 #   bash benchmarks/quant_gpu.sh ncu        the one-row GEMVs of an 8B layer (AWQ float32 / packed, FP8 default / MMA)
 #                                           under Nsight Compute: DRAM %, occupancy, issue %, stall reasons
 #                                           (benchmarks/quant_gpu_ncu.py; needs the Firecracker runtime's ncu; <= 300 s)
@@ -42,8 +46,9 @@ case "$MODE" in
   accum) BUDGET=${BUDGET:-540} ;;
   targets) BUDGET=${BUDGET:-560} ;;
   mma) BUDGET=${BUDGET:-560} ;;
+  int4) BUDGET=${BUDGET:-560} ;;
   ncu) BUDGET=${BUDGET:-300} ;;
-  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table|accum|targets|mma|ncu]" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/quant_gpu.sh [full|one_row|table|accum|targets|mma|int4|ncu]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/podium_quant_out}
 START=$(date +%s)
@@ -190,6 +195,26 @@ if [ "$MODE" = mma ]; then
     throughput "${MODEL[@]}" --quantization fp8 "${THROUGHPUT[@]}" --json-out "$OUT/throughput_fp8.json"
   KEEP="Output tokens/s|rror" TAIL=4 run_step throughput_bf16 90 podium bench throughput "${MODEL[@]}" \
     "${THROUGHPUT[@]}" --json-out "$OUT/throughput_bf16.json"
+  finish
+  exit 0
+fi
+if [ "$MODE" = int4 ]; then
+  XDIST=()
+  python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+  KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE \
+    "${XDIST[@]}" platforms/cuda/tests/test_awq_mma_gemv.py platforms/cuda/tests/test_int4_kernels.py \
+    platforms/cuda/tests/test_int4_gemv.py platforms/cuda/tests/test_fused_linear.py
+  KEEP="^check|^time|^layer|rror|Traceback" TAIL=80 run_step int4_layouts 120 python3 benchmarks/quant_gpu_int4.py
+  for layout in mma awq; do
+    SETTING=""; [ $layout = awq ] && SETTING="int4_gemv_mma=0"
+    KEEP="Decode per token|weight|rror" TAIL=6 run_step "latency_awq_$layout" 70 env PODIUM_CUDA_TUNING="$SETTING" \
+      podium bench latency "${MODEL[@]}" --quantization awq "${LATENCY[@]}" --json-out "$OUT/latency_awq_$layout.json"
+  done
+  for layout in mma awq; do
+    SETTING=""; [ $layout = awq ] && SETTING="int4_gemv_mma=0"
+    KEEP="Output tokens/s|rror" TAIL=4 run_step "throughput_awq_$layout" 100 env PODIUM_CUDA_TUNING="$SETTING" \
+      podium bench throughput "${MODEL[@]}" --quantization awq "${THROUGHPUT[@]}" --json-out "$OUT/throughput_awq_$layout.json"
+  done
   finish
   exit 0
 fi

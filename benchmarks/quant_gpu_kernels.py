@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from podium_plugin_api.fp8 import FP8, quantize_per_token
-from podium_plugin_api.int4 import AWQ, GPTQ, dequantize, quantize_awq, random_packed
+from podium_plugin_api.int4 import AWQ, AWQ_MMA, GPTQ, awq_to_mma, dequantize, quantize_awq, random_packed
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 PROLOGUE_OF = {"qkv": "add_rms_norm", "o": None, "gate_up": "add_rms_norm", "down": "silu_and_mul"}
@@ -42,6 +42,19 @@ def tuning(**changes):
     from podium_cuda.tuning import CUDA_TUNING
 
     return dataclasses.replace(CUDA_TUNING, **changes)
+
+
+_MMA_COPIES: dict[int, torch.Tensor] = {}
+
+
+def awq_weight(qweight: torch.Tensor, t) -> tuple[torch.Tensor, str]:
+    """(qweight, format) that tuning ``t`` runs an AWQ weight as: converted to AWQ_MMA (once a weight) where
+    ``int4_gemv_mma`` is on, as the CUDA platform converts a model's weights, else as it is."""
+    if not t.int4_gemv_mma:
+        return qweight, AWQ
+    if qweight.data_ptr() not in _MMA_COPIES:
+        _MMA_COPIES[qweight.data_ptr()] = awq_to_mma(qweight)
+    return _MMA_COPIES[qweight.data_ptr()], AWQ_MMA
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -20,11 +20,10 @@ import io
 import subprocess
 
 import torch
-from quant_gpu_kernels import PROLOGUE_OF, SHAPES, Projection, code, prologue_inputs, tuning
+from quant_gpu_kernels import PROLOGUE_OF, SHAPES, Projection, awq_weight, code, prologue_inputs, tuning
 
-from podium_plugin_api.int4 import AWQ
-
-VARIANTS = {"awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True},
+VARIANTS = {"awq float32": {"int4_gemv_packed": False, "int4_gemv_mma": False},
+            "awq packed": {"int4_gemv_packed": True, "int4_gemv_mma": False},
             "awq mma": {"int4_gemv_mma": True}, "fp8 cuda cores": {"fp8_gemv_mma": False},
             "fp8 mma": {"fp8_gemv_mma": True}}
 # (label, ncu metric): the figures a row of the report shows
@@ -68,7 +67,8 @@ def calls(variants: list[str]) -> list[tuple[str, str]]:
         for label in variants:
             t = tuning(**VARIANTS[label])
             if label.startswith("awq"):
-                int4_gemv(x, *p.awq, 128, AWQ, None, code(prologue), residual, g, 1e-5, t)
+                weight, fmt = awq_weight(p.awq[0], t)
+                int4_gemv(x, weight, *p.awq[1:], 128, fmt, None, code(prologue), residual, g, 1e-5, t)
             else:
                 fp8_gemv(x, p.w8, p.s_w, None, code(prologue), residual, g, 1e-5, t)
             torch.cuda.synchronize()

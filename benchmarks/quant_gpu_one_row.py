@@ -45,6 +45,7 @@ from quant_gpu_kernels import (
     attempt,
     code,
     prologue_inputs,
+    awq_weight,
     rel_error,
     separate,
     tuning,
@@ -76,8 +77,8 @@ FP8_VARIANTS = {  # label -> KernelTuning changes; "fp8 default" is the tuning a
     "fp8 tensor": _fp8(dot=True),
     "fp8 mma": {"fp8_gemv_mma": True},
 }
-AWQ_VARIANTS = {"awq default": {}, "awq float32": {"int4_gemv_packed": False}, "awq packed": {"int4_gemv_packed": True},
-                "awq mma": {"int4_gemv_mma": True}}
+AWQ_VARIANTS = {"awq default": {}, "awq float32": {"int4_gemv_packed": False, "int4_gemv_mma": False},
+                "awq packed": {"int4_gemv_packed": True, "int4_gemv_mma": False}, "awq mma": {"int4_gemv_mma": True}}
 FP8_BLOCK_K = (0, 512, 1024, 2048, 4096)  # the sweep's global slice widths (0: fp8_gemv.config's rule)
 FP8_PLAIN_BLOCK_K = (0, 256, 1024)
 FP8_PROGRAMS = (0, 2, 8)  # ... and programs a multiprocessor (0: 4)
@@ -110,7 +111,8 @@ def awq_call(qweight, qzeros, scales, x, prologue, residual, g, changes):
     from podium_cuda.int4_gemv import int4_gemv
 
     t = tuning(**changes)
-    return lambda: int4_gemv(x, qweight, qzeros, scales, 128, AWQ, None, code(prologue), residual, g, 1e-5, t)[0]
+    weight, fmt = awq_weight(qweight, t)
+    return lambda: int4_gemv(x, weight, qzeros, scales, 128, fmt, None, code(prologue), residual, g, 1e-5, t)[0]
 
 
 def check(device: str) -> list[str]:
@@ -196,11 +198,6 @@ def time_fp8(c: Copies, prologue, changes) -> float | None:
 
 def time_awq(c: Copies, prologue, changes) -> float | None:
     x, residual, g = inputs(c.p, prologue)
-    if tuning(**changes).int4_gemv_mma:  # every copy's MMA layout before the timing graph's capture
-        from podium_cuda.awq_mma_gemv import repacked
-
-        for qweight, _, _ in c.awq:
-            repacked(qweight)
     return rotated([awq_call(*awq, x, prologue, residual, g, changes) for awq in c.awq])
 
 
@@ -391,14 +388,14 @@ def main() -> None:
         mma = sweep_mma(copies, {})
         awq_mma = sweep_awq_mma(copies, {})
         print(f"mma: PODIUM_CUDA_TUNING={setting(mma | awq_mma)}", flush=True)
-        if fp8_changes.get("fp8_gemv_mma"):
+        if tuning(**fp8_changes).fp8_gemv_mma:
             fp8_changes = mma
-        if awq_changes.get("int4_gemv_mma"):
+        if tuning(**awq_changes).int4_gemv_mma:
             awq_changes = awq_mma
     elif not args.no_sweep:
-        if fp8_changes.get("fp8_gemv_mma") or awq_changes.get("int4_gemv_mma"):
-            fp8_changes = sweep_mma(copies, fp8_changes) if fp8_changes.get("fp8_gemv_mma") else fp8_changes
-            awq_changes = sweep_awq_mma(copies, awq_changes) if awq_changes.get("int4_gemv_mma") else awq_changes
+        if tuning(**fp8_changes).fp8_gemv_mma or tuning(**awq_changes).int4_gemv_mma:
+            fp8_changes = sweep_mma(copies, fp8_changes) if tuning(**fp8_changes).fp8_gemv_mma else fp8_changes
+            awq_changes = sweep_awq_mma(copies, awq_changes) if tuning(**awq_changes).int4_gemv_mma else awq_changes
         else:
             fp8_changes, awq_changes = sweep(copies, fp8_changes, awq_changes)
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)

@@ -4,6 +4,7 @@ on the same model with the weights dequantized by this test's own plain-torch re
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -196,3 +197,33 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     for i, column in enumerate(AWQ_ORDER):
         out[:, :, column] = nibbles[i]
     return out.reshape(packed.shape[0], -1)
+
+
+def test_the_awq_mma_layout_holds_each_nibble_where_the_contract_says():
+    """AWQ_MMA (the layout a platform may convert AWQ weights to, podium_plugin_api.int4): every nibble read
+    by the documented formula, element by element, against the plain weight; the inverse; the dequantized
+    weight and the reference layer equal AWQ's; shapes without whole tiles refused."""
+    from podium_plugin_api.int4 import (AWQ, AWQ_MMA, MMA_K_OF_NIBBLE, awq_to_mma, dequantize, int4_linear,
+                                        pack_mma, packed_shape, random_packed, unpack_columns, unpack_mma)
+
+    gen = torch.Generator().manual_seed(5)
+    packed = random_packed(AWQ, 128, 32, 64, False, gen)
+    q = unpack_columns(packed["qweight"], awq=True)
+    words = awq_to_mma(packed["qweight"])
+    assert words.shape == (2, 2, 32, 4) and words.dtype == torch.int32 and packed_shape(words, AWQ_MMA) == (128, 32)
+    for t, s, lane, u, i in itertools.product(range(2), range(2), range(32), range(4), range(8)):
+        nibble = (int(words[t, s, lane, u]) >> (4 * i)) & 15
+        k, n = 64 * s + 16 * (lane % 4) + 4 * u + MMA_K_OF_NIBBLE[i], 16 * t + lane // 4 + 8 * (i % 2)
+        assert nibble == q[k, n], (t, s, lane, u, i)
+    assert torch.equal(unpack_mma(words), q) and torch.equal(pack_mma(q), words)
+    as_awq = dequantize(packed["qweight"], packed["qzeros"], packed["scales"], None, 64, AWQ)
+    assert torch.equal(dequantize(words, packed["qzeros"], packed["scales"], None, 64, AWQ_MMA), as_awq)
+    x = torch.randn(3, 128, generator=gen)
+    assert torch.equal(int4_linear(x, words, packed["qzeros"], packed["scales"], None, 64, AWQ_MMA),
+                       int4_linear(x, packed["qweight"], packed["qzeros"], packed["scales"], None, 64, AWQ))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_mma(torch.zeros(96, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match="of 16"):
+        awq_to_mma(torch.zeros(128, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="not one the contract defines"):
+        packed_shape(words, "marlin")

@@ -1,13 +1,13 @@
 """The one-row AWQ GEMV on the warp MMA over a Marlin-style copy of the weight (``podium_cuda.awq_mma_gemv``).
 
-Anywhere: ``repack``'s words, taken apart by the kernel's masks and placed by the PTX ISA's fragment
+Anywhere: the contract's AWQ_MMA words (``awq_to_mma``), taken apart by the kernel's masks and placed by the PTX ISA's fragment
 layout of ``mma.m16n8k16`` (A: lane l = 4 g + q holds row g at k slots 2q, 2q + 1 in a0, row g + 8
 in a1, slots 2q + 8, 2q + 9 in a2 / a3; B: b0 slots 2q, 2q + 1, b1 2q + 8, 2q + 9), with x read at the
 kernel's offsets and each group's chain started from the zero term, multiply to the contract's
 dequantized weight in float64. On an NVIDIA GPU, or under Triton's interpreter with the MMAs emulated
 (``_emulated``, the small shapes): the kernel against the same reference, N over several tiles, K over
 one and several slices, group sizes 64-256, a bias, each prologue, x of every magnitude (the f16
-scaling), each warp / split setting."""
+scaling), each warp / split setting; ``convert_model`` turning a model's AWQ layers into AWQ_MMA in place."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from podium_plugin_api.int4 import AWQ, dequantize, random_packed
+from podium_plugin_api.int4 import AWQ, AWQ_MMA, awq_to_mma, dequantize, random_packed
 
 
 def _f16_halves(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,27 +63,16 @@ def _emulate(words: torch.Tensor, h: torch.Tensor, qzeros: torch.Tensor, scales:
 
 
 @pytest.mark.parametrize("k,n,group", [(256, 48, 128), (128, 16, 64), (512, 32, 256)])
-def test_the_repacked_words_through_the_fragment_layout_give_the_weight(k, n, group):
-    from podium_cuda.awq_mma_gemv import repack
-
+def test_the_mma_words_through_the_fragment_layout_give_the_weight(k, n, group):
     gen = torch.Generator().manual_seed(k + n)
     packed = random_packed(AWQ, k, n, group, False, gen)
-    words = repack(packed["qweight"])
+    words = awq_to_mma(packed["qweight"])
     assert words.shape == (n // 16, k // 64, 32, 4) and words.dtype == torch.int32
     h = torch.randn(k, generator=gen).half().double()
     w = dequantize(packed["qweight"], packed["qzeros"], packed["scales"], None, group, AWQ).double()
     got = _emulate(words, h, packed["qzeros"], packed["scales"], group, n)
     want = h @ w  # (dequantize's weight is float32: ~1e-7 of its products; a misplaced nibble is ~1)
     assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item()), (got - want).abs().max()
-
-
-def test_repack_refuses_shapes_without_whole_tiles():
-    from podium_cuda.awq_mma_gemv import repack
-
-    with pytest.raises(ValueError, match="multiple of 64"):
-        repack(torch.zeros(96, 2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="of 16"):
-        repack(torch.zeros(128, 3, dtype=torch.int32))
 
 
 def test_config_gives_every_warp_whole_groups():
@@ -125,7 +114,7 @@ def test_prepare_puts_every_row_in_f16s_top_binade(magnitude, prologue, kernel_d
 def _tuning(**changes):
     from podium_cuda.tuning import CUDA_TUNING
 
-    return dataclasses.replace(CUDA_TUNING, **({"int4_gemv_mma": True} | changes))
+    return dataclasses.replace(CUDA_TUNING, **changes)
 
 
 @pytest.fixture
@@ -170,8 +159,8 @@ def test_awq_mma_gemv(setting, dtype, prologue, magnitude, k, n, group, kernel_d
     g = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(sm80)
     bias = (torch.randn(n, generator=gen) * magnitude).to(dtype).to(sm80) if n % 32 == 0 else None
     code = {"plain": PLAIN, "rms_norm": RMSNORM, "add_rms_norm": ADD_RMSNORM, "silu_and_mul": SILU}[prologue]
-    out, summed = int4_gemv(x, on["qweight"], on["qzeros"], on["scales"], group, AWQ, bias, code, residual, g,
-                            1e-5, _tuning(**SETTINGS[setting]))
+    out, summed = int4_gemv(x, awq_to_mma(on["qweight"]), on["qzeros"], on["scales"], group, AWQ_MMA, bias, code,
+                            residual, g, 1e-5, _tuning(**SETTINGS[setting]))
     if prologue == "rms_norm":
         separate = fused_ops.rms_norm(x, g, 1e-5)
     elif prologue == "add_rms_norm":
@@ -192,14 +181,45 @@ def test_awq_mma_gemv(setting, dtype, prologue, magnitude, k, n, group, kernel_d
     assert int(counters(sm80, 1).abs().sum()) == 0, "a split count was left nonzero"
 
 
-@pytest.mark.cuda
-def test_awq_mma_gemv_keeps_one_repacked_copy_a_weight(sm80):
-    from podium_cuda import awq_mma_gemv
-    from podium_cuda.int4_gemv import int4_gemv
+class _Layer(torch.nn.Module):
+    """What convert_model reads of a layer: the contract's packed tensors, ``format``, ``group_size``."""
 
-    packed = {name: t.to(sm80) for name, t in random_packed(AWQ, 512, 64, 128, False).items()}
-    x = torch.randn(1, 512, device=sm80, dtype=torch.bfloat16)
-    first, _ = int4_gemv(x, packed["qweight"], packed["qzeros"], packed["scales"], 128, AWQ, tuning=_tuning())
-    copy = awq_mma_gemv.repacked(packed["qweight"])
-    again, _ = int4_gemv(x, packed["qweight"], packed["qzeros"], packed["scales"], 128, AWQ, tuning=_tuning())
-    assert awq_mma_gemv.repacked(packed["qweight"]) is copy and torch.equal(first, again)
+    def __init__(self, k: int, n: int, group: int, fmt: str, device, gen: torch.Generator) -> None:
+        super().__init__()
+        packed = random_packed(fmt, k, n, group, False, gen)
+        for name, t in packed.items():
+            setattr(self, name, torch.nn.Parameter(t.to(device), requires_grad=False))
+        self.format, self.group_size = fmt, group
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.qweight.cpu(), self.qzeros.cpu(), self.scales.cpu(), None, self.group_size, self.format)
+
+
+@pytest.mark.cuda
+def test_convert_model_turns_awq_layers_into_awq_mma_in_place(kernel_device):
+    """The AWQ layers that fit become AWQ_MMA (the same bytes, the same dequantized weight; converted a slice of
+    columns at a time), the others stay; the converted layers' one row (the MMA GEMV) and five rows (int4.py's
+    GEMM over the MMA layout) equal the reference."""
+    from podium_cuda import awq_mma_gemv
+
+    gen = torch.Generator().manual_seed(7)
+    model = torch.nn.ModuleDict({"fits": _Layer(256, 80, 128, AWQ, kernel_device, gen),
+                                 "groups_of_32": _Layer(256, 64, 32, AWQ, kernel_device, gen),
+                                 "gptq": _Layer(256, 64, 128, "gptq", kernel_device, gen)})
+    before = {name: (layer.dequantized(), layer.qweight.numel()) for name, layer in model.items()}
+    assert awq_mma_gemv.convert_model(model, columns=32) == 1  # 80 columns: slices of 32, 32, 16
+    assert [layer.format for layer in model.values()] == [AWQ_MMA, AWQ, "gptq"]
+    for name, layer in model.items():
+        assert torch.equal(layer.dequantized(), before[name][0]) and layer.qweight.numel() == before[name][1]
+    layer = model["fits"]
+    for rows in (1, 5):
+        x = torch.randn(rows, 256, generator=gen).to(kernel_device, torch.float16)
+        got = int4_linear_on(x, layer)
+        want = x.double().cpu() @ before["fits"][0].double()
+        assert (got.double().cpu() - want).abs().max().item() <= 3e-3 * want.abs().max().item(), rows
+
+
+def int4_linear_on(x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    from podium_cuda.int4 import int4_linear as kernel
+
+    return kernel(x, layer.qweight, layer.qzeros, layer.scales, None, layer.group_size, layer.format)

@@ -4,7 +4,8 @@ awq_gemv.py multiplies every nibble on the CUDA cores: ~2.4 SASS instructions a 
 half-precision form, ~4.7 in float32, and ~0.6-0.8 TB/s of packed weight at one row on an H100.
 ``mma.sync.m16n8k16`` f16 multiplies a 16 x 16 tile by a 16 x 8 one into float32 sums; its A operand
 is four f16 pairs a lane: lane l (g = l / 4, q = l % 4) holds row g at k slots (2q, 2q + 1) and
-(2q + 8, 2q + 9), and the same slots of row g + 8. ``repack`` lays the weight out once so that one
+(2q + 8, 2q + 9), and the same slots of row g + 8. The contract's AWQ_MMA layout (``awq_to_mma``, which
+``convert_model`` applies to a model's AWQ weights in place) lays the weight out so that one
 32-bit word of a lane holds exactly those eight nibbles of a 16-output x 16-k tile (W^T as A, x in
 every column of B), in the order two masks take them apart:
 
@@ -35,8 +36,9 @@ warps consecutive stretches of whole groups, a group's super-steps in flight at 
 group's loads issued before this group's MMAs. The warps' sums are added in the program, the slices'
 by the last program of the tile (split_k.py: in split order, deterministic), then the bias.
 
-The repacked copy is made on a weight's first call and kept beside the checkpoint's tensors
-(``KernelTuning.int4_gemv_mma``, off: the INT4 weight memory doubles while it is on; measured first).
+The CUDA platform converts a model's AWQ weights when it prepares the model (``KernelTuning.int4_gemv_mma``,
+``convert_model``); the converted weight replaces the checkpoint's layout, which only the GPU's kernels
+would have read: int4.py's GEMM reads AWQ_MMA for more rows, and the contract's reference reads it too.
 Like fp8_mma_gemv.py the MMA is inline PTX over [R, 4] tensors that Triton lays out four words a
 thread, the threads down the rows in order (test_gemv_builds checks the compiled layout). Under Triton's
 interpreter, which runs no PTX, ``_emulated`` computes the four MMAs from the same words by the fragment
@@ -46,13 +48,11 @@ is tested on a CPU too (TRITON_INTERPRET=1 with numpy < 2.4).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
 
-from podium_plugin_api.int4 import unpack_columns
+from podium_plugin_api.int4 import AWQ, AWQ_MMA, awq_to_mma, packed_shape
 
 from .awq_gemv import _f16_halves
 from .fp8_gemm import interpreting
@@ -173,7 +173,7 @@ def awq_mma_gemv_kernel(
     N, SUPER_STEPS, GROUPS_PER_WARP, splits,
     WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, HW_ASM: tl.constexpr,
 ):
-    """out [1, N] = h . W (+ bias): W repacked ([N / 16, K / 64, 32, 4] int32, ``repack``), scales [K / G, N]
+    """out [1, N] = h . W (+ bias): W in AWQ_MMA's order ([N / 16, K / 64, 32, 4] int32), scales [K / G, N]
     float32 and AWQ qzeros [K / G, N / 8] as stored, h the f16 row as int32 words, xs its groups' sums,
     up its scale back. Grid (N / 16, splits): warp w of program (t, s) takes outputs 16t..16t+15 over
     the groups from (s * WARPS + w) * GROUPS_PER_WARP; UNROLL = G / 64 super-steps a group."""
@@ -242,54 +242,25 @@ def awq_mma_gemv_kernel(
             reset(count_ptr, tile, splits)
 
 
-def repack(qweight: torch.Tensor) -> torch.Tensor:
-    """AWQ qweight [K, N/8] int32 -> int32 [N / 16, K / 64, 32, 4]: tile t, super-step s, lane l, MMA u; nibble
-    i of a word is column 16 t + l // 4 + 8 (i % 2) at k = 64 s + 16 (l % 4) + 4 u + (0, 0, 2, 2, 1, 1, 3, 3)[i]
-    (module docstring). K a multiple of 64, N of 16."""
-    k, n = qweight.shape[0], qweight.shape[1] * 8
-    if k % STEP_K or n % 16:
-        raise ValueError(f"awq_mma_gemv.repack: K {k} must be a multiple of {STEP_K} and N {n} of 16")
-    q = unpack_columns(qweight, awq=True).to(torch.int64)  # [K, N] 0..15
-    # k = 64 s + 16 quad + 4 u + kk, n = 16 t + 8 high + g  ->  [t, s, g, quad, u, kk, high]
-    q = q.reshape(k // 64, 4, 4, 4, n // 16, 2, 8).permute(4, 0, 6, 1, 2, 3, 5)
-    # nibble i = 4 (kk % 2) + 2 (kk // 2) + high: kk in the order 0, 2, 1, 3
-    q = q[:, :, :, :, :, [0, 2, 1, 3], :].reshape(n // 16, k // 64, 32, 4, 8)
-    words = (q << (4 * torch.arange(8, device=q.device))).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+CONVERT_COLUMNS = 2048  # columns converted at a time: the unpacked nibbles (int64) of K x 2048 at most
 
 
-_REPACKED: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
-
-
-def repacked(qweight: torch.Tensor) -> torch.Tensor:
-    """``repack(qweight)``, made on the weight's first call and kept while the tensor first seen with it lives
-    (another view of the same memory finds it too; a tensor later allocated at a freed one's address
-    does not, its first one being gone)."""
-    key = (qweight.data_ptr(), tuple(qweight.shape), qweight.device)
-    entry = _REPACKED.get(key)
-    if entry is not None and entry[0]() is not None:
-        return entry[1]
-    if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("awq_mma_gemv: a weight without its MMA copy inside a CUDA graph's capture (the copy "
-                           "would be made on every replay); make it before (repack_model)")
-    for stale in [k for k, (ref, _) in _REPACKED.items() if ref() is None]:
-        del _REPACKED[stale]
-    packed = repack(qweight)
-    _REPACKED[key] = (weakref.ref(qweight), packed)
-    return packed
-
-
-def repack_model(model: torch.nn.Module) -> int:
-    """Make the MMA copy of every AWQ layer's weight this kernel takes (on a CUDA device, whole tiles, groups
-    of 64-256), so that no first call makes it inside a CUDA graph's capture; the count made."""
-    from podium_plugin_api.int4 import AWQ
-
+def convert_model(model: torch.nn.Module, columns: int = CONVERT_COLUMNS) -> int:
+    """Every AWQ layer this kernel takes (on a CUDA device or under the interpreter, a weight that ``fits``)
+    converted in place to AWQ_MMA: its qweight replaced by the same nibbles in the MMA's order, ``columns``
+    (a multiple of 16) at a time (the checkpoint's layout is freed: the weight memory stays the packed
+    size), its format renamed so that every op reads it as such (int4.py's GEMM for more rows, the
+    contract's reference); the count."""
     made = 0
     for module in model.modules():
         qweight = getattr(module, "qweight", None)
-        if (getattr(module, "format", None) == AWQ and isinstance(qweight, torch.Tensor) and qweight.is_cuda
-                and fits(qweight.shape[0], qweight.shape[1] * 8, getattr(module, "group_size", 0))):
-            repacked(qweight)
+        if (getattr(module, "format", None) == AWQ and isinstance(qweight, torch.Tensor)
+                and (qweight.is_cuda or interpreting())
+                and fits(*packed_shape(qweight, AWQ), getattr(module, "group_size", 0))):
+            step = columns // 8
+            words = [awq_to_mma(qweight[:, c:c + step]) for c in range(0, qweight.shape[1], step)]
+            module.qweight = torch.nn.Parameter(torch.cat(words), requires_grad=False)
+            module.format = AWQ_MMA
             made += 1
     return made
 
@@ -300,11 +271,10 @@ def fits(k: int, n: int, group_size: int) -> bool:
     return group_size in (64, 128, 256) and k % group_size == 0 and n % 16 == 0
 
 
-def takes(x: torch.Tensor, n: int, k: int, group_size: int, is_awq: bool, tuning: KernelTuning) -> bool:
-    """Whether a call goes here: ``tuning.int4_gemv_mma`` on, one f16 / bf16 AWQ row on an NVIDIA sm80+ GPU (or
-    Triton's interpreter: ``_emulated``), a weight that ``fits``. float32 rows do not: x goes in as f16."""
-    return (tuning.int4_gemv_mma and is_awq and x.dim() == 2 and x.shape[0] == 1
-            and ((x.is_cuda and nvidia_at_least(x.device, (8, 0))) or interpreting())
+def takes(x: torch.Tensor, n: int, k: int, group_size: int) -> bool:
+    """Whether an AWQ_MMA call goes here: one f16 / bf16 row on an NVIDIA sm80+ GPU (or Triton's interpreter:
+    ``_emulated``), a weight that ``fits``. float32 rows do not (x goes in as f16): int4.py's GEMM takes them."""
+    return (x.dim() == 2 and x.shape[0] == 1 and ((x.is_cuda and nvidia_at_least(x.device, (8, 0))) or interpreting())
             and x.dtype in (torch.float16, torch.bfloat16) and fits(k, n, group_size))
 
 
@@ -343,9 +313,9 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
                  bias: torch.Tensor | None, prologue: int, residual: torch.Tensor | None,
                  norm_weight: torch.Tensor | None, eps: float, summed: torch.Tensor | None,
                  tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
-    """out [1, N] in x's dtype (``summed``, given for ADD_RMSNORM, receives x + residual); ``takes`` must hold
-    and the caller has checked the prologue's arguments (int4_gemv.int4_gemv)."""
-    k, n = qweight.shape[0], qweight.shape[1] * 8
+    """out [1, N] in x's dtype (``summed``, given for ADD_RMSNORM, receives x + residual) of an AWQ_MMA weight;
+    ``takes`` must hold and the caller has checked the prologue's arguments (int4_gemv.int4_gemv)."""
+    k, n = packed_shape(qweight, AWQ_MMA)
     pdl = tuning.gemv_pdl and dependent_launch(x.device)
     h, sums, up = prepare(x, k, group_size, prologue, residual, norm_weight, eps, summed, pdl)
     warps, splits = config(n, k, group_size, _multiprocessors(x.device), tuning)
@@ -354,7 +324,7 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
     partial = torch.empty((splits, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     scale = scales if scales.dtype == torch.float32 and scales.is_contiguous() else scales.float().contiguous()
     awq_mma_gemv_kernel[(tiles, splits)](
-        out, partial, counters(x.device, tiles) if splits > 1 else out, repacked(qweight), scale, qzeros,
+        out, partial, counters(x.device, tiles) if splits > 1 else out, qweight, scale, qzeros,
         bias if bias is not None else out, h.view(torch.int32), sums, up, n, k // STEP_K,
         k // group_size // (splits * warps), splits, WARPS=warps, UNROLL=group_size // STEP_K,
         HAS_BIAS=bias is not None, PDL=pdl, HW_ASM=not interpreting(), num_warps=warps, num_stages=1,

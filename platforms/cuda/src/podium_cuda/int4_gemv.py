@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from podium_plugin_api.int4 import AWQ, GPTQ
+from podium_plugin_api.int4 import AWQ, AWQ_MMA, GPTQ, packed_shape
 
 from . import awq_gemv, awq_mma_gemv
 from .fp8_gemm import interpreting
@@ -178,7 +178,10 @@ def _finish(out_ptr, b_ptr, acc, rows, cols, ok, stride_o, HAS_BIAS: tl.constexp
 
 def takes(x: torch.Tensor, n: int, k: int, group_size: int, fmt: str, in_order: bool, max_rows: int) -> bool:
     """Whether a call goes here: 1..min(max_rows, MAX_ROWS) rows on the device (or the interpreter), AWQ or
-    GPTQ without act-order (``in_order``), groups a whole number of 32-row tiles."""
+    GPTQ without act-order (``in_order``), groups a whole number of 32-row tiles; AWQ_MMA where
+    awq_mma_gemv.py takes it."""
+    if fmt == AWQ_MMA:
+        return awq_mma_gemv.takes(x, n, k, group_size)
     return (x.dim() == 2 and 1 <= x.shape[0] <= min(max_rows, MAX_ROWS) and x.dtype in ROW_DTYPES
             and (x.is_cuda or interpreting()) and fmt in (AWQ, GPTQ) and (fmt == AWQ or in_order)
             and group_size % 32 == 0 and k % group_size == 0 and n % 8 == 0)
@@ -212,7 +215,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
-    k, n = (qweight.shape[0], qweight.shape[1] * 8) if fmt == AWQ else (qweight.shape[0] * 8, qweight.shape[1])
+    k, n = packed_shape(qweight, fmt)
     width = 2 * k if prologue == SILU else k
     if x.shape[1] != width:
         raise ValueError(f"int4_gemv: x is {tuple(x.shape)}; this weight [{k}, {n}] takes rows of {width}")
@@ -224,7 +227,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         summed = torch.empty_like(x)
     if prologue in (RMSNORM, ADD_RMSNORM) and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"int4_gemv: the norm's weight must be [{k}]")
-    if awq_mma_gemv.takes(x, n, k, group_size, fmt == AWQ, tuning):  # before this path's config and buffers
+    if fmt == AWQ_MMA:  # before this path's config and buffers
         return awq_mma_gemv.awq_mma_gemv(x, qweight, qzeros, scales, group_size, bias, prologue, residual,
                                          norm_weight, eps, summed, tuning), summed
     block_n, block_k, splits, warps = config(rows, n, k, group_size, _multiprocessors(x.device), tuning)

@@ -240,10 +240,10 @@ class CudaPlatform(Platform):
             from .gemv import use_batch_one_linears  # triton is imported here, not before
 
             use_batch_one_linears(model, tuning)
-        if tuning.int4_gemv_mma:  # the AWQ weights' MMA copies now, not inside a CUDA graph's capture
-            from .awq_mma_gemv import repack_model
+        if tuning.int4_gemv_mma:  # AWQ weights to the AWQ_MMA layout, in place
+            from .awq_mma_gemv import convert_model
 
-            repack_model(model)
+            convert_model(model)
         return model
 
 

@@ -194,13 +194,13 @@ class KernelTuning:
     # (0: int4_gemv.config's rule, about four programs a multiprocessor)
     int4_gemv_block_n: int = 0
     int4_gemv_split_k: int = 0
-    # one AWQ row on the tensor cores' warp MMA over a Marlin-style copy of the weight (awq_mma_gemv.py):
-    # on the H200 an 8B layer's four linears at one row 60.0 us against awq_gemv's 153.6, batch-1 decode
-    # 2.46 ms a token against 5.46. Off by default because the copy doubles the INT4 weight memory
-    # (issue 31 holds a quantized model to 1.1x its packed size); its warps a program and the programs a
-    # multiprocessor its split of the groups aims at (awq_mma_gemv.config; 8 and never split: the
-    # fastest of eight settings, 60.0 us a layer against 66-73)
-    int4_gemv_mma: bool = False
+    # a model's AWQ weights converted at preparation to the contract's AWQ_MMA layout (Marlin-style, in
+    # place: the same bytes), whose one row takes the tensor cores' warp MMA (awq_mma_gemv.py): on the
+    # H200 an 8B layer's four linears at one row 60.0 us against awq_gemv's 153.6, batch-1 decode 2.46 ms
+    # a token against 5.46; more rows int4.py's GEMM over either layout. Its warps a program and the
+    # programs a multiprocessor its split of the groups aims at (awq_mma_gemv.config; 8 and never split:
+    # the fastest of eight settings, 60.0 us a layer against 66-73)
+    int4_gemv_mma: bool = True
     int4_mma_warps: int = 8
     int4_mma_programs: int = 0
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
