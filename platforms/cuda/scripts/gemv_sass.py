@@ -55,13 +55,13 @@ def capture(module, name: str, call) -> tuple:
 
 
 def compile_launch(kernel, launch, arch: int):
-    """decode_ir.compile_launch with the JIT's specialization of integer arguments equal to 1."""
+    """decode_ir.compile_launch with the JIT's specialization of integer arguments equal to 1 (the others stay
+    runtime arguments, as in a launch: a loop over one keeps its runtime trip count)."""
     args, kwargs = launch
     values = dict(zip(kernel.arg_names, args)) | kwargs
     keep = {kernel.arg_names[a] if isinstance(a, int) else a for a in kernel.do_not_specialize or ()}
     ones = {n: 1 for n, v in values.items() if type(v) is int and v == 1 and n not in kwargs and n not in keep}
-    named = {n: v for n, v in values.items() if n not in ones} | ones
-    return compile_specialized(kernel, ((), named), arch)
+    return compile_specialized(kernel, (args, kwargs | ones), arch)
 
 
 def sass(compiled) -> str:
@@ -142,21 +142,23 @@ def mma_build(n: int, k: int, changes: dict, arch: int = 90):
     return compile_launch(fp8_mma_gemv.fp8_mma_gemv_kernel, (args, kwargs), arch), 2 * fp8_mma_gemv.STEP * unroll
 
 
-def awq_mma_build(n: int, k: int, changes: dict, arch: int = 90, group: int = 128):
-    """(compiled, weights a thread handles per main-loop iteration: a group) of the one-row AWQ warp-MMA
-    GEMV (awq_mma_gemv.py: its launch as awq_mma_gemv would make it on a device of 132 multiprocessors)."""
+def awq_mma_build(n: int, k: int, changes: dict, arch: int = 90, group: int = 128, rows: int = 1):
+    """(compiled, weights a thread handles per main-loop iteration: a group) of the AWQ warp-MMA GEMV
+    (awq_mma_gemv.py: its launch as awq_mma_gemv would make it on a device of 132 multiprocessors) for
+    ``rows`` rows (one: the ONE_ROW build)."""
     from podium_cuda import awq_mma_gemv
     from podium_cuda.tuning import CUDA_TUNING
 
-    tuning = dataclasses.replace(CUDA_TUNING, **({"int4_gemv_mma": True} | changes))
+    tuning = dataclasses.replace(CUDA_TUNING, **changes)
     warps, splits = awq_mma_gemv.config(n, k, group, 132, tuning)
     out = torch.zeros(1, n, dtype=torch.bfloat16)
     args = (out, torch.zeros(splits, n), torch.zeros(4096, dtype=torch.int32),
             torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32), torch.ones(k // group, n),
             torch.zeros(k // group, n // 8, dtype=torch.int32), out, torch.zeros(k // 2, dtype=torch.int32),
-            torch.zeros(k // group), torch.ones(1), n, k // awq_mma_gemv.STEP_K, k // group // (splits * warps), splits)
+            torch.zeros(k // group), torch.ones(1), rows, n, k // awq_mma_gemv.STEP_K, k // group // (splits * warps),
+            splits)
     kwargs = {"WARPS": warps, "UNROLL": group // awq_mma_gemv.STEP_K, "HAS_BIAS": False, "PDL": True, "HW_ASM": True,
-              "num_warps": warps, "num_stages": 1, "launch_pdl": True}
+              "ONE_ROW": rows == 1, "num_warps": warps, "num_stages": 1, "launch_pdl": True}
     return compile_launch(awq_mma_gemv.awq_mma_gemv_kernel, (args, kwargs), arch), 32 * group // awq_mma_gemv.STEP_K
 
 

@@ -63,6 +63,7 @@ from .split_k import counters, finish_row, last_split, reset
 from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
 
 STEP_K = 64  # k a super-step: four MMAs of 16
+MAX_ROWS = 8  # B's columns: one x row each
 F16_LIMIT_EXP = tl.constexpr(15)  # x is scaled by a power of two to just below 2^15 before the f16 rounding
 
 # $0-$3 the f32 sums (row g twice, row g + 8 twice), $4-$7 the four MMAs' weight words, $8-$15 x's eight
@@ -105,46 +106,63 @@ def _pair_dot(a, b):
 
 
 @triton.jit
+def _lanes(t, L: tl.constexpr):
+    """[L * 32] (element L' * 32 + 4 g + q) -> [L, 8, 4] (g, q): a warp's lanes by their MMA group and quad."""
+    return tl.reshape(t, (L, 8, 4))
+
+
+@triton.jit
 def _emulated(w, x_lo, x_hi):
     """The four MMAs' sums by the PTX fragment layout, in plain Triton (the interpreter's stand-in for the asm;
-    slow on a GPU): lane (g, q) adds its row g and row g + 8 products, a quad of lanes (q = 0..3, one g) sums
-    them, and every lane of the quad gets the rows' sums in its four places (rows g, g, g + 8, g + 8)."""
+    slow on a GPU). Lane (g, q) holds A's rows g and g + 8 at its slots and B's column g (x row g) at the same
+    slots; C[row][col] sums over the quad's lanes q the products of lane (row, q)'s A and lane (col, q)'s B,
+    and lane (g, q) receives C[g][2q], C[g][2q + 1], C[g + 8][2q], C[g + 8][2q + 1]."""
     M: tl.constexpr = w.shape[0]
-    low = tl.zeros((M,), dtype=tl.float32)
-    high = tl.zeros((M,), dtype=tl.float32)
+    L: tl.constexpr = M // 32
+    low = tl.zeros((L, 8, 8), dtype=tl.float32)  # [., row g, col c]
+    high = tl.zeros((L, 8, 8), dtype=tl.float32)
     for u in tl.static_range(4):
         word = _column(w, u)
         shifted = word >> 8
         xs = x_lo if u < 2 else x_hi
-        b0, b1 = _column(xs, 2 * (u % 2)), _column(xs, 2 * (u % 2) + 1)
-        low += _pair_dot((word & 0x000F000F) | 0x64006400, b0) + _pair_dot((shifted & 0x000F000F) | 0x64006400, b1)
-        high += _pair_dot((word & 0x00F000F0) | 0x64006400, b0) + _pair_dot((shifted & 0x00F000F0) | 0x64006400, b1)
-    low = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(low, (M // 4, 4)), 1)[:, None], (M // 4, 4)), (M,))
-    high = tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(high, (M // 4, 4)), 1)[:, None], (M // 4, 4)), (M,))
-    return _four(low, high)
+        b0, b1 = _lanes(_column(xs, 2 * (u % 2)), L)[:, None, :, :], _lanes(_column(xs, 2 * (u % 2) + 1), L)[:, None, :, :]
+        a0 = _lanes((word & 0x000F000F) | 0x64006400, L)[:, :, None, :]
+        a1 = _lanes((word & 0x00F000F0) | 0x64006400, L)[:, :, None, :]
+        a2 = _lanes((shifted & 0x000F000F) | 0x64006400, L)[:, :, None, :]
+        a3 = _lanes((shifted & 0x00F000F0) | 0x64006400, L)[:, :, None, :]
+        low += tl.sum(_pair_dot(a0, b0) + _pair_dot(a2, b1), 3)
+        high += tl.sum(_pair_dot(a1, b0) + _pair_dot(a3, b1), 3)
+    # [., g, c = 2 q + i] -> lane (g, q)'s pair i
+    low0, low1 = tl.split(tl.reshape(low, (M, 2)))
+    high0, high1 = tl.split(tl.reshape(high, (M, 2)))
+    return _four(low0, low1, high0, high1)
 
 
 @triton.jit
-def _four(low, high):
-    """[M] low, high -> [M, 4] (low, low, high, high): a row's values for the MMA's four sums of a lane
-    (rows g, g, g + 8, g + 8), joined in registers. A join's new dimension is the last one: element
-    [m, i, o] of the outer join is join(low, high)[m, i] for either o, so [m, 2 i + o] is low for i = 0."""
-    pair = tl.join(low, high)
-    return tl.reshape(tl.join(pair, pair), (low.shape[0], 4))
+def _four(low0, low1, high0, high1):
+    """[M] each -> [M, 4] (low0, low1, high0, high1): values for a lane's four MMA sums (C[g][2q],
+    C[g][2q + 1], C[g + 8][2q], C[g + 8][2q + 1]), joined in registers. A join's new dimension is the last
+    one: element [m, i, o] of join(join(low0, high0), join(low1, high1)) is (low, high)[i] of column o,
+    so [m, 2 i + o] runs low0, low1, high0, high1."""
+    return tl.reshape(tl.join(tl.join(low0, high0), tl.join(low1, high1)), (low0.shape[0], 4))
 
 
 @triton.jit
-def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps,
+def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps, stride_x, stride_r,
                    GROUP: tl.constexpr, BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr):
-    """h [K] f16 = prologue(x) (rounded to x's dtype) times ``down``, the power of two that puts max |h| in
-    [2^14, 2^15); xs [K / GROUP] float32, each group's sum of those f16 values; up [1] = 1 / down. One program."""
+    """Row m (program m) of h [M, K] f16 = prologue(x) (rounded to x's dtype) times ``down``, the power of two
+    that puts the row's max |h| in [2^14, 2^15); of xs [M, K / GROUP] float32, each group's sum of those f16
+    values; up [M] = 1 / down. ``sum`` (ADD_RMSNORM's x + residual) is [M, K] contiguous."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+    m = tl.program_id(0).to(tl.int64)
     one = tl.zeros([1, 1], dtype=tl.int64)
-    x_rows, r_rows = x_ptr + one, r_ptr + one
+    x_rows, r_rows = x_ptr + m * stride_x + one, r_ptr + m * stride_r + one
+    h_ptr += m * K
+    xs_ptr += m * (K // GROUP)
     row_ok = one == 0
-    rstd = rows_rstd(x_rows, r_rows, sum_ptr + one, row_ok, K, eps, 0, PROLOGUE, BLOCK)
+    rstd = rows_rstd(x_rows, r_rows, sum_ptr + m * K + one, row_ok, K, eps, 0, PROLOGUE, BLOCK)
     amax = tl.zeros([1, 1], dtype=tl.float32)
     for c0 in range(0, K, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)[None, :]
@@ -164,19 +182,24 @@ def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps,
         sums = tl.sum(tl.reshape(h.to(tl.float32), (BLOCK // GROUP, GROUP)), 1)
         groups = c0 // GROUP + tl.arange(0, BLOCK // GROUP)
         tl.store(xs_ptr + groups, sums, mask=groups < K // GROUP)
-    tl.store(up_ptr + one, up)
+    tl.store(up_ptr + m + one, up)
 
 
 @triton.jit
 def awq_mma_gemv_kernel(
     out_ptr, partial_ptr, count_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, xs_ptr, up_ptr,
-    N, SUPER_STEPS, GROUPS_PER_WARP, splits,
+    M, N, SUPER_STEPS, GROUPS_PER_WARP, splits,
     WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, HW_ASM: tl.constexpr,
+    ONE_ROW: tl.constexpr,
 ):
-    """out [1, N] = h . W (+ bias): W in AWQ_MMA's order ([N / 16, K / 64, 32, 4] int32), scales [K / G, N]
-    float32 and AWQ qzeros [K / G, N / 8] as stored, h the f16 row as int32 words, xs its groups' sums,
-    up its scale back. Grid (N / 16, splits): warp w of program (t, s) takes outputs 16t..16t+15 over
-    the groups from (s * WARPS + w) * GROUPS_PER_WARP; UNROLL = G / 64 super-steps a group."""
+    """out [M, N] = h . W (+ bias), M <= 8: W in AWQ_MMA's order ([N / 16, K / 64, 32, 4] int32), scales
+    [K / G, N] float32 and AWQ qzeros [K / G, N / 8] as stored, h the f16 rows as int32 words [M, K / 2],
+    xs their groups' sums [M, K / G], up their scales back [M]. Row m of h is column m of B (lanes of MMA
+    group g = m load it; the other columns are zeros), so C[feature][m] is the row's output. Grid
+    (N / 16, splits): warp w of program (t, s) takes outputs 16t..16t+15 over the groups from
+    (s * WARPS + w) * GROUPS_PER_WARP; UNROLL = G / 64 super-steps a group. Split: partial [M, splits, N].
+    ONE_ROW (M = 1, batch-1 decode): every lane loads the row, so every column of C is its output, and a
+    group's zero term is one product a row of A: the loop's per-group work as small as it can be."""
     tile, split = tl.program_id(0), tl.program_id(1)
     R: tl.constexpr = 32 * WARPS
     idx = tl.arange(0, UNROLL * R)  # element (u * R + thread, word): two dimensions, one layout (fp8_mma_gemv)
@@ -184,6 +207,7 @@ def awq_mma_gemv_kernel(
     lane, warp = thread % 32, thread // 32
     g, quad = lane // 4, lane % 4
     j = tl.arange(0, 4)[None, :]
+    groups = SUPER_STEPS // UNROLL
     # the group's scale and zero of rows g and g + 8 are loaded a thread's [UNROLL * R] and joined into its
     # four sums' places (_four): gathers shaped [UNROLL * R, 4] get a layout of their own, and operands of
     # another layout change the MMAs' (Triton 3.6 then spreads a thread's four sums over other rows)
@@ -192,53 +216,71 @@ def awq_mma_gemv_kernel(
     first_group = (split * WARPS + warp) * GROUPS_PER_WARP  # [UNROLL * R]
     step = first_group * UNROLL + u  # the super-step each element's thread starts on
     w_offs = (((tile * SUPER_STEPS + step) * 32 + lane) * 4).to(tl.int64)[:, None] + j
-    x_offs = (step * 32 + quad * 8)[:, None] + j  # x as int32 words: 32 a super-step, 8 a lane
+    # x row g as int32 words: 32 a super-step, 8 a lane; rows past M are B's zero columns
+    x_offs = ((0 if ONE_ROW else g * (SUPER_STEPS * 32)) + step * 32 + quad * 8)[:, None] + j
+    x_ok = (g < M)[:, None] | ONE_ROW
+    col0, col1 = 2 * quad, 2 * quad + 1  # the x rows (B's columns) of a lane's sums
     w = tl.load(w_ptr + w_offs)  # the first group's weights do not depend on the launch before
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    x_lo = tl.load(h_ptr + x_offs)
-    x_hi = tl.load(h_ptr + x_offs + 4)
+    x_lo = tl.load(h_ptr + x_offs, mask=x_ok, other=0)
+    x_hi = tl.load(h_ptr + x_offs + 4, mask=x_ok, other=0)
     total = tl.zeros((UNROLL * R, 4), dtype=tl.float32)
     for i in range(0, GROUPS_PER_WARP):
         group = first_group + i
         if i + 1 < GROUPS_PER_WARP:  # the next group's loads before this group's MMAs
             w_next = tl.load(w_ptr + w_offs + (i + 1) * UNROLL * 128)
-            x_lo_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32)
-            x_hi_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32 + 4)
+            x_lo_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32, mask=x_ok, other=0)
+            x_hi_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32 + 4, mask=x_ok, other=0)
         else:
             w_next, x_lo_next, x_hi_next = w, x_lo, x_hi
         zeros = tl.load(z_ptr + group * (N // 8) + feature // 8)  # columns c and c + 8 share a word's nibble
-        z_low = ((zeros >> z_shift) & 15).to(tl.float32)
-        z_high = ((tl.load(z_ptr + group * (N // 8) + feature // 8 + 1) >> z_shift) & 15).to(tl.float32)
-        x_sum = tl.where(u == 0, tl.load(xs_ptr + group), 0.0)  # the zero term goes into one chain
-        start = _four(-(1024.0 + z_low) * x_sum, -(1024.0 + 16.0 * z_high) * x_sum)
-        scale = _four(tl.load(s_ptr + group * N + feature), tl.load(s_ptr + group * N + feature + 8) * (1.0 / 16))
+        z_low = -(1024.0 + ((zeros >> z_shift) & 15).to(tl.float32))
+        z_high = -(1024.0 + 16.0 * ((tl.load(z_ptr + group * (N // 8) + feature // 8 + 1) >> z_shift) & 15).to(tl.float32))
+        first = u == 0  # the zero term goes into one chain
+        if ONE_ROW:
+            x_sum = tl.where(first, tl.load(xs_ptr + group), 0.0)
+            start_low, start_high = z_low * x_sum, z_high * x_sum
+            start = _four(start_low, start_low, start_high, start_high)
+        else:
+            sum0 = tl.load(xs_ptr + col0 * groups + group, mask=first & (col0 < M), other=0.0)
+            sum1 = tl.load(xs_ptr + col1 * groups + group, mask=first & (col1 < M), other=0.0)
+            start = _four(z_low * sum0, z_low * sum1, z_high * sum0, z_high * sum1)
+        s_low = tl.load(s_ptr + group * N + feature)
+        s_high = tl.load(s_ptr + group * N + feature + 8) * (1.0 / 16)
+        scale = _four(s_low, s_low, s_high, s_high)
         acc = _super_step(tl.zeros((UNROLL * R, 4), dtype=tl.float32), w, x_lo, x_hi, HW_ASM)
         total += (acc + start) * scale
         w, x_lo, x_hi = w_next, x_lo_next, x_hi_next
-    # every column of a lane's sums is the same dot product: lane q == 0 of each group g, word 0 (row g)
-    # and word 2 (row g + 8), summed over the super-steps in flight and the warps
-    sums = tl.reshape(tl.sum(tl.reshape(total, (UNROLL, R, 4)), 0), (WARPS, 8, 4, 4))
-    q_ix = tl.arange(0, 4)[None, None, :, None]
-    w_ix = tl.arange(0, 4)[None, None, None, :]
-    up = tl.load(up_ptr)
-    low = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (w_ix == 0), sums, 0.0), 3), 2), 0) * up  # [8]
-    hi = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (w_ix == 2), sums, 0.0), 3), 2), 0) * up
-    n_low = tile * 16 + tl.arange(0, 8)
-    n_high = n_low + 8
+    # lane (g, q)'s word j is C[feature g + 8 (j // 2)][x row 2 q + j % 2]: summed over the super-steps in
+    # flight and the warps
+    sums = tl.reshape(tl.sum(tl.reshape(total, (UNROLL, R, 4)), 0), (WARPS, 8, 4, 4))  # [warp, g, q, j]
+    g_ix = tl.arange(0, 8)[:, None, None]
+    q_ix = tl.arange(0, 4)[None, :, None]
+    j_ix = tl.arange(0, 4)[None, None, :]
+    if ONE_ROW:  # C[.][0] alone, words 0 and 2 of lanes q = 0, picked before the warps' sum: words 1 and 3
+        # are then never computed
+        low = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (j_ix == 0), sums, 0.0), 3), 2), 0)
+        high = tl.sum(tl.sum(tl.sum(tl.where((q_ix == 0) & (j_ix == 2), sums, 0.0), 3), 2), 0)
+        sums = tl.join(low, high)  # [g, feature g or g + 8]
+        row = tl.zeros([1, 1], dtype=tl.int32)
+        cols = tile * 16 + tl.arange(0, 8)[:, None] + 8 * tl.arange(0, 2)[None, :]
+    else:
+        sums = tl.sum(sums, 0)  # [g, q, j]
+        row = 2 * q_ix + j_ix % 2
+        cols = tile * 16 + g_ix + 8 * (j_ix // 2)
+    row_ok = row < M
+    sums *= tl.load(up_ptr + row, mask=row_ok, other=0.0)
     if splits == 1:
         if HAS_BIAS:
-            low += tl.load(b_ptr + n_low).to(tl.float32)
-            hi += tl.load(b_ptr + n_high).to(tl.float32)
-        tl.store(out_ptr + n_low, low.to(out_ptr.dtype.element_ty))
-        tl.store(out_ptr + n_high, hi.to(out_ptr.dtype.element_ty))
+            sums += tl.load(b_ptr + cols).to(tl.float32)
+        tl.store(out_ptr + row * N + cols, sums.to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
-        part = partial_ptr + split.to(tl.int64) * N
-        tl.store(part + n_low, low)
-        tl.store(part + n_high, hi)
+        tl.store(partial_ptr + (row * splits + split).to(tl.int64) * N + cols, sums, mask=row_ok)
         if last_split(count_ptr, tile, splits):
-            finish_row(out_ptr, partial_ptr, b_ptr, tile * 16, N, splits, 16, HAS_BIAS)
+            for m in range(0, M):
+                finish_row(out_ptr + m * N, partial_ptr + m * splits * N, b_ptr, tile * 16, N, splits, 16, HAS_BIAS)
             reset(count_ptr, tile, splits)
 
 
@@ -271,10 +313,12 @@ def fits(k: int, n: int, group_size: int) -> bool:
     return group_size in (64, 128, 256) and k % group_size == 0 and n % 16 == 0
 
 
-def takes(x: torch.Tensor, n: int, k: int, group_size: int) -> bool:
-    """Whether an AWQ_MMA call goes here: one f16 / bf16 row on an NVIDIA sm80+ GPU (or Triton's interpreter:
-    ``_emulated``), a weight that ``fits``. float32 rows do not (x goes in as f16): int4.py's GEMM takes them."""
-    return (x.dim() == 2 and x.shape[0] == 1 and ((x.is_cuda and nvidia_at_least(x.device, (8, 0))) or interpreting())
+def takes(x: torch.Tensor, n: int, k: int, group_size: int, max_rows: int = MAX_ROWS) -> bool:
+    """Whether an AWQ_MMA call goes here: 1..min(max_rows, MAX_ROWS) f16 / bf16 rows on an NVIDIA sm80+ GPU (or
+    Triton's interpreter: ``_emulated``), a weight that ``fits``. float32 rows do not (x goes in as f16):
+    int4.py's GEMM takes them."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= min(max_rows, MAX_ROWS)
+            and ((x.is_cuda and nvidia_at_least(x.device, (8, 0))) or interpreting())
             and x.dtype in (torch.float16, torch.bfloat16) and fits(k, n, group_size))
 
 
@@ -297,15 +341,18 @@ def config(n: int, k: int, group_size: int, multiprocessors: int, tuning: Kernel
 def prepare(x: torch.Tensor, k: int, group_size: int, prologue: int, residual: torch.Tensor | None,
             norm_weight: torch.Tensor | None, eps: float, summed: torch.Tensor | None,
             pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h f16 [K], the groups' sums float32 [K / G], up float32 [1]) of one row (``prepare_kernel``)."""
-    h = torch.empty(k, dtype=torch.float16, device=x.device)
-    sums = torch.empty(k // group_size, dtype=torch.float32, device=x.device)
-    up = torch.empty(1, dtype=torch.float32, device=x.device)
+    """(h f16 [M, K], the groups' sums float32 [M, K / G], up float32 [M]) of x's M rows (``prepare_kernel``,
+    a program a row)."""
+    rows = x.shape[0]
+    h = torch.empty((rows, k), dtype=torch.float16, device=x.device)
+    sums = torch.empty((rows, k // group_size), dtype=torch.float32, device=x.device)
+    up = torch.empty(rows, dtype=torch.float32, device=x.device)
     block = max(group_size, min(4096, next_power_of_2(k)))
-    prepare_kernel[(1,)](h, sums, up, summed if summed is not None else x, x,
-                         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-                         k, float(eps), GROUP=group_size, BLOCK=block, PROLOGUE=prologue, PDL=pdl,
-                         num_warps=max(4, min(block // 256, 16)), **launch_options(pdl))
+    prepare_kernel[(rows,)](h, sums, up, summed if summed is not None else x, x,
+                            residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+                            k, float(eps), x.stride(0), residual.stride(0) if residual is not None else 0,
+                            GROUP=group_size, BLOCK=block, PROLOGUE=prologue, PDL=pdl,
+                            num_warps=max(4, min(block // 256, 16)), **launch_options(pdl))
     return h, sums, up
 
 
@@ -313,21 +360,23 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
                  bias: torch.Tensor | None, prologue: int, residual: torch.Tensor | None,
                  norm_weight: torch.Tensor | None, eps: float, summed: torch.Tensor | None,
                  tuning: KernelTuning = CUDA_TUNING) -> torch.Tensor:
-    """out [1, N] in x's dtype (``summed``, given for ADD_RMSNORM, receives x + residual) of an AWQ_MMA weight;
+    """out [M, N] in x's dtype (``summed``, given for ADD_RMSNORM, receives x + residual) of an AWQ_MMA weight;
     ``takes`` must hold and the caller has checked the prologue's arguments (int4_gemv.int4_gemv)."""
     k, n = packed_shape(qweight, AWQ_MMA)
     pdl = tuning.gemv_pdl and dependent_launch(x.device)
     h, sums, up = prepare(x, k, group_size, prologue, residual, norm_weight, eps, summed, pdl)
     warps, splits = config(n, k, group_size, _multiprocessors(x.device), tuning)
     tiles = n // 16
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    partial = torch.empty((splits, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    partial = torch.empty((rows, splits, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     scale = scales if scales.dtype == torch.float32 and scales.is_contiguous() else scales.float().contiguous()
     awq_mma_gemv_kernel[(tiles, splits)](
         out, partial, counters(x.device, tiles) if splits > 1 else out, qweight, scale, qzeros,
-        bias if bias is not None else out, h.view(torch.int32), sums, up, n, k // STEP_K,
+        bias if bias is not None else out, h.view(torch.int32), sums, up, rows, n, k // STEP_K,
         k // group_size // (splits * warps), splits, WARPS=warps, UNROLL=group_size // STEP_K,
-        HAS_BIAS=bias is not None, PDL=pdl, HW_ASM=not interpreting(), num_warps=warps, num_stages=1,
+        HAS_BIAS=bias is not None, PDL=pdl, HW_ASM=not interpreting(), ONE_ROW=rows == 1, num_warps=warps,
+        num_stages=1,
         **launch_options(pdl),
     )
     return out

@@ -227,7 +227,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
 def _gemv_takes(x: torch.Tensor, n: int, k: int, g_idx: torch.Tensor | None, group_size: int, fmt: str,
                 tuning: KernelTuning) -> bool:
     in_order = fmt != GPTQ or g_idx is None or _in_order(g_idx, group_size)
-    return int4_gemv.takes(x, n, k, group_size, fmt, in_order, tuning.int4_gemv_max_rows)
+    return int4_gemv.takes(x, n, k, group_size, fmt, in_order, tuning.int4_gemv_max_rows, tuning.int4_mma_max_rows)
 
 
 def prologue_linear(x: torch.Tensor, prologue: int, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,

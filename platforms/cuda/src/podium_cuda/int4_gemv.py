@@ -176,12 +176,13 @@ def _finish(out_ptr, b_ptr, acc, rows, cols, ok, stride_o, HAS_BIAS: tl.constexp
     tl.store(out_ptr + rows.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def takes(x: torch.Tensor, n: int, k: int, group_size: int, fmt: str, in_order: bool, max_rows: int) -> bool:
+def takes(x: torch.Tensor, n: int, k: int, group_size: int, fmt: str, in_order: bool, max_rows: int,
+          mma_rows: int = awq_mma_gemv.MAX_ROWS) -> bool:
     """Whether a call goes here: 1..min(max_rows, MAX_ROWS) rows on the device (or the interpreter), AWQ or
     GPTQ without act-order (``in_order``), groups a whole number of 32-row tiles; AWQ_MMA where
-    awq_mma_gemv.py takes it."""
+    awq_mma_gemv.py takes it (up to ``mma_rows`` rows)."""
     if fmt == AWQ_MMA:
-        return awq_mma_gemv.takes(x, n, k, group_size)
+        return awq_mma_gemv.takes(x, n, k, group_size, mma_rows)
     return (x.dim() == 2 and 1 <= x.shape[0] <= min(max_rows, MAX_ROWS) and x.dtype in ROW_DTYPES
             and (x.is_cuda or interpreting()) and fmt in (AWQ, GPTQ) and (fmt == AWQ or in_order)
             and group_size % 32 == 0 and k % group_size == 0 and n % 8 == 0)

@@ -202,6 +202,9 @@ class KernelTuning:
     # the fastest of eight settings, 60.0 us a layer against 66-73)
     int4_gemv_mma: bool = True
     int4_mma_warps: int = 8
+    # AWQ_MMA rows up to this many (at most 8: an x row a column of the MMA's B) take the MMA GEMV, more
+    # int4.py's GEMM
+    int4_mma_max_rows: int = 8
     int4_mma_programs: int = 0
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
