@@ -203,8 +203,19 @@ def test_the_awq_mma_layout_holds_each_nibble_where_the_contract_says():
     """AWQ_MMA (the layout a platform may convert AWQ weights to, podium_plugin_api.int4): every nibble read
     by the documented formula, element by element, against the plain weight; the inverse; the dequantized
     weight and the reference layer equal AWQ's; shapes without whole tiles refused."""
-    from podium_plugin_api.int4 import (AWQ, AWQ_MMA, MMA_K_OF_NIBBLE, awq_to_mma, dequantize, int4_linear,
-                                        pack_mma, packed_shape, random_packed, unpack_columns, unpack_mma)
+    from podium_plugin_api.int4 import (
+        AWQ,
+        AWQ_MMA,
+        MMA_K_OF_NIBBLE,
+        awq_to_mma,
+        dequantize,
+        int4_linear,
+        pack_mma,
+        packed_shape,
+        random_packed,
+        unpack_columns,
+        unpack_mma,
+    )
 
     gen = torch.Generator().manual_seed(5)
     packed = random_packed(AWQ, 128, 32, 64, False, gen)
