@@ -45,7 +45,7 @@ def test_int4_linear_kernel(fmt, act_order, rows, dtype, kernel_device, check_dt
 def test_int4_gemm_reads_the_mma_layout(n, rows, split, dtype, kernel_device, check_dtype, monkeypatch):
     """int4.py's GEMM over AWQ_MMA: the tile's columns come out in the words' order, and the scales, zeros,
     bias and output follow it (a wrong column order is off by whole weights); K split over programs where
-    the tiles alone are too few (these shapes always are, unless the target is lowered) or not."""
+    the tiles alone are too few (up to 16 rows: these shapes always are, unless the target is lowered) or not."""
     check_dtype(dtype)
     from podium_cuda import int4
     from podium_cuda.int4 import int4_linear

@@ -56,48 +56,55 @@ def _columns(packed, BLOCK_N: tl.constexpr, AWQ_ORDER: tl.constexpr):
 
 @triton.jit
 def mma_columns(n0, BLOCK_N: tl.constexpr):
-    """AWQ_MMA: the column of each position of a tile from n0 (``_mma_tile``'s order): position p is the high
-    nibble (p % 2) of lane group (p // 2) % 8 of 16-column tile p // 16."""
+    """AWQ_MMA: the column of each position of a tile from n0 (``_mma_tile_t``'s order): position p is column
+    c = p % (BLOCK_N / 2) of the word grid (lane group c % 8 of 16-column tile c // 8), its high nibble (the
+    column 8 on) where p >= BLOCK_N / 2."""
     p = tl.arange(0, BLOCK_N)
-    return n0 + 16 * (p // 16) + 8 * (p % 2) + (p // 2) % 8
+    c = p % (BLOCK_N // 2)
+    return n0 + 16 * (c // 8) + 8 * (p // (BLOCK_N // 2)) + c % 8
 
 
 @triton.jit
-def _mma_tile(qw_ptr, k0, n0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """AWQ_MMA's q [BLOCK_K, BLOCK_N] at rows k0.. (a multiple of 64), columns n0.. (of 16) in ``mma_columns``'
-    order: word (tile t, super-step s, lane 4 g + quad, u) is at ((t K/64 + s) 32 + 4 g + quad) 4 + u and holds
-    rows 64 s + 16 quad + 4 u + 0..3 of columns 16 t + g, 16 t + g + 8, so a [BLOCK_K / 4, BLOCK_N / 2] grid of
-    words (row 4 quad + u of each super-step, column 8 t + g) unpacks to [BLOCK_K / 4, 4, BLOCK_N / 2, 2]."""
-    r = tl.arange(0, BLOCK_K // 4)
+def _mma_tile_t(qw_ptr, k0, n0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """AWQ_MMA's q, transposed: [BLOCK_N, BLOCK_K] at rows k0.. (a multiple of 64) in order, columns n0.. (of
+    16) in ``mma_columns``' order. Word (tile t, super-step s, lane 4 g + quad, u) is at ((t K/64 + s) 32 + 4 g +
+    quad) 4 + u and holds rows 64 s + 16 quad + 4 u + 0..3 of columns 16 t + g and 16 t + g + 8: a [BLOCK_N / 2,
+    BLOCK_K / 4] grid of words (column 8 t + g, row 4 quad + u of each super-step; 16 contiguous words a
+    column and super-step) unpacks, by one broadcast shift, to [2 (high), BLOCK_N / 2, BLOCK_K / 4, 4 (k)]:
+    already in order, so the reshape moves no element."""
     c = tl.arange(0, BLOCK_N // 2)
+    r = tl.arange(0, BLOCK_K // 4)
     step = k0 // 64 + r // 16
     tile = n0 // 16 + c // 8
-    offs = (tile[None, :].to(tl.int64) * (K // 64) + step[:, None]) * 128 + 16 * (c % 8)[None, :] + (r % 16)[:, None]
-    words = tl.load(qw_ptr + offs)
-    kk = tl.arange(0, 4)[:, None]
-    high = tl.arange(0, 2)[None, :]
+    offs = (tile[:, None].to(tl.int64) * (K // 64) + step[None, :]) * 128 + 16 * (c % 8)[:, None] + (r % 16)[None, :]
+    words = tl.load(qw_ptr + offs)  # [BLOCK_N / 2, BLOCK_K / 4]
+    high = tl.arange(0, 2)[:, None, None, None]
+    kk = tl.arange(0, 4)[None, None, None, :]
     # nibble i holds k offset MMA_K_OF_NIBBLE[i] = (0, 0, 2, 2, 1, 1, 3, 3)[i] and column 8 (i % 2) on:
-    # k offset kk is nibble 4 (kk % 2) + 2 (kk // 2) + high
-    shift = 4 * (4 * (kk % 2) + 2 * (kk // 2) + high)  # [4, 2]
-    q = (words[:, None, :, None] >> shift[None, :, None, :]) & 15
-    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+    # k offset kk of the high column or not is nibble 4 (kk % 2) + 2 (kk // 2) + high
+    shift = 4 * (4 * (kk % 2) + 2 * (kk // 2) + high)  # [2, 1, 1, 4]
+    q = (words[None, :, :, None] >> shift) & 15
+    return tl.reshape(q, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _mma_weight_t(qw_ptr, qz_ptr, s_ptr, k0, n0, N, K, group_size, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """AWQ_MMA's dequantized weight, transposed: [BLOCK_N, BLOCK_K] float32, columns in ``mma_columns``' order
+    (K and N whole tiles, a tile in one group)."""
+    q = _mma_tile_t(qw_ptr, k0, n0, K, BLOCK_K, BLOCK_N)
+    cols = mma_columns(n0, BLOCK_N)
+    g = k0 // group_size
+    z = (tl.load(qz_ptr + g * (N // 8) + cols // 8)[:, None] >> _awq_shift(cols % 8)[:, None]) & 15
+    return (q - z).to(tl.float32) * tl.load(s_ptr + g * N + cols)[:, None].to(tl.float32)
 
 
 @triton.jit
 def _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, n0, N, K, group_size,
-                 IS_AWQ: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MMA: tl.constexpr = False):
-    """The dequantized weight w[k0 : k0 + BLOCK_K, n0 : n0 + BLOCK_N], float32 (K and N whole tiles; MMA:
-    AWQ_MMA's, columns in ``mma_columns``' order, IS_AWQ and ONE_GROUP with it)."""
+                 IS_AWQ: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dequantized weight w[k0 : k0 + BLOCK_K, n0 : n0 + BLOCK_N], float32 (K and N whole tiles)."""
     k = k0 + tl.arange(0, BLOCK_K)
     n = n0 + tl.arange(0, BLOCK_N)
     words = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # the int32 columns of qweight (AWQ) and qzeros
-    if MMA:
-        q = _mma_tile(qw_ptr, k0, n0, K, BLOCK_K, BLOCK_N)
-        cols = mma_columns(n0, BLOCK_N)
-        g = k0 // group_size
-        z = (tl.load(qz_ptr + g * (N // 8) + cols // 8)[None, :] >> _awq_shift(cols % 8)[None, :]) & 15
-        return (q - z).to(tl.float32) * tl.load(s_ptr + g * N + cols)[None, :].to(tl.float32)
     if IS_AWQ:
         q = _columns(tl.load(qw_ptr + k[:, None].to(tl.int64) * (N // 8) + words[None, :]), BLOCK_N, True)
     else:  # GPTQ: int32 row r holds input rows 8r .. 8r + 7
@@ -142,16 +149,28 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, out_ptr, M, N,
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = mma_columns(pid_n * BLOCK_N, BLOCK_N) if MMA else pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
-        x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + k0 + tl.arange(0, BLOCK_K)[None, :],
-                    mask=m_ok[:, None], other=0.0)
-        w = _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, pid_n * BLOCK_N, N, K, group_size, IS_AWQ, ONE_GROUP,
-                         BLOCK_K, BLOCK_N, MMA)
-        if FP32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
+    if MMA:  # the weight as the MMA's A operand, [BLOCK_N, BLOCK_K] as it unpacks: out^T = W^T x^T
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
+            x_t = tl.load(x_ptr + m[None, :].to(tl.int64) * x_stride + k0 + tl.arange(0, BLOCK_K)[:, None],
+                          mask=m_ok[None, :], other=0.0)
+            w_t = _mma_weight_t(qw_ptr, qz_ptr, s_ptr, k0, pid_n * BLOCK_N, N, K, group_size, BLOCK_K, BLOCK_N)
+            if FP32:
+                acc_t += tl.dot(w_t, x_t.to(tl.float32), input_precision="ieee")
+            else:
+                acc_t += tl.dot(w_t.to(x_t.dtype), x_t)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
+            x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + k0 + tl.arange(0, BLOCK_K)[None, :],
+                        mask=m_ok[:, None], other=0.0)
+            w = _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, pid_n * BLOCK_N, N, K, group_size, IS_AWQ, ONE_GROUP,
+                             BLOCK_K, BLOCK_N)
+            if FP32:
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
     if SPLIT:
         out_ptr += split.to(tl.int64) * M * N
     elif HAS_BIAS:
@@ -208,7 +227,10 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         return (out if bias is None else out + bias.float()).to(x.dtype)
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     row_tiles = triton.cdiv(rows, block_m)
-    splits = split_k(n, k, block_n, block_k, row_tiles) if row_tiles * (n // block_n) < TARGET_PROGRAMS // 4 else 1
+    # K split only for one row tile of up to 16 rows (a few rows past the GEMVs'); larger tiles keep the
+    # whole K, as before the split existed
+    few = block_m == 16 and n // block_n < TARGET_PROGRAMS // 4
+    splits = split_k(n, k, block_n, block_k, row_tiles) if few else 1
     per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, per_split)
     out = torch.empty((splits, rows, n) if splits > 1 else (rows, n), dtype=torch.float32 if splits > 1 else x.dtype,
