@@ -16,7 +16,8 @@
 #   bash benchmarks/quant_gpu.sh int4       AWQ as stored against AWQ_MMA (the layout the platform converts AWQ weights to):
 #                                           the INT4 tests, benchmarks/quant_gpu_int4.py's per-projection timings at
 #                                           1-1024 rows, then batch-1 AWQ latency and AWQ 256 x 512/256 throughput under
-#                                           the default (AWQ_MMA) and int4_gemv_mma=0 (the stored layout) (<= 560 s)
+#                                           the default (AWQ_MMA), int4_gemv_mma=0 (the stored layout) and (throughput)
+#                                           int4_mma_gemm_a=1 (the GEMM's other operand order) (<= 560 s)
 #   bash benchmarks/quant_gpu.sh ncu        the one-row GEMVs of an 8B layer (AWQ float32 / packed, FP8 default / MMA)
 #                                           under Nsight Compute: DRAM %, occupancy, issue %, stall reasons
 #                                           (benchmarks/quant_gpu_ncu.py; needs the Firecracker runtime's ncu; <= 300 s)
@@ -210,8 +211,8 @@ if [ "$MODE" = int4 ]; then
     KEEP="Decode per token|weight|rror" TAIL=6 run_step "latency_awq_$layout" 70 env PODIUM_CUDA_TUNING="$SETTING" \
       podium bench latency "${MODEL[@]}" --quantization awq "${LATENCY[@]}" --json-out "$OUT/latency_awq_$layout.json"
   done
-  for layout in mma awq; do
-    SETTING=""; [ $layout = awq ] && SETTING="int4_gemv_mma=0"
+  for layout in mma awq mma_a; do
+    SETTING=""; [ $layout = awq ] && SETTING="int4_gemv_mma=0"; [ $layout = mma_a ] && SETTING="int4_mma_gemm_a=1"
     KEEP="Output tokens/s|rror" TAIL=4 run_step "throughput_awq_$layout" 100 env PODIUM_CUDA_TUNING="$SETTING" \
       podium bench throughput "${MODEL[@]}" --quantization awq "${THROUGHPUT[@]}" --json-out "$OUT/throughput_awq_$layout.json"
   done

@@ -197,15 +197,21 @@ class KernelTuning:
     # a model's AWQ weights converted at preparation to the contract's AWQ_MMA layout (Marlin-style, in
     # place: the same bytes), whose one row takes the tensor cores' warp MMA (awq_mma_gemv.py): on the
     # H200 an 8B layer's four linears at one row 60.0 us against awq_gemv's 153.6, batch-1 decode 2.46 ms
-    # a token against 5.46; more rows int4.py's GEMM over either layout. Its warps a program and the
+    # a token against 5.46; on an H100 1-8 rows 0.23-0.50x the stored layout's time, but more rows go to
+    # int4.py's GEMM over AWQ_MMA, 256 x 512/256 at 0.91x the stored layout's throughput (the price of one
+    # copy: issue 31 holds a quantized model to 1.1x its packed size). Its warps a program and the
     # programs a multiprocessor its split of the groups aims at (awq_mma_gemv.config; 8 and never split:
     # the fastest of eight settings, 60.0 us a layer against 66-73)
     int4_gemv_mma: bool = True
     int4_mma_warps: int = 8
+    int4_mma_programs: int = 0
     # AWQ_MMA rows up to this many (at most 8: an x row a column of the MMA's B) take the MMA GEMV, more
     # int4.py's GEMM
     int4_mma_max_rows: int = 8
-    int4_mma_programs: int = 0
+    # int4.py's GEMM over AWQ_MMA: the weight tile as the MMA's A operand, unpacked transposed in k order
+    # from 16-byte loads (out^T = W^T x^T), instead of the B operand unpacked across the words (checked on
+    # the H100: 256 x 512/256 0.91x the stored layout's throughput). Off until quant_gpu.sh int4 times it
+    int4_mma_gemm_a: bool = False
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
