@@ -29,14 +29,14 @@ def test_api_version_is_semantic_and_matches_the_distribution():
     assert Platform.api_version == API_VERSION  # a plugin that declares nothing targets this API
 
 
-def test_the_contract_is_2_7_and_2_0_to_2_6_plugins_still_load():
+def test_the_contract_is_2_8_and_2_0_to_2_7_plugins_still_load():
     """1.x plugins (the contract before its renovation) are refused with the major-version reason; 2.1
     added tensor parallelism's pieces (rank_device, communicator), 2.2 quantization methods and the
     GGUF/fp8 ops (references as defaults), 2.3 the batch-invariant mode (Capabilities.batch_invariant,
     use_batch_invariant_kernels), 2.4 the apply_token_bitmask, int4_linear and batched LoRA ops
     (references as defaults), 2.5 quantized layers naming their op (quantized_call), 2.6 LoRAMapping.num_slotted_rows, 2.7
-    Platform.device_key, so plugins built for 2.0 to 2.6 keep running."""
-    assert API_VERSION == "2.7.0"
+    Platform.device_key, 2.8 the AWQ_MMA INT4 layout, so plugins built for 2.0 to 2.7 keep running."""
+    assert API_VERSION == "2.8.0"
     assert "major versions differ" in compatibility_problem("1.6", API_VERSION)
     assert compatibility_problem("2.0", API_VERSION) is None
     assert compatibility_problem("2.1.0", API_VERSION) is None
@@ -45,7 +45,8 @@ def test_the_contract_is_2_7_and_2_0_to_2_6_plugins_still_load():
     assert compatibility_problem("2.4", API_VERSION) is None
     assert compatibility_problem("2.5", API_VERSION) is None
     assert compatibility_problem("2.6", API_VERSION) is None
-    assert "needs plugin API 2.8" in compatibility_problem("2.8", API_VERSION)
+    assert compatibility_problem("2.7", API_VERSION) is None
+    assert "needs plugin API 2.9" in compatibility_problem("2.9", API_VERSION)
 
 
 @pytest.mark.parametrize("plugin", ["1.0", "1.0.7", "1.2.0", "1.3"])

@@ -40,11 +40,15 @@ Minor versions:
 - 2.7: ``Platform.device_key`` (which hardware device a process computes on, equal for processes
   that share it), reported to a router so co-located replicas' queues count as one device's. A 2.0
   to 2.6 plugin inherits the default (host, device type, index).
+- 2.8: the INT4 layout ``AWQ_MMA`` (``podium_plugin_api.int4``: AWQ with qweight in the order of
+  ``mma.m16n8k16``'s A fragments; ``awq_to_mma`` / ``pack_mma`` / ``unpack_mma``, read by ``dequantize``
+  and the ``int4_linear`` reference), which a platform may convert a model's AWQ layers to in
+  ``prepare_model``. A 2.0 to 2.7 plugin never sees it: only a platform that converts produces it.
 """
 
 from __future__ import annotations
 
-API_VERSION = "2.7.0"
+API_VERSION = "2.8.0"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
