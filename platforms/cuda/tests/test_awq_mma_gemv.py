@@ -228,6 +228,16 @@ def test_convert_model_turns_awq_layers_into_awq_mma_in_place(kernel_device):
         assert (got.double().cpu() - want).abs().max().item() <= 3e-3 * want.abs().max().item(), rows
 
 
+@pytest.mark.cuda
+def test_awq_mma_gemv_refuses_more_rows_than_b_has_columns(kernel_device):
+    from podium_cuda.int4_gemv import int4_gemv
+
+    packed = {name: t.to(kernel_device) for name, t in random_packed(AWQ, 128, 16, 64).items()}
+    x = torch.randn(9, 128).to(kernel_device, torch.float16)
+    with pytest.raises(ValueError, match="1 to 8 rows, not 9"):
+        int4_gemv(x, awq_to_mma(packed["qweight"]), packed["qzeros"], packed["scales"], 64, AWQ_MMA)
+
+
 def int4_linear_on(x: torch.Tensor, layer: _Layer) -> torch.Tensor:
     from podium_cuda.int4 import int4_linear as kernel
 

@@ -363,6 +363,8 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
     """out [M, N] in x's dtype (``summed``, given for ADD_RMSNORM, receives x + residual) of an AWQ_MMA weight;
     ``takes`` must hold and the caller has checked the prologue's arguments (int4_gemv.int4_gemv)."""
     k, n = packed_shape(qweight, AWQ_MMA)
+    if not 1 <= x.shape[0] <= MAX_ROWS:  # B has 8 columns: a ninth row would be dropped, not computed
+        raise ValueError(f"awq_mma_gemv takes 1 to {MAX_ROWS} rows, not {x.shape[0]} (int4.py's GEMM takes more)")
     pdl = tuning.gemv_pdl and dependent_launch(x.device)
     h, sums, up = prepare(x, k, group_size, prologue, residual, norm_weight, eps, summed, pdl)
     warps, splits = config(n, k, group_size, _multiprocessors(x.device), tuning)
