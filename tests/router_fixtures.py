@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from ports import free_port  # re-exported: the router tests take it from here
+
+from podium.parallel.group import free_port  # re-exported: the router tests take it from here
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent

@@ -18,9 +18,9 @@ import time
 
 import httpx
 import pytest
-from ports import free_port
 
 from podium.cli import main
+from podium.parallel.group import free_port
 
 pytestmark = pytest.mark.slow
 

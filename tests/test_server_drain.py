@@ -22,7 +22,8 @@ import time
 
 import httpx
 import pytest
-from ports import free_port
+
+from podium.parallel.group import free_port
 
 PODIUM = pathlib.Path(sys.executable).parent / "podium"
 

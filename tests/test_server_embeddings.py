@@ -20,7 +20,8 @@ import pytest
 import torch
 from minilm_fixture import MINILM_SENTENCES, minilm_folder
 from model_fixtures import save_tiny_model
-from ports import free_port
+
+from podium.parallel.group import free_port
 
 openai = pytest.importorskip("openai")
 

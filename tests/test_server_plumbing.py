@@ -20,9 +20,9 @@ import time
 import httpx
 import pytest
 import uvicorn
-from ports import free_port
 from scripted_engine import LETTERS, Knobs, LetterTokenizer, ScriptedEngine, broken_engine, expected
 
+from podium.parallel.group import free_port
 from podium_server.app import create_app
 from podium_server.async_engine import AsyncEngine
 from podium_server.process_engine import ProcessEngine

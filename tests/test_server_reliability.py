@@ -21,12 +21,12 @@ import pytest
 import torch
 import uvicorn
 from model_fixtures import TINY, save_tiny_model
-from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from scripted_engine import FAULT_SEED, LETTERS, Knobs, ScriptedEngine, expected
 
 from podium.engine import LLMEngine
 from podium.errors import StepFault
+from podium.parallel.group import free_port
 from podium_server.app import create_app
 from podium_server.json_limits import JsonLimits, check_json_body, json_depth
 from podium_server.process_engine import ProcessEngine

@@ -19,7 +19,8 @@ import time
 
 import httpx
 import pytest
-from ports import free_port
+
+from podium.parallel.group import free_port
 
 if importlib.util.find_spec("schemathesis") is None:
     pytest.skip("needs schemathesis (the dev dependency group)", allow_module_level=True)

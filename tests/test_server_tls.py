@@ -16,9 +16,9 @@ import time
 import httpx
 import pytest
 import uvicorn
-from ports import free_port
 from scripted_engine import ScriptedEngine, expected
 
+from podium.parallel.group import free_port
 from podium_server.app import create_app
 from podium_server.cli import uvicorn_config
 from podium_server.settings import ServerSettings

@@ -20,7 +20,8 @@ import time
 import httpx
 import pytest
 from model_fixtures import ARCHITECTURES, save_tiny_model
-from ports import free_port
+
+from podium.parallel.group import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -234,7 +234,9 @@ def _node_ip() -> str:
 def _free_port() -> int:
     """A port nothing is bound to now, for a replica's server, below the kernel's ephemeral range (Linux:
     ``ip_local_port_range``): a port from bind(0) is one an outgoing connection may take before the replica
-    binds it, and a tensor-parallel replica's ranks connect to each other while its server starts."""
+    binds it, and a tensor-parallel replica's ranks connect to each other while its server starts. (The
+    core's ``podium.parallel.group.free_port`` picks the same way for localhost; the router never imports
+    the core, and its replicas may listen on every interface.)"""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             high = int(f.read().split()[0])

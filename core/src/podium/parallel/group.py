@@ -9,6 +9,7 @@ tensors, whatever the device's backend.
 
 from __future__ import annotations
 
+import random
 import socket
 from datetime import timedelta
 
@@ -23,8 +24,34 @@ from .sharding import Split, check_split, connect_model, shard_model
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 
 
+_PORTS = random.Random()  # seeded from the OS: concurrent processes pick different ports
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux: ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that nothing is bound to now, for a listener started afterwards (the group's
+    rendezvous, a test's server). It comes from below the ephemeral range: a port from bind(0) is one any
+    outgoing connection may take before the listener binds it, and the ranks connect to each other while
+    a server starts (``podium serve -tp 2`` then failed to bind, "address already in use")."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for _ in range(500):
+        port = _PORTS.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every port below the range taken: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
