@@ -56,7 +56,7 @@ def packed_shape(qweight: torch.Tensor, fmt: str) -> tuple[int, int]:
 
 def _mma_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[K, N] -> [N/16, K/64, 8 g, 4 quad, 4 u, 8 nibble] in AWQ_MMA's word order (k = 64s + 16 quad + 4u +
-    MMA_K_OF_NIBBLE[i], n = 16t + g + 8 (i % 2)); a view-and-copy, its own inverse's shapes below."""
+    MMA_K_OF_NIBBLE[i], n = 16t + g + 8 (i % 2)); ``unpack_mma`` undoes it."""
     k, n = q.shape
     q = q.reshape(k // 64, 4, 4, 4, n // 16, 2, 8).permute(4, 0, 6, 1, 2, 3, 5)  # [t, s, g, quad, u, kk, high]
     return q[:, :, :, :, :, list(MMA_K_OF_NIBBLE[::2]), :].reshape(n // 16, k // 64, 8, 4, 4, 8)

@@ -17,7 +17,7 @@ act-order, BLOCK_K dividing the group), else per input row through ``g_idx`` (ac
   deterministic);
 - more rows (and AWQ_MMA rows the MMA GEMV does not take): a tiled GEMM, the tile rounded to the
   activations' dtype (bf16/fp16: tensor cores; float32: exact products) into float32 sums; K split
-  the same way while the row and column tiles alone make too few programs (a few rows).
+  the same way for one row tile of up to 16 rows whose column tiles alone make too few programs.
 """
 
 from __future__ import annotations
@@ -217,9 +217,9 @@ def _takes(x: torch.Tensor, n: int, k: int, fmt: str, block_k: int, block_n: int
         and n % block_n == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def split_k(n: int, k: int, block_n: int = GEMV_BLOCK_N, block_k: int = GEMV_BLOCK_K, tiles: int = 1) -> int:
-    """How many programs share a column block's K (``tiles`` row tiles of them): enough to reach TARGET_PROGRAMS."""
-    wanted = triton.cdiv(TARGET_PROGRAMS, tiles * (n // block_n))
+def split_k(n: int, k: int, block_n: int = GEMV_BLOCK_N, block_k: int = GEMV_BLOCK_K) -> int:
+    """How many programs share a column block's K: enough to reach TARGET_PROGRAMS."""
+    wanted = triton.cdiv(TARGET_PROGRAMS, n // block_n)
     return max(1, min(wanted, k // block_k))
 
 
@@ -263,7 +263,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     # K split only for one row tile of up to 16 rows (a few rows past the GEMVs'); larger tiles keep the
     # whole K, as before the split existed
     few = block_m == 16 and n // block_n < TARGET_PROGRAMS // 4
-    splits = split_k(n, k, block_n, block_k, row_tiles) if few else 1
+    splits = split_k(n, k, block_n, block_k) if few else 1
     per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, per_split)
     out = torch.empty((splits, rows, n) if splits > 1 else (rows, n), dtype=torch.float32 if splits > 1 else x.dtype,
