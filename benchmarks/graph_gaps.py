@@ -1,12 +1,13 @@
 """How much of a decode step is idle GPU: inside the captured graph, and between the engine's steps.
 
     python3 benchmarks/graph_gaps.py --model llama-3.1-8b-shape --sizes 256 1 [--trace-dir DIR] [--kv-cache-dtype fp8]
+        [--quantization fp8|awq]
 
 For each batch size, ``size`` requests of ``--prompt-len`` tokens run until every one of them
 decodes (so the captured graph's buffers hold a full step: lengths, block tables), then:
 1. the graph's replay alone: wall time by CUDA events (median of ``--replays``), and one profiled
    replay's kernels (torch.profiler's Chrome trace): count, summed duration, the idle time between
-   consecutive kernels totalled by the kernel that follows the gap;
+   consecutive kernels totalled by the kernel that follows the gap, and the kernels' time by family;
 2. ``--steps`` engine steps as the engine runs them (async scheduling where it is on), profiled:
    the GPU's span, its busy time (kernels, copies, memsets), and the largest idle gaps with the
    operations on either side: what the GPU waits for between steps (host work on the critical path).
@@ -83,8 +84,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="engine steps profiled after the replays")
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 or awq (online, as `podium bench` takes it)")
     args = parser.parse_args()
-    llm = LLM(args.model, max_model_len=1024, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, max_model_len=1024, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     engine, runner = llm.engine, llm.engine.runner
     vocab = engine.source.hf_config.vocab_size
     rng = random.Random(0)
@@ -115,6 +117,12 @@ def main() -> None:
             by_next[after][1] += 1
         for name, (total, count) in sorted(by_next.items(), key=lambda kv: -kv[1][0]):
             print(f"    idle before {name:48s} {total:8.1f} us over {count:4d} gaps ({total / count:5.2f} us each)")
+        by_family = collections.defaultdict(lambda: [0.0, 0])
+        for kernel in kernels:
+            by_family[short(kernel["name"])][0] += kernel["dur"]
+            by_family[short(kernel["name"])][1] += 1
+        for name, (total, count) in sorted(by_family.items(), key=lambda kv: -kv[1][0]):
+            print(f"    busy in {name:48s} {total:8.1f} us over {count:4d} operations ({total / count:6.2f} us each)")
 
         def steps():
             for _ in range(args.steps):

@@ -17,7 +17,9 @@
 #                                           the INT4 tests, benchmarks/quant_gpu_int4.py's per-projection timings at
 #                                           1-1024 rows, then batch-1 AWQ latency and AWQ 256 x 512/256 throughput under
 #                                           the default (AWQ_MMA), int4_gemv_mma=0 (the stored layout) and (throughput)
-#                                           int4_mma_gemm_a=1 (the GEMM's other operand order) (<= 560 s)
+#                                           int4_mma_gemm_a=1 (the GEMM's other operand order), then where the
+#                                           budget lasts a batch-1 step's kernels by family, AWQ and FP8
+#                                           (benchmarks/graph_gaps.py) (<= 560 s)
 #   bash benchmarks/quant_gpu.sh ncu        the one-row GEMVs of an 8B layer (AWQ float32 / packed, FP8 default / MMA)
 #                                           under Nsight Compute: DRAM %, occupancy, issue %, stall reasons
 #                                           (benchmarks/quant_gpu_ncu.py; needs the Firecracker runtime's ncu; <= 300 s)
@@ -215,6 +217,10 @@ if [ "$MODE" = int4 ]; then
     SETTING=""; [ $layout = awq ] && SETTING="int4_gemv_mma=0"; [ $layout = mma_a ] && SETTING="int4_mma_gemm_a=1"
     KEEP="Output tokens/s|rror" TAIL=4 run_step "throughput_awq_$layout" 100 env PODIUM_CUDA_TUNING="$SETTING" \
       podium bench throughput "${MODEL[@]}" --quantization awq "${THROUGHPUT[@]}" --json-out "$OUT/throughput_awq_$layout.json"
+  done
+  for fmt in awq fp8; do  # where a batch-1 decode step's time goes: the replayed graph's kernels by family
+    KEEP="^graph|busy in|rror|Traceback" TAIL=30 run_step "gaps_$fmt" 90 python3 benchmarks/graph_gaps.py --sizes 1 \
+      --prompt-len 32 --steps 4 --kv-cache-dtype fp8 --quantization $fmt
   done
   finish
   exit 0
