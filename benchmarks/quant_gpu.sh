@@ -8,16 +8,16 @@
 #   bash benchmarks/quant_gpu.sh accum      the FP8 kernel tests, then the 8B 256 x 512/256 FP8 run with
 #                                           _scaled_mm's fast accumulation off and on, alternated, and bf16
 #                                           weights once (<= 540 s; "ratio" lines against each other)
-#   bash benchmarks/quant_gpu.sh mma        the warp-MMA GEMVs (FP8: fp8_mma_gemv.py; AWQ: awq_mma_gemv.py): their tests
-#                                           and the FP8 / INT4 GEMV tests, the one-row timings (FP8 default, quantize-
-#                                           first, mma; AWQ default, packed, mma) with both MMAs' settings swept, then
+#   bash benchmarks/quant_gpu.sh mma        the warp-MMA GEMVs (FP8: fp8_mma_gemv.py; AWQ: awq_mma_gemv.py): their tests,
+#                                           the one-row timings (FP8 default, mma; AWQ default, mma) with both MMAs'
+#                                           settings swept, then
 #                                           batch-1 AWQ and FP8 latency under the MMA settings and the default, then
-#                                           while the budget lasts FP8 (MMA settings) and bf16 256 x 512/256 (<= 560 s)
+#                                           while the budget lasts FP8 (MMA settings) and bf16 256 x 512/256 (<= 560 s;
+#                                           SWEEPS=awq / FORMATS=awq: only AWQ's sweep / latency, TESTS: pytest -k)
 #   bash benchmarks/quant_gpu.sh int4       AWQ as stored against AWQ_MMA (the layout the platform converts AWQ weights to):
 #                                           the INT4 tests, benchmarks/quant_gpu_int4.py's per-projection timings at
 #                                           1-1024 rows, then batch-1 AWQ latency and AWQ 256 x 512/256 throughput under
-#                                           the default (AWQ_MMA), int4_gemv_mma=0 (the stored layout) and (throughput)
-#                                           int4_mma_gemm_a=1 (the GEMM's other operand order), then where the
+#                                           the default (AWQ_MMA) and int4_gemv_mma=0 (the stored layout), then where the
 #                                           budget lasts a batch-1 step's kernels by family, AWQ and FP8
 #                                           (benchmarks/graph_gaps.py) (<= 560 s)
 #   bash benchmarks/quant_gpu.sh ncu        the one-row GEMVs of an 8B layer (AWQ float32 / packed, FP8 default / MMA)
@@ -179,16 +179,15 @@ fi
 if [ "$MODE" = mma ]; then
   XDIST=()
   python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-  KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE \
-    "${XDIST[@]}" platforms/cuda/tests/test_fp8_mma_gemv.py platforms/cuda/tests/test_awq_mma_gemv.py \
-    platforms/cuda/tests/test_fp8_gemv.py platforms/cuda/tests/test_fp8_quant.py platforms/cuda/tests/test_int4_gemv.py
+  KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 70 python3 -m pytest -q -p no:cacheprovider -rfE \
+    "${XDIST[@]}" platforms/cuda/tests/test_awq_mma_gemv.py -k "${TESTS:-default or groups or split or config}"
   KEEP=$FIGURES TAIL=400 run_step one_row 200 python3 benchmarks/quant_gpu_one_row.py --mma-only-sweep \
-    --variants "fp8 quantize-first,fp8 mma,awq packed,awq mma"
+    --variants "fp8 mma,awq mma" --mma-sweeps "${SWEEPS:-fp8,awq}"
   MEASURED=$(grep -E "^mma: " "$OUT/one_row.log" 2>/dev/null | grep -oE "PODIUM_CUDA_TUNING=[^ ]+" | tail -1 | cut -d= -f2-)
   echo "the MMA GEMVs' fastest settings: ${MEASURED:=fp8_gemv_mma=1,int4_gemv_mma=1}" | tee -a "$SUMMARY"
   # batch 1 under the MMA settings and the default, AWQ first (its GEMV is the newer one), then, while the
   # budget lasts, FP8 and bf16 throughput in the same call
-  for fmt in awq fp8; do
+  for fmt in ${FORMATS:-awq fp8}; do
     KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_mma" 70 env PODIUM_CUDA_TUNING="$MEASURED" podium bench \
       latency "${MODEL[@]}" --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_${fmt}_mma.json"
     KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_default" 70 podium bench latency "${MODEL[@]}" \
@@ -204,7 +203,7 @@ fi
 if [ "$MODE" = int4 ]; then
   XDIST=()
   python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-  KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 150 python3 -m pytest -q -p no:cacheprovider -rfE \
+  KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 200 python3 -m pytest -q -p no:cacheprovider -rfE \
     "${XDIST[@]}" platforms/cuda/tests/test_awq_mma_gemv.py platforms/cuda/tests/test_int4_kernels.py \
     platforms/cuda/tests/test_int4_gemv.py platforms/cuda/tests/test_fused_linear.py
   KEEP="^check|^time|^layer|rror|Traceback" TAIL=80 run_step int4_layouts 120 python3 benchmarks/quant_gpu_int4.py
@@ -213,8 +212,8 @@ if [ "$MODE" = int4 ]; then
     KEEP="Decode per token|weight|rror" TAIL=6 run_step "latency_awq_$layout" 70 env PODIUM_CUDA_TUNING="$SETTING" \
       podium bench latency "${MODEL[@]}" --quantization awq "${LATENCY[@]}" --json-out "$OUT/latency_awq_$layout.json"
   done
-  for layout in mma awq mma_a; do
-    SETTING=""; [ $layout = awq ] && SETTING="int4_gemv_mma=0"; [ $layout = mma_a ] && SETTING="int4_mma_gemm_a=1"
+  for layout in mma awq; do
+    SETTING=""; [ $layout = awq ] && SETTING="int4_gemv_mma=0"
     KEEP="Output tokens/s|rror" TAIL=4 run_step "throughput_awq_$layout" 100 env PODIUM_CUDA_TUNING="$SETTING" \
       podium bench throughput "${MODEL[@]}" --quantization awq "${THROUGHPUT[@]}" --json-out "$OUT/throughput_awq_$layout.json"
   done

@@ -7,9 +7,8 @@ check (PASS / FAIL lines, relative max error against the float64 reference, bf16
 ``int4_linear`` at 1, 2, 5 and 64 rows of the qkv shape.
 time: microseconds a call (timed(): CUDA events over a CUDA graph of 20 calls, median of 7) per projection
 and row count: bf16 cuBLAS, AWQ as stored (rows <= int4_gemv_max_rows: int4_gemv.py's split-K GEMV, more:
-int4.py's GEMM), AWQ_MMA (up to 8 rows: awq_mma_gemv.py; more: int4.py's GEMM over the MMA layout, the
-weight as the dot's B operand, "mma", or its A operand, "mma a" (``int4_mma_gemm_a``); K split for one tile
-of up to 16 rows); then a layer's four projections summed, "ratio mma / awq" per row count.
+int4.py's GEMM), AWQ_MMA (up to 8 rows: awq_mma_gemv.py; more: int4.py's GEMM over the MMA layout; K split
+for one tile of up to 16 rows); then a layer's four projections summed, "ratio mma / awq" per row count.
 ``--device cpu`` runs the checks at small shapes under TRITON_INTERPRET=1 (float32 rows).
 """
 
@@ -40,10 +39,8 @@ def check(device: str) -> list[str]:
     for rows in (1, 2, 5, 64):
         x = torch.randn(rows, k, generator=gen).to(device, dtype)
         want = x.double().cpu() @ w
-        for label, fmt, qweight, t in (("awq", AWQ, on["qweight"], tuning()),
-                                       ("mma", AWQ_MMA, awq_to_mma(on["qweight"]), tuning()),
-                                       ("mma a", AWQ_MMA, awq_to_mma(on["qweight"]), tuning(int4_mma_gemm_a=True))):
-            got = int4_linear(x, qweight, on["qzeros"], on["scales"], None, 128, fmt, tuning=t)
+        for label, fmt, qweight in (("awq", AWQ, on["qweight"]), ("mma", AWQ_MMA, awq_to_mma(on["qweight"]))):
+            got = int4_linear(x, qweight, on["qzeros"], on["scales"], None, 128, fmt)
             lines.append(verdict(f"{label} rows {rows}", rel_error(got, want), 1e-2))
     return lines
 
@@ -53,11 +50,9 @@ def layouts(p: Projection, rows: int) -> dict[str, float]:
 
     x = torch.randn(rows, p.k, device="cuda", dtype=torch.bfloat16)
     mma, _ = awq_weight(p.awq[0], tuning(int4_gemv_mma=True))
-    a = tuning(int4_mma_gemm_a=True)
     return {"bf16": timed(lambda: F.linear(x, p.w)),
             "awq": timed(lambda: int4_linear(x, *p.awq, None, 128, AWQ)),
-            "mma": timed(lambda: int4_linear(x, mma, *p.awq[1:], None, 128, AWQ_MMA)),
-            "mma a": timed(lambda: int4_linear(x, mma, *p.awq[1:], None, 128, AWQ_MMA, tuning=a))}
+            "mma": timed(lambda: int4_linear(x, mma, *p.awq[1:], None, 128, AWQ_MMA))}
 
 
 def main() -> None:
@@ -75,10 +70,10 @@ def main() -> None:
         for name, t in per.items():
             print(f"time rows {rows:5d} {name:8s}: " + ", ".join(f"{label} {us:.1f} us" for label, us in t.items())
                   + f" (mma / awq x{t['mma'] / t['awq']:.2f})", flush=True)
-        total = {label: sum(t[label] for t in per.values()) for label in ("bf16", "awq", "mma", "mma a")}
-        print(f"layer rows {rows:5d}: bf16 {total['bf16']:.1f} us, awq {total['awq']:.1f}, mma {total['mma']:.1f}, "
-              f"mma a {total['mma a']:.1f}; ratio mma / awq x{total['mma'] / total['awq']:.3f}, mma a / awq "
-              f"x{total['mma a'] / total['awq']:.3f}, mma / bf16 x{total['mma'] / total['bf16']:.3f}", flush=True)
+        total = {label: sum(t[label] for t in per.values()) for label in ("bf16", "awq", "mma")}
+        print(f"layer rows {rows:5d}: bf16 {total['bf16']:.1f} us, awq {total['awq']:.1f}, mma {total['mma']:.1f}; "
+              f"ratio mma / awq x{total['mma'] / total['awq']:.3f}, mma / bf16 x{total['mma'] / total['bf16']:.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":

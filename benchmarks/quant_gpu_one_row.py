@@ -57,7 +57,7 @@ from podium_plugin_api.int4 import AWQ, dequantize, random_packed
 
 ONE_ROW_FIELDS = ("fp8_gemv_dot", "fp8_gemv_packed", "fp8_gemv_bits", "fp8_gemv_quantize_first", "fp8_gemv_mma")
 MMA_FIELDS = ("fp8_mma_warps", "fp8_mma_unroll", "fp8_mma_programs", "fp8_mma_prefetch")
-AWQ_MMA_FIELDS = ("int4_mma_warps", "int4_mma_programs")
+AWQ_MMA_FIELDS = ("int4_mma_warps", "int4_mma_programs", "int4_mma_groups")
 
 
 def _fp8(dot=False, packed=False, bits=False, first=False) -> dict:
@@ -115,7 +115,8 @@ def awq_call(qweight, qzeros, scales, x, prologue, residual, g, changes):
     return lambda: int4_gemv(x, weight, qzeros, scales, 128, fmt, None, code(prologue), residual, g, 1e-5, t)[0]
 
 
-def check(device: str) -> list[str]:
+def check(device: str, wanted: set[str] | None = None) -> list[str]:
+    """PASS / FAIL lines of every variant (or those ``wanted``) against the float64 references."""
     lines = []
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     bound = 5e-3 if device == "cpu" else 1e-2  # packed f16 sums: ~1e-3 of the max
@@ -129,7 +130,8 @@ def check(device: str) -> list[str]:
             q, s = quantize_per_token(separate(prologue, x, residual, g))
             want = (q.double() @ weight.double().t()) * s.double() * scale.double().t()
             for label, changes in distinct(FP8_VARIANTS).items():
-                if index and "packed" not in label and label not in ("fp8 default", "fp8 mma"):
+                if (index and "packed" not in label and label not in ("fp8 default", "fp8 mma")) or \
+                        (wanted and label not in wanted):
                     continue
                 err = rel_error(fp8_call(weight, scale, x, prologue, residual, g, changes)(), want)
                 lines.append(verdict(f"{label} {prologue or 'plain'} {n} x {k}", err, bound))
@@ -141,6 +143,8 @@ def check(device: str) -> list[str]:
         x, residual, g = prologue_inputs(prologue, 1, k, dtype, device, gen)
         want = separate(prologue, x, residual, g).double().cpu() @ w
         for label, changes in distinct(AWQ_VARIANTS).items():
+            if wanted and label not in wanted:
+                continue
             err = rel_error(awq_call(*on, x, prologue, residual, g, changes)(), want)
             lines.append(verdict(f"{label} {prologue or 'plain'} {n} x {k}", err, bound))
     return lines
@@ -306,10 +310,9 @@ def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tu
 
 # the warp-MMA GEMVs' settings a sweep times, the current default first
 MMA_SETTINGS = [dict(zip(MMA_FIELDS, values)) for values in
-                [(4, 4, 0, False), (4, 4, 8, False), (4, 4, 8, True), (4, 2, 8, False), (4, 2, 16, False),
-                 (8, 2, 8, False), (8, 4, 8, False), (2, 4, 8, False), (4, 4, 4, False), (4, 4, 16, False)]]
+                [(4, 4, 0, False), (4, 8, 0, False), (8, 4, 0, False), (2, 8, 0, False)]]
 AWQ_MMA_SETTINGS = [dict(zip(AWQ_MMA_FIELDS, values)) for values in
-                    [(8, 0), (4, 8), (4, 0), (8, 8), (2, 8), (4, 16), (4, 4), (1, 32)]]
+                    [(8, 0, 1), (8, 0, 2), (8, 0, 4), (4, 0, 2), (4, 0, 4), (16, 0, 2)]]
 
 
 def sweep_settings(what: str, copies: dict[str, Copies], base: dict, settings: list[dict], time_one) -> dict:
@@ -334,7 +337,7 @@ def sweep_mma(copies: dict[str, Copies], fp8_changes: dict) -> dict:
 
 
 def sweep_awq_mma(copies: dict[str, Copies], awq_changes: dict) -> dict:
-    """The AWQ warp-MMA GEMV's warps / programs a multiprocessor over a layer."""
+    """The AWQ warp-MMA GEMV's warps / programs a multiprocessor / groups a warp loads at once over a layer."""
     return sweep_settings("awq mma", copies, dict(awq_changes, int4_gemv_mma=True), AWQ_MMA_SETTINGS, time_awq)
 
 
@@ -355,14 +358,16 @@ def main() -> None:
                         help="comma-separated labels to time (e.g. 'fp8 default,fp8 mma,awq default'); all by default")
     parser.add_argument("--mma-only-sweep", action="store_true",
                         help="sweep only the warp-MMA GEMV's settings (not the other variants' tiles)")
+    parser.add_argument("--mma-sweeps", default="fp8,awq", help="with --mma-only-sweep: which MMA GEMVs' settings")
     args = parser.parse_args()
-    for text in check(args.device):
+    wanted = {label.strip() for label in args.variants.split(",")} | {"fp8 default", "awq default"} \
+        if args.variants else None
+    for text in check(args.device, wanted):
         print(text, flush=True)
     if args.device != "cuda":
         return
     fp8, awq = distinct(FP8_VARIANTS), distinct(AWQ_VARIANTS)
-    if args.variants:
-        wanted = {label.strip() for label in args.variants.split(",")} | {"fp8 default", "awq default"}
+    if wanted:
         fp8 = {label: changes for label, changes in fp8.items() if label in wanted}
         awq = {label: changes for label, changes in awq.items() if label in wanted}
     default = tuning()
@@ -385,8 +390,8 @@ def main() -> None:
     # the variants' choice now, in case the sweep does not finish; quant_gpu.sh takes the last tuning line
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)
     if args.mma_only_sweep:
-        mma = sweep_mma(copies, {})
-        awq_mma = sweep_awq_mma(copies, {})
+        mma = sweep_mma(copies, {}) if "fp8" in args.mma_sweeps else dict(fp8_gemv_mma=True)
+        awq_mma = sweep_awq_mma(copies, {}) if "awq" in args.mma_sweeps else dict(int4_gemv_mma=True)
         print(f"mma: PODIUM_CUDA_TUNING={setting(mma | awq_mma)}", flush=True)
         if tuning(**fp8_changes).fp8_gemv_mma:
             fp8_changes = mma

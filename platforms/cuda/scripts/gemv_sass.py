@@ -145,21 +145,22 @@ def mma_build(n: int, k: int, changes: dict, arch: int = 90):
 def awq_mma_build(n: int, k: int, changes: dict, arch: int = 90, group: int = 128, rows: int = 1):
     """(compiled, weights a thread handles per main-loop iteration: a group) of the AWQ warp-MMA GEMV
     (awq_mma_gemv.py: its launch as awq_mma_gemv would make it on a device of 132 multiprocessors) for
-    ``rows`` rows (one: the ONE_ROW build)."""
+    ``rows`` rows (one: the ONE_ROW build); weights: a chunk of groups."""
     from podium_cuda import awq_mma_gemv
     from podium_cuda.tuning import CUDA_TUNING
 
     tuning = dataclasses.replace(CUDA_TUNING, **changes)
-    warps, splits = awq_mma_gemv.config(n, k, group, 132, tuning)
+    warps, splits, chunk = awq_mma_gemv.config(n, k, group, 132, tuning)
     out = torch.zeros(1, n, dtype=torch.bfloat16)
     args = (out, torch.zeros(splits, n), torch.zeros(4096, dtype=torch.int32),
             torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32), torch.ones(k // group, n),
             torch.zeros(k // group, n // 8, dtype=torch.int32), out, torch.zeros(k // 2, dtype=torch.int32),
             torch.zeros(k // group), torch.ones(1), rows, n, k // awq_mma_gemv.STEP_K, k // group // (splits * warps),
             splits)
-    kwargs = {"WARPS": warps, "UNROLL": group // awq_mma_gemv.STEP_K, "HAS_BIAS": False, "PDL": True, "HW_ASM": True,
-              "ONE_ROW": rows == 1, "num_warps": warps, "num_stages": 1, "launch_pdl": True}
-    return compile_launch(awq_mma_gemv.awq_mma_gemv_kernel, (args, kwargs), arch), 32 * group // awq_mma_gemv.STEP_K
+    kwargs = {"WARPS": warps, "GROUP_STEPS": group // awq_mma_gemv.STEP_K, "CHUNK": chunk, "HAS_BIAS": False,
+              "PDL": True, "HW_ASM": True, "ONE_ROW": rows == 1, "num_warps": warps, "num_stages": 1, "launch_pdl": True}
+    return (compile_launch(awq_mma_gemv.awq_mma_gemv_kernel, (args, kwargs), arch),
+            32 * chunk * group // awq_mma_gemv.STEP_K)
 
 
 def per_weight(compiled, weights: float) -> tuple[float, collections.Counter]:

@@ -12,6 +12,7 @@ scaling), each warp / split setting; ``convert_model`` turning a model's AWQ lay
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -80,12 +81,13 @@ def test_config_gives_every_warp_whole_groups():
     from podium_cuda.tuning import CUDA_TUNING
 
     for n, k, group in [(4096, 4096, 128), (28672, 4096, 128), (4096, 14336, 128), (6144, 4096, 64), (48, 384, 128)]:
-        for programs in (0, 2, 8, 64):
-            for warps_wanted in (1, 4, 8):
-                tuning = dataclasses.replace(CUDA_TUNING, int4_mma_programs=programs, int4_mma_warps=warps_wanted)
-                warps, splits = config(n, k, group, 132, tuning)
-                assert (k // group) % (warps * splits) == 0 and 1 <= warps <= warps_wanted
-                assert splits == 1 or n // 16 * splits <= max(1, programs) * 132 + n // 16
+        for programs, warps_wanted, chunk_wanted in itertools.product((0, 2, 8, 64), (1, 4, 8), (1, 2, 4, 3)):
+            tuning = dataclasses.replace(CUDA_TUNING, int4_mma_programs=programs, int4_mma_warps=warps_wanted,
+                                         int4_mma_groups=chunk_wanted)
+            warps, splits, chunk = config(n, k, group, 132, tuning)
+            assert (k // group) % (warps * splits * chunk) == 0 and 1 <= warps <= warps_wanted
+            assert splits == 1 or n // 16 * splits <= max(1, programs) * 132 + n // 16
+            assert chunk & (chunk - 1) == 0 and 1 <= chunk <= max(chunk_wanted, 4) and chunk * group <= 256
 
 
 @pytest.mark.cuda
@@ -131,7 +133,8 @@ def sm80():
 
 
 SETTINGS = {"default": {}, "8-warps": {"int4_mma_warps": 8}, "1-warp-many-splits": {"int4_mma_warps": 1, "int4_mma_programs": 64},
-            "one-split": {"int4_mma_programs": 0}}
+            "one-split": {"int4_mma_programs": 0},
+            "groups-at-once": {"int4_mma_warps": 2, "int4_mma_groups": 4}}  # 2-4 groups a warp's loads
 
 
 @pytest.mark.cuda
@@ -147,7 +150,7 @@ def test_awq_mma_gemv(rows, setting, dtype, prologue, magnitude, k, n, group, ke
     the splits and the prologue launch as on the device, one x row a column of B (rows of different
     magnitudes: each its own f16 scaling). The interpreter takes the small shapes only."""
     check_dtype(dtype)
-    if kernel_device == "cpu" and (k * n > 1 << 20 or (rows > 1 and setting not in ("default", "1-warp-many-splits"))):
+    if kernel_device == "cpu" and (k * n > 1 << 20 or (rows > 1 and setting not in ("default", "1-warp-many-splits", "groups-at-once"))):
         pytest.skip("the interpreter takes the small shapes")
     sm80 = torch.device(kernel_device)
     from podium_cuda import fused_ops

@@ -81,17 +81,19 @@ def test_fp8_mma_gemv_loop(gemv_sass):
     assert count / weight_bytes < 0.6, f"{count / weight_bytes:.2f} instructions a weight byte: {dict(ops)}"
 
 
+@pytest.mark.parametrize("chunk", [1, 2])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("group", [64, 128, 256])
-def test_awq_mma_gemv_loop(gemv_sass, group, rows):
-    """The AWQ warp-MMA GEMV's main loop (a group a warp): its MMAs read the 16-byte loads' words as they are
+def test_awq_mma_gemv_loop(gemv_sass, group, rows, chunk):
+    """The AWQ warp-MMA GEMV's main loop (``chunk`` groups a warp an iteration): its MMAs read the 16-byte loads' words as they are
     (no shared memory, no layout conversion, no spills), one 16-byte weight load and four MMAs a super-step
     of 64 k, and the sums' layout a thread's four words down the rows (lane = row % 32): the layout Triton
     3.6 gave the MMA's operands when a group's scales and zeros were gathered as [rows, 4] tensors spread a
     thread's four sums over other rows. One row: only the sums of B's first column are kept (the others are
     never computed); eight rows: every column's, a zero term a column."""
-    compiled, _ = gemv_sass.awq_mma_build(28672, 4096, {"int4_mma_programs": 0, "int4_mma_warps": 4}, group=group,
-                                          rows=rows)
+    compiled, per_thread = gemv_sass.awq_mma_build(28672, 4096, {"int4_mma_programs": 0, "int4_mma_warps": 4,
+                                                                 "int4_mma_groups": chunk}, group=group, rows=rows)
+    chunk = per_thread * 64 // (32 * group)  # as config gives it (at most four super-steps in flight)
     ptx = compiled.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert "ld.global.v4.b32" in ptx, "the weight is not loaded 16 bytes a lane: the MMA operands' layout breaks"
@@ -103,8 +105,8 @@ def test_awq_mma_gemv_loop(gemv_sass, group, rows):
         [layouts.get(name) for name in mma]
     count, ops = max(gemv_sass.loops(gemv_sass.sass(compiled)), key=lambda body: body[0])
     assert ops["LDS"] == ops["STS"] == ops["STL"] == ops["LDL"] == ops["BAR"] == 0, dict(ops)
-    # four m16n8k16 a super-step, a group's super-steps an iteration (or several groups, where unrolled)
-    assert ops["HMMA"] and ops["HMMA"] % (4 * (group // 64)) == 0, dict(ops)
+    # four m16n8k16 a super-step, a chunk's super-steps an iteration (or several chunks, where unrolled)
+    assert ops["HMMA"] and ops["HMMA"] % (4 * chunk * (group // 64)) == 0, dict(ops)
     weights = 8 * ops["HMMA"]  # an m16n8k16's 256 weights are 8 a lane
     if not _counts_calibrated():
         pytest.skip("built; the instruction-count bounds are Triton 3.9's")

@@ -6,8 +6,6 @@ too (the GEMM rounds the tile to bf16)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -43,17 +41,14 @@ def test_int4_linear_kernel(fmt, act_order, rows, dtype, kernel_device, check_dt
 @pytest.mark.parametrize("n", [256, 64, 96, 48])  # column tiles of 128, 64, 32, 16
 @pytest.mark.parametrize("rows", [2, 40, 130])  # row tiles of 16, 64
 @pytest.mark.parametrize("split", [True, False], ids=["k-split", "whole-k"])
-@pytest.mark.parametrize("operand", ["b", "a"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_int4_gemm_reads_the_mma_layout(n, rows, split, operand, dtype, kernel_device, check_dtype, monkeypatch):
-    """int4.py's GEMM over AWQ_MMA, the weight as the dot's B operand (the default) or its A operand
-    (``int4_mma_gemm_a``): the tile's columns come out in the words' order, and the scales, zeros, bias and
-    output follow it (a wrong column order is off by whole weights); K split over programs where the tiles
+def test_int4_gemm_reads_the_mma_layout(n, rows, split, dtype, kernel_device, check_dtype, monkeypatch):
+    """int4.py's GEMM over AWQ_MMA: the tile's columns come out in the words' order, and the scales, zeros,
+    bias and output follow it (a wrong column order is off by whole weights); K split over programs where the tiles
     alone are too few (up to 16 rows: these shapes always are, unless the target is lowered) or not."""
     check_dtype(dtype)
     from podium_cuda import int4
     from podium_cuda.int4 import int4_linear
-    from podium_cuda.tuning import CUDA_TUNING
 
     if not split:
         monkeypatch.setattr(int4, "TARGET_PROGRAMS", 1)
@@ -65,9 +60,8 @@ def test_int4_gemm_reads_the_mma_layout(n, rows, split, operand, dtype, kernel_d
     want = x.double() @ dequantize(packed["qweight"], packed["qzeros"], packed["scales"], None, 128, AWQ).double()
     want = want + bias.double()
     on = {name: t.to(kernel_device) for name, t in packed.items()}
-    tuning = dataclasses.replace(CUDA_TUNING, int4_mma_gemm_a=operand == "a")
     got = int4_linear(x.to(kernel_device, dtype), awq_to_mma(on["qweight"]), on["qzeros"], on["scales"], None, 128,
-                      AWQ_MMA, bias.to(kernel_device, dtype), tuning=tuning)
+                      AWQ_MMA, bias.to(kernel_device, dtype))
     assert got.dtype == dtype and got.shape == (rows, n)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.double().cpu() - want).abs().max().item() <= tol * want.abs().max().item()

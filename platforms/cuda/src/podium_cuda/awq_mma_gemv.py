@@ -33,7 +33,10 @@ before (``prepare``: rounded to x's dtype as the separate kernel rounds it, then
 of two that puts its largest |x| in [2^14, 2^15), which the GEMV undoes at the end: bf16 rows past
 f16's range and rows of tiny values keep f16's 11 bits) together with the groups' sums. A program takes 16 outputs (a tile) and one of ``splits`` slices of the groups, its
 warps consecutive stretches of whole groups, a group's super-steps in flight at once and the next
-group's loads issued before this group's MMAs. The warps' sums are added in the program, the slices'
+group's loads issued before this group's MMAs. With ``KernelTuning.int4_mma_groups`` > 1 a warp takes
+that many groups an iteration (a chunk, at most four super-steps), their scales, zeros and x sums
+loaded with the weights a chunk ahead: more bytes in flight a warp, where one group keeps 1 KiB in
+flight and loads its scales and zeros in the loop beside the MMAs that use them. The warps' sums are added in the program, the slices'
 by the last program of the tile (split_k.py: in split order, deterministic), then the bias.
 
 The CUDA platform converts a model's AWQ weights when it prepares the model (``KernelTuning.int4_gemv_mma``,
@@ -186,73 +189,107 @@ def prepare_kernel(h_ptr, xs_ptr, up_ptr, sum_ptr, x_ptr, r_ptr, g_ptr, K, eps, 
 
 
 @triton.jit
+def _operands(w_ptrs, x_ptrs, i, x_ok, GROUP_STEPS: tl.constexpr):
+    """The MMAs' operands from group i on of a warp's (a chunk): the weight words and the x words (the lane's
+    eight, two an MMA). The pointers are the first chunk's; a group on is a fixed step."""
+    w = tl.load(w_ptrs + i * GROUP_STEPS * 128)
+    x_lo = tl.load(x_ptrs + i * GROUP_STEPS * 32, mask=x_ok, other=0)
+    x_hi = tl.load(x_ptrs + (i * GROUP_STEPS * 32 + 4), mask=x_ok, other=0)
+    return w, x_lo, x_hi
+
+
+@triton.jit
+def _terms(z_ptr, s_ptr, xs_ptr, group, feature, first, col0, col1, groups, N, M, ONE_ROW: tl.constexpr):
+    """Each element's group terms (``group``: its group, a tensor): the zeros and scales of rows g and g + 8
+    (columns c and c + 8 share a qzeros word) and the groups' sums of the x rows that a lane's sums take
+    (only in a group's first super-step: one chain carries the zero term; one row: one sum for all four)."""
+    z_low = tl.load(z_ptr + group * (N // 8) + feature // 8)
+    z_high = tl.load(z_ptr + group * (N // 8) + feature // 8 + 1)
+    s_low = tl.load(s_ptr + group * N + feature)
+    s_high = tl.load(s_ptr + group * N + feature + 8)
+    if ONE_ROW:
+        sum0 = tl.where(first, tl.load(xs_ptr + group), 0.0)
+        sum1 = sum0
+    else:
+        sum0 = tl.load(xs_ptr + col0 * groups + group, mask=first & (col0 < M), other=0.0)
+        sum1 = tl.load(xs_ptr + col1 * groups + group, mask=first & (col1 < M), other=0.0)
+    return z_low, z_high, s_low, s_high, sum0, sum1
+
+
+@triton.jit
 def awq_mma_gemv_kernel(
     out_ptr, partial_ptr, count_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, xs_ptr, up_ptr,
     M, N, SUPER_STEPS, GROUPS_PER_WARP, splits,
-    WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr, HW_ASM: tl.constexpr,
-    ONE_ROW: tl.constexpr,
+    WARPS: tl.constexpr, GROUP_STEPS: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr, HW_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
 ):
     """out [M, N] = h . W (+ bias), M <= 8: W in AWQ_MMA's order ([N / 16, K / 64, 32, 4] int32), scales
     [K / G, N] float32 and AWQ qzeros [K / G, N / 8] as stored, h the f16 rows as int32 words [M, K / 2],
     xs their groups' sums [M, K / G], up their scales back [M]. Row m of h is column m of B (lanes of MMA
     group g = m load it; the other columns are zeros), so C[feature][m] is the row's output. Grid
     (N / 16, splits): warp w of program (t, s) takes outputs 16t..16t+15 over the groups from
-    (s * WARPS + w) * GROUPS_PER_WARP; UNROLL = G / 64 super-steps a group. Split: partial [M, splits, N].
+    (s * WARPS + w) * GROUPS_PER_WARP (a multiple of CHUNK), CHUNK groups of GROUP_STEPS = G / 64
+    super-steps at a time (every one of a chunk's super-steps in flight at once), the next chunk's
+    loads issued before this chunk's MMAs. Split: partial [M, splits, N].
     ONE_ROW (M = 1, batch-1 decode): every lane loads the row, so every column of C is its output, and a
     group's zero term is one product a row of A: the loop's per-group work as small as it can be."""
     tile, split = tl.program_id(0), tl.program_id(1)
     R: tl.constexpr = 32 * WARPS
+    UNROLL: tl.constexpr = GROUP_STEPS * CHUNK  # super-steps a thread has in flight
     idx = tl.arange(0, UNROLL * R)  # element (u * R + thread, word): two dimensions, one layout (fp8_mma_gemv)
     thread, u = idx % R, idx // R
     lane, warp = thread % 32, thread // 32
     g, quad = lane // 4, lane % 4
     j = tl.arange(0, 4)[None, :]
-    groups = SUPER_STEPS // UNROLL
-    # the group's scale and zero of rows g and g + 8 are loaded a thread's [UNROLL * R] and joined into its
+    groups = SUPER_STEPS // GROUP_STEPS
+    # a group's scale and zero of rows g and g + 8 are loaded a thread's [UNROLL * R] and joined into its
     # four sums' places (_four): gathers shaped [UNROLL * R, 4] get a layout of their own, and operands of
     # another layout change the MMAs' (Triton 3.6 then spreads a thread's four sums over other rows)
     feature = tile * 16 + g  # row g's output; row g + 8's is 8 on (the same qzeros word)
     z_shift = (feature % 2) * 16 + ((feature % 8) // 2) * 4  # AWQ_ORDER's nibble of the column
     first_group = (split * WARPS + warp) * GROUPS_PER_WARP  # [UNROLL * R]
-    step = first_group * UNROLL + u  # the super-step each element's thread starts on
+    group = first_group + u // GROUP_STEPS  # each element's group in the first chunk
+    first = u % GROUP_STEPS == 0  # a group's zero term goes into one of its chains
+    step = first_group * GROUP_STEPS + u  # the super-step each element's thread starts on
     w_offs = (((tile * SUPER_STEPS + step) * 32 + lane) * 4).to(tl.int64)[:, None] + j
     # x row g as int32 words: 32 a super-step, 8 a lane; rows past M are B's zero columns
     x_offs = ((0 if ONE_ROW else g * (SUPER_STEPS * 32)) + step * 32 + quad * 8)[:, None] + j
     x_ok = (g < M)[:, None] | ONE_ROW
     col0, col1 = 2 * quad, 2 * quad + 1  # the x rows (B's columns) of a lane's sums
-    w = tl.load(w_ptr + w_offs)  # the first group's weights do not depend on the launch before
+    w_ptrs = w_ptr + w_offs
+    x_ptrs = h_ptr + x_offs
+    w = tl.load(w_ptrs)  # the first chunk's weights do not depend on the launch before
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    x_lo = tl.load(h_ptr + x_offs, mask=x_ok, other=0)
-    x_hi = tl.load(h_ptr + x_offs + 4, mask=x_ok, other=0)
+    x_lo = tl.load(x_ptrs, mask=x_ok, other=0)
+    x_hi = tl.load(x_ptrs + 4, mask=x_ok, other=0)
+    if CHUNK > 1:
+        z_low, z_high, s_low, s_high, sum0, sum1 = _terms(z_ptr, s_ptr, xs_ptr, group, feature, first, col0, col1,
+                                                          groups, N, M, ONE_ROW)
     total = tl.zeros((UNROLL * R, 4), dtype=tl.float32)
-    for i in range(0, GROUPS_PER_WARP):
-        group = first_group + i
-        if i + 1 < GROUPS_PER_WARP:  # the next group's loads before this group's MMAs
-            w_next = tl.load(w_ptr + w_offs + (i + 1) * UNROLL * 128)
-            x_lo_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32, mask=x_ok, other=0)
-            x_hi_next = tl.load(h_ptr + x_offs + (i + 1) * UNROLL * 32 + 4, mask=x_ok, other=0)
+    for i in range(0, GROUPS_PER_WARP, CHUNK):
+        if i + CHUNK < GROUPS_PER_WARP:  # the next chunk's loads before this chunk's MMAs
+            w_n, x_lo_n, x_hi_n = _operands(w_ptrs, x_ptrs, i + CHUNK, x_ok, GROUP_STEPS)
+            if CHUNK > 1:  # and its terms
+                z_low_n, z_high_n, s_low_n, s_high_n, sum0_n, sum1_n = _terms(
+                    z_ptr, s_ptr, xs_ptr, group + i + CHUNK, feature, first, col0, col1, groups, N, M, ONE_ROW)
         else:
-            w_next, x_lo_next, x_hi_next = w, x_lo, x_hi
-        zeros = tl.load(z_ptr + group * (N // 8) + feature // 8)  # columns c and c + 8 share a word's nibble
-        z_low = -(1024.0 + ((zeros >> z_shift) & 15).to(tl.float32))
-        z_high = -(1024.0 + 16.0 * ((tl.load(z_ptr + group * (N // 8) + feature // 8 + 1) >> z_shift) & 15).to(tl.float32))
-        first = u == 0  # the zero term goes into one chain
-        if ONE_ROW:
-            x_sum = tl.where(first, tl.load(xs_ptr + group), 0.0)
-            start_low, start_high = z_low * x_sum, z_high * x_sum
-            start = _four(start_low, start_low, start_high, start_high)
-        else:
-            sum0 = tl.load(xs_ptr + col0 * groups + group, mask=first & (col0 < M), other=0.0)
-            sum1 = tl.load(xs_ptr + col1 * groups + group, mask=first & (col1 < M), other=0.0)
-            start = _four(z_low * sum0, z_low * sum1, z_high * sum0, z_high * sum1)
-        s_low = tl.load(s_ptr + group * N + feature)
-        s_high = tl.load(s_ptr + group * N + feature + 8) * (1.0 / 16)
-        scale = _four(s_low, s_low, s_high, s_high)
+            w_n, x_lo_n, x_hi_n = w, x_lo, x_hi
+            if CHUNK > 1:
+                z_low_n, z_high_n, s_low_n, s_high_n, sum0_n, sum1_n = z_low, z_high, s_low, s_high, sum0, sum1
+        if CHUNK == 1:  # one group an iteration: its terms loaded beside its MMAs (fewer registers carried)
+            z_low, z_high, s_low, s_high, sum0, sum1 = _terms(z_ptr, s_ptr, xs_ptr, group + i, feature, first, col0,
+                                                              col1, groups, N, M, ONE_ROW)
+        zero_low = -(1024.0 + ((z_low >> z_shift) & 15).to(tl.float32))
+        zero_high = -(1024.0 + 16.0 * ((z_high >> z_shift) & 15).to(tl.float32))
+        start = _four(zero_low * sum0, zero_low * sum1, zero_high * sum0, zero_high * sum1)
+        scale = _four(s_low, s_low, s_high * (1.0 / 16), s_high * (1.0 / 16))
         acc = _super_step(tl.zeros((UNROLL * R, 4), dtype=tl.float32), w, x_lo, x_hi, HW_ASM)
         total += (acc + start) * scale
-        w, x_lo, x_hi = w_next, x_lo_next, x_hi_next
+        w, x_lo, x_hi = w_n, x_lo_n, x_hi_n
+        if CHUNK > 1:
+            z_low, z_high, s_low, s_high, sum0, sum1 = z_low_n, z_high_n, s_low_n, s_high_n, sum0_n, sum1_n
     # lane (g, q)'s word j is C[feature g + 8 (j // 2)][x row 2 q + j % 2]: summed over the super-steps in
     # flight and the warps
     sums = tl.reshape(tl.sum(tl.reshape(total, (UNROLL, R, 4)), 0), (WARPS, 8, 4, 4))  # [warp, g, q, j]
@@ -322,10 +359,12 @@ def takes(x: torch.Tensor, n: int, k: int, group_size: int, max_rows: int = MAX_
             and x.dtype in (torch.float16, torch.bfloat16) and fits(k, n, group_size))
 
 
-def config(n: int, k: int, group_size: int, multiprocessors: int, tuning: KernelTuning) -> tuple[int, int]:
-    """(warps, splits): ``tuning.int4_mma_warps`` warps a program (halved while the groups do not divide
-    among them), and the most splits of the groups up to about ``tuning.int4_mma_programs`` programs a
-    multiprocessor that leave every warp whole groups."""
+def config(n: int, k: int, group_size: int, multiprocessors: int, tuning: KernelTuning) -> tuple[int, int, int]:
+    """(warps, splits, chunk): ``tuning.int4_mma_warps`` warps a program (halved while the groups do not divide
+    among them), the most splits of the groups up to about ``tuning.int4_mma_programs`` programs a
+    multiprocessor that leave every warp whole groups, and ``tuning.int4_mma_groups`` groups a warp loads
+    at a time (halved while they do not divide a warp's groups or would put more than four super-steps
+    in flight a thread: its registers)."""
     groups = k // group_size
     warps = tuning.int4_mma_warps
     while warps > 1 and groups % warps:
@@ -335,7 +374,10 @@ def config(n: int, k: int, group_size: int, multiprocessors: int, tuning: Kernel
     for candidate in range(1, want + 1):
         if groups % (candidate * warps) == 0:
             splits = candidate
-    return warps, splits
+    chunk = next_power_of_2(max(1, tuning.int4_mma_groups))
+    while chunk > 1 and ((groups // (warps * splits)) % chunk or chunk * group_size > 4 * STEP_K):
+        chunk //= 2
+    return warps, splits, chunk
 
 
 def prepare(x: torch.Tensor, k: int, group_size: int, prologue: int, residual: torch.Tensor | None,
@@ -367,7 +409,7 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
         raise ValueError(f"awq_mma_gemv takes 1 to {MAX_ROWS} rows, not {x.shape[0]} (int4.py's GEMM takes more)")
     pdl = tuning.gemv_pdl and dependent_launch(x.device)
     h, sums, up = prepare(x, k, group_size, prologue, residual, norm_weight, eps, summed, pdl)
-    warps, splits = config(n, k, group_size, _multiprocessors(x.device), tuning)
+    warps, splits, chunk = config(n, k, group_size, _multiprocessors(x.device), tuning)
     tiles = n // 16
     rows = x.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -376,7 +418,7 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
     awq_mma_gemv_kernel[(tiles, splits)](
         out, partial, counters(x.device, tiles) if splits > 1 else out, qweight, scale, qzeros,
         bias if bias is not None else out, h.view(torch.int32), sums, up, rows, n, k // STEP_K,
-        k // group_size // (splits * warps), splits, WARPS=warps, UNROLL=group_size // STEP_K,
+        k // group_size // (splits * warps), splits, WARPS=warps, GROUP_STEPS=group_size // STEP_K, CHUNK=chunk,
         HAS_BIAS=bias is not None, PDL=pdl, HW_ASM=not interpreting(), ONE_ROW=rows == 1, num_warps=warps,
         num_stages=1,
         **launch_options(pdl),

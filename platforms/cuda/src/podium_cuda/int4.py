@@ -10,7 +10,7 @@ act-order, BLOCK_K dividing the group), else per input row through ``g_idx`` (ac
 
 - up to ``KernelTuning.int4_gemv_max_rows`` rows (batch-1 decode): int4_gemv.py's split-K GEMV, which
   also takes the RMSNorm / SiLU-and-mul before the layer into its prologue (``prologue_linear``);
-- one AWQ_MMA row: awq_mma_gemv.py (through int4_gemv.py);
+- up to ``KernelTuning.int4_mma_max_rows`` AWQ_MMA rows: awq_mma_gemv.py (through int4_gemv.py);
 - one row where those do not take it (act-order GPTQ): the GEMV here, ``tl.sum`` of x times the tile;
   K is split over ``split_k`` programs per column block so that a small projection still fills the
   GPU, their float32 partial sums added by one torch ``sum`` (a fixed order: the result is
@@ -55,15 +55,11 @@ def _columns(packed, BLOCK_N: tl.constexpr, AWQ_ORDER: tl.constexpr):
 
 
 @triton.jit
-def mma_columns(n0, BLOCK_N: tl.constexpr, A_OPERAND: tl.constexpr):
-    """AWQ_MMA: the column of each position of a tile from n0. A word-grid column c holds the columns of lane
-    group c % 8 of 16-column tile c // 8, and the same 8 on (its high nibbles). As the B operand
-    (``_mma_tile``) position p is grid column p // 2, high where p is odd; as the A operand (``_mma_tile_t``)
-    grid column p % (BLOCK_N / 2), high where p >= BLOCK_N / 2."""
+def mma_columns(n0, BLOCK_N: tl.constexpr):
+    """AWQ_MMA: the column of each position of a tile from n0 (``_mma_tile``'s order). A word-grid column c
+    holds the columns of lane group c % 8 of 16-column tile c // 8, and the same 8 on (its high nibbles):
+    position p is grid column p // 2, high where p is odd."""
     p = tl.arange(0, BLOCK_N)
-    if A_OPERAND:
-        c = p % (BLOCK_N // 2)
-        return n0 + 16 * (c // 8) + 8 * (p // (BLOCK_N // 2)) + c % 8
     return n0 + 16 * (p // 16) + 8 * (p % 2) + (p // 2) % 8
 
 
@@ -89,40 +85,6 @@ def _mma_tile(qw_ptr, k0, n0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _mma_tile_t(qw_ptr, k0, n0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """AWQ_MMA's q, transposed: [BLOCK_N, BLOCK_K] at rows k0.. (a multiple of 64) in order, columns n0.. (of
-    16) in ``mma_columns``' A-operand order. Word (tile t, super-step s, lane 4 g + quad, u) is at ((t K/64 + s) 32 + 4 g +
-    quad) 4 + u and holds rows 64 s + 16 quad + 4 u + 0..3 of columns 16 t + g and 16 t + g + 8: a [BLOCK_N / 2,
-    BLOCK_K / 4] grid of words (column 8 t + g, row 4 quad + u of each super-step; 16 contiguous words a
-    column and super-step) unpacks, by one broadcast shift, to [2 (high), BLOCK_N / 2, BLOCK_K / 4, 4 (k)]:
-    already in order, so the reshape moves no element."""
-    c = tl.arange(0, BLOCK_N // 2)
-    r = tl.arange(0, BLOCK_K // 4)
-    step = k0 // 64 + r // 16
-    tile = n0 // 16 + c // 8
-    offs = (tile[:, None].to(tl.int64) * (K // 64) + step[None, :]) * 128 + 16 * (c % 8)[:, None] + (r % 16)[None, :]
-    words = tl.load(qw_ptr + offs)  # [BLOCK_N / 2, BLOCK_K / 4]
-    high = tl.arange(0, 2)[:, None, None, None]
-    kk = tl.arange(0, 4)[None, None, None, :]
-    # nibble i holds k offset MMA_K_OF_NIBBLE[i] = (0, 0, 2, 2, 1, 1, 3, 3)[i] and column 8 (i % 2) on:
-    # k offset kk of the high column or not is nibble 4 (kk % 2) + 2 (kk // 2) + high
-    shift = 4 * (4 * (kk % 2) + 2 * (kk // 2) + high)  # [2, 1, 1, 4]
-    q = (words[None, :, :, None] >> shift) & 15
-    return tl.reshape(q, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _mma_weight_t(qw_ptr, qz_ptr, s_ptr, k0, n0, N, K, group_size, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """AWQ_MMA's dequantized weight, transposed: [BLOCK_N, BLOCK_K] float32, columns in ``mma_columns``'
-    A-operand order (K and N whole tiles, a tile in one group)."""
-    q = _mma_tile_t(qw_ptr, k0, n0, K, BLOCK_K, BLOCK_N)
-    cols = mma_columns(n0, BLOCK_N, True)
-    g = k0 // group_size
-    z = (tl.load(qz_ptr + g * (N // 8) + cols // 8)[:, None] >> _awq_shift(cols % 8)[:, None]) & 15
-    return (q - z).to(tl.float32) * tl.load(s_ptr + g * N + cols)[:, None].to(tl.float32)
-
-
-@triton.jit
 def _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, n0, N, K, group_size,
                  IS_AWQ: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  MMA: tl.constexpr = False):
@@ -133,7 +95,7 @@ def _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, n0, N, K, group_size,
     words = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # the int32 columns of qweight (AWQ) and qzeros
     if MMA:
         q = _mma_tile(qw_ptr, k0, n0, K, BLOCK_K, BLOCK_N)
-        cols = mma_columns(n0, BLOCK_N, False)
+        cols = mma_columns(n0, BLOCK_N)
         g = k0 // group_size
         z = (tl.load(qz_ptr + g * (N // 8) + cols // 8)[None, :] >> _awq_shift(cols % 8)[None, :]) & 15
         return (q - z).to(tl.float32) * tl.load(s_ptr + g * N + cols)[None, :].to(tl.float32)
@@ -176,34 +138,22 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, b_ptr, out_ptr, M, N,
                       FP32: tl.constexpr, MMA: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out [M, N] = x @ w (+ bias); SPLIT: program (.., .., s) adds rows k_per_split s.. of K into float32
-    partial sums out[s] ([splits, M, N], no bias). MMA: AWQ_MMA's weight, 1 as the dot's B operand (x @ W), 2
-    as its A operand (out^T = W^T x^T, ``KernelTuning.int4_mma_gemm_a``)."""
+    partial sums out[s] ([splits, M, N], no bias). MMA: AWQ_MMA's weight (its columns in ``mma_columns``'
+    order)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = mma_columns(pid_n * BLOCK_N, BLOCK_N, MMA == 2) if MMA else pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = mma_columns(pid_n * BLOCK_N, BLOCK_N) if MMA else pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
-    if MMA == 2:  # the weight as the MMA's A operand, [BLOCK_N, BLOCK_K] as it unpacks: out^T = W^T x^T
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
-            x_t = tl.load(x_ptr + m[None, :].to(tl.int64) * x_stride + k0 + tl.arange(0, BLOCK_K)[:, None],
-                          mask=m_ok[None, :], other=0.0)
-            w_t = _mma_weight_t(qw_ptr, qz_ptr, s_ptr, k0, pid_n * BLOCK_N, N, K, group_size, BLOCK_K, BLOCK_N)
-            if FP32:
-                acc_t += tl.dot(w_t, x_t.to(tl.float32), input_precision="ieee")
-            else:
-                acc_t += tl.dot(w_t.to(x_t.dtype), x_t)
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
-            x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + k0 + tl.arange(0, BLOCK_K)[None, :],
-                        mask=m_ok[:, None], other=0.0)
-            w = _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, pid_n * BLOCK_N, N, K, group_size, IS_AWQ, ONE_GROUP,
-                             BLOCK_K, BLOCK_N, MMA == 1)
-            if FP32:
-                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w.to(x.dtype))
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + k0 + tl.arange(0, BLOCK_K)[None, :],
+                    mask=m_ok[:, None], other=0.0)
+        w = _weight_tile(qw_ptr, qz_ptr, s_ptr, g_ptr, k0, pid_n * BLOCK_N, N, K, group_size, IS_AWQ, ONE_GROUP,
+                         BLOCK_K, BLOCK_N, MMA)
+        if FP32:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
     if SPLIT:
         out_ptr += split.to(tl.int64) * M * N
     elif HAS_BIAS:
@@ -271,7 +221,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     _int4_gemm_kernel[(row_tiles, n // block_n, splits)](
         x, qweight, qzeros, scales, g_ptr, bias if bias is not None else out, out, rows, n, k, x.stride(0),
         out.stride(-2), group_size, per_split, IS_AWQ=is_awq, ONE_GROUP=one_group, HAS_BIAS=bias is not None,
-        FP32=x.dtype == torch.float32, MMA=(2 if tuning.int4_mma_gemm_a else 1) if fmt == AWQ_MMA else 0,
+        FP32=x.dtype == torch.float32, MMA=fmt == AWQ_MMA,
         SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=4, num_stages=3)
     if splits == 1:

@@ -195,23 +195,25 @@ class KernelTuning:
     int4_gemv_block_n: int = 0
     int4_gemv_split_k: int = 0
     # a model's AWQ weights converted at preparation to the contract's AWQ_MMA layout (Marlin-style, in
-    # place: the same bytes), whose one row takes the tensor cores' warp MMA (awq_mma_gemv.py): on the
-    # H200 an 8B layer's four linears at one row 60.0 us against awq_gemv's 153.6, batch-1 decode 2.46 ms
-    # a token against 5.46; on an H100 1-8 rows 0.23-0.50x the stored layout's time, but more rows go to
-    # int4.py's GEMM over AWQ_MMA, 256 x 512/256 at 0.91x the stored layout's throughput (the price of one
-    # copy: issue 31 holds a quantized model to 1.1x its packed size). Its warps a program and the
+    # place: the same bytes), whose 1-8 rows take the tensor cores' warp MMA (awq_mma_gemv.py): on the
+    # H200 an 8B layer's four linears at 1-8 rows 0.23-0.48x the stored layout's time, batch-1 decode 2.50
+    # ms a token against 5.52; more rows go to int4.py's GEMM over AWQ_MMA, 256 x 512/256 at 0.92x the
+    # stored layout's throughput (the price of one copy: issue 31 holds a quantized model to 1.1x its
+    # packed size). Its warps a program and the
     # programs a multiprocessor its split of the groups aims at (awq_mma_gemv.config; 8 and never split:
     # the fastest of eight settings, 60.0 us a layer against 66-73)
     int4_gemv_mma: bool = True
     int4_mma_warps: int = 8
     int4_mma_programs: int = 0
+    # groups a warp of the AWQ MMA GEMV takes an iteration (awq_mma_gemv.config: at most four super-steps),
+    # their weights, scales, zeros and x sums loaded a chunk ahead of the MMAs. One group keeps ~1 KiB in
+    # flight a warp (16 warps a multiprocessor: about half of what the H200's bandwidth-latency product
+    # asks), the likely reason the one-row layer reads ~2 TB/s. 1 until `SWEEPS=awq FORMATS=awq bash
+    # benchmarks/quant_gpu.sh mma` times 2 and 4 (its sweep, then batch-1 decode under the fastest)
+    int4_mma_groups: int = 1
     # AWQ_MMA rows up to this many (at most 8: an x row a column of the MMA's B) take the MMA GEMV, more
     # int4.py's GEMM
     int4_mma_max_rows: int = 8
-    # int4.py's GEMM over AWQ_MMA: the weight tile as the MMA's A operand, unpacked transposed in k order
-    # from 16-byte loads (out^T = W^T x^T), instead of the B operand unpacked across the words (checked on
-    # the H100: 256 x 512/256 0.91x the stored layout's throughput). Off until quant_gpu.sh int4 times it
-    int4_mma_gemm_a: bool = False
     # pure-decode steps rotate q and k, write the new key/value and attend in the attention kernel
     # (forward_rotary); False: rotary_write_kv then the attention kernel (two launches a layer)
     decode_rotary_in_attention: bool = True
