@@ -395,8 +395,13 @@ static inline float online_softmax_row(float *restrict x, int64_t t0, int64_t t1
     vi lane;
     for (int i = 0; i < VL; i++) lane[i] = i;
     const vf zero = {0}, low = zero - INFINITY;
+    /* the vectors start at a multiple of VL, not at t0: key t is always in lane t % VL, so the sum's
+     * lanes (and its horizontal sum's order) do not depend on where the tile's first visible key falls,
+     * which a sliding window moves with the tile's first row (a row's result must not depend on how its
+     * prompt was chunked); the lanes below t0 are outside [a, e) and weigh 0 */
+    const int64_t c0 = t0 - t0 % VL;
     vf top = low;
-    for (int64_t c = t0; c < t1; c += VL) {
+    for (int64_t c = c0; c < t1; c += VL) {
         const vi at = lane + (int32_t)c, visible = (at >= (int32_t)a) & (at < (int32_t)e);
         top = maxv(top, selectv(visible, loadv(x + c) * factor, low));
     }
@@ -406,7 +411,7 @@ static inline float online_softmax_row(float *restrict x, int64_t t0, int64_t t1
     const float m_new = block_max > *m + RESCALE_MARGIN ? block_max : *m;
     const float alpha = m_new == *m ? 1.f : *m == -INFINITY ? 0.f : expf(*m - m_new);
     vf sum = zero;
-    for (int64_t c = t0; c < t1; c += VL) {
+    for (int64_t c = c0; c < t1; c += VL) {
         const vi at = lane + (int32_t)c, visible = (at >= (int32_t)a) & (at < (int32_t)e);
         const vf w = selectv(visible, expv(selectv(visible, loadv(x + c) * factor - m_new, zero + EXP_LO)), zero);
         if (c + VL <= t1)
