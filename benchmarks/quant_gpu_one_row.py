@@ -390,8 +390,9 @@ def main() -> None:
     # the variants' choice now, in case the sweep does not finish; quant_gpu.sh takes the last tuning line
     print(f"tuning: PODIUM_CUDA_TUNING={setting(fp8_changes | awq_changes)}", flush=True)
     if args.mma_only_sweep:
-        mma = sweep_mma(copies, {}) if "fp8" in args.mma_sweeps else dict(fp8_gemv_mma=True)
-        awq_mma = sweep_awq_mma(copies, {}) if "awq" in args.mma_sweeps else dict(int4_gemv_mma=True)
+        sweeps = {name.strip() for name in args.mma_sweeps.split(",")}
+        mma = sweep_mma(copies, {}) if "fp8" in sweeps else dict(fp8_gemv_mma=True)
+        awq_mma = sweep_awq_mma(copies, {}) if "awq" in sweeps else dict(int4_gemv_mma=True)
         print(f"mma: PODIUM_CUDA_TUNING={setting(mma | awq_mma)}", flush=True)
         if tuning(**fp8_changes).fp8_gemv_mma:
             fp8_changes = mma

@@ -87,7 +87,7 @@ def test_config_gives_every_warp_whole_groups():
             warps, splits, chunk = config(n, k, group, 132, tuning)
             assert (k // group) % (warps * splits * chunk) == 0 and 1 <= warps <= warps_wanted
             assert splits == 1 or n // 16 * splits <= max(1, programs) * 132 + n // 16
-            assert chunk & (chunk - 1) == 0 and 1 <= chunk <= max(chunk_wanted, 4) and chunk * group <= 256
+            assert chunk & (chunk - 1) == 0 and 1 <= chunk <= 1 << (chunk_wanted - 1).bit_length() and chunk * group <= 256
 
 
 @pytest.mark.cuda

@@ -36,8 +36,9 @@ warps consecutive stretches of whole groups, a group's super-steps in flight at 
 group's loads issued before this group's MMAs. With ``KernelTuning.int4_mma_groups`` > 1 a warp takes
 that many groups an iteration (a chunk, at most four super-steps), their scales, zeros and x sums
 loaded with the weights a chunk ahead: more bytes in flight a warp, where one group keeps 1 KiB in
-flight and loads its scales and zeros in the loop beside the MMAs that use them. The warps' sums are added in the program, the slices'
-by the last program of the tile (split_k.py: in split order, deterministic), then the bias.
+flight and loads its scales and zeros in the loop beside the MMAs that use them. The warps' sums are
+added in the program, the slices' by the last program of the tile (split_k.py: in split order,
+deterministic), then the bias.
 
 The CUDA platform converts a model's AWQ weights when it prepares the model (``KernelTuning.int4_gemv_mma``,
 ``convert_model``); the converted weight replaces the checkpoint's layout, which only the GPU's kernels
@@ -284,7 +285,8 @@ def awq_mma_gemv_kernel(
         zero_low = -(1024.0 + ((z_low >> z_shift) & 15).to(tl.float32))
         zero_high = -(1024.0 + 16.0 * ((z_high >> z_shift) & 15).to(tl.float32))
         start = _four(zero_low * sum0, zero_low * sum1, zero_high * sum0, zero_high * sum1)
-        scale = _four(s_low, s_low, s_high * (1.0 / 16), s_high * (1.0 / 16))
+        s_high_16 = s_high * (1.0 / 16)  # row g + 8's sums are 16 times too large
+        scale = _four(s_low, s_low, s_high_16, s_high_16)
         acc = _super_step(tl.zeros((UNROLL * R, 4), dtype=tl.float32), w, x_lo, x_hi, HW_ASM)
         total += (acc + start) * scale
         w, x_lo, x_hi = w_n, x_lo_n, x_hi_n
