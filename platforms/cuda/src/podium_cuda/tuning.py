@@ -206,10 +206,10 @@ class KernelTuning:
     int4_mma_warps: int = 8
     int4_mma_programs: int = 0
     # groups a warp of the AWQ MMA GEMV takes an iteration (awq_mma_gemv.config: at most four super-steps),
-    # their weights, scales, zeros and x sums loaded a chunk ahead of the MMAs. One group keeps ~1 KiB in
-    # flight a warp (16 warps a multiprocessor: about half of what the H200's bandwidth-latency product
-    # asks), the likely reason the one-row layer reads ~2 TB/s. 1 until `SWEEPS=awq FORMATS=awq bash
-    # benchmarks/quant_gpu.sh mma` times 2 and 4 (its sweep, then batch-1 decode under the fastest)
+    # their weights, scales, zeros and x sums loaded a chunk ahead of the MMAs. Timed on an H100
+    # (`SWEEPS=awq FORMATS=awq bash benchmarks/quant_gpu.sh mma`): an 8B layer's one-row linears took
+    # 66.7 us at 1, 89.3-89.6 at 2 and 4 (8 warps) and 78.4-78.5 (4 warps): more bytes in flight a warp
+    # does not help, so the one-row kernel is bound by its instructions, not by memory latency
     int4_mma_groups: int = 1
     # AWQ_MMA rows up to this many (at most 8: an x row a column of the MMA's B) take the MMA GEMV, more
     # int4.py's GEMM
