@@ -18,6 +18,9 @@ tiles, or their layout on AVX-512 VNNI) and on the AVX2 / VNNI-256 rows, against
 the platform picks for the shape; the ratio is the batch path's time / bf16's.
 step (not in the default set): a decode step's linears (30 layers' four and the LM head, at ``--seqs``
 rows, the kernels the platform picks) replayed as a CPU graph, weights from memory and from cache.
+``--variant-flags "-DNAME=VALUE ..."``: also the same step from memory through a build of fma_linear.c
+with those compiler flags added (its tuning macros, such as ``-DFMA_AHEAD=0``), the two interleaved
+trial by trial in this process (medians of 12), and whether their outputs are the same bits.
 
 Timings are the best of several, the variants interleaved trial by trial so that a busy machine
 slows them alike; ``--cpu-time`` times process CPU time instead of wall time (with ``--threads 1``,
@@ -28,6 +31,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import dataclasses
+import shlex
+import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -37,7 +46,7 @@ from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.graphs import CpuGraphRunner
 from podium_cpu.linear_choice import runnable_native_kernels
 from podium_cpu.linear_packing import NativeLinear
-from podium_cpu.native_kernels import load_kernels
+from podium_cpu.native_kernels import FLAGS, LIBRARIES, REPLAY_KINDS, SIGNATURES, NativeEntry, load_kernels
 from podium_cpu.onednn_linear import PackedLinear, can_pack
 from podium_cpu.platform import CpuPlatform
 from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
@@ -145,7 +154,24 @@ def linears(rows_list: list[int]) -> None:
                     flush=True)
 
 
-def step_linears(dtype: torch.dtype, rows: int) -> None:
+def fma_variant(kernels, flags: str, folder: str):
+    """``kernels`` with fma_linear.c's entries from a build with ``flags`` added (into ``folder``)."""
+    source, extra = LIBRARIES["fma_linear"]
+    target = f"{folder}/fma_variant.so"
+    subprocess.run(["cc", *FLAGS, *extra, *shlex.split(flags), "-o", target, str(source), "-lm"], check=True)
+    library = ctypes.CDLL(target)
+    fields = {}
+    for prefix in ("podium_fma_linear", "podium_fma_fused_linear", "podium_fma_pack"):
+        entries = {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(library, f"{prefix}_{suffix}")
+            fn.argtypes, fn.restype = SIGNATURES[prefix][0], ctypes.c_int
+            entries[dtype] = NativeEntry(fn, f"{prefix}_{suffix}", REPLAY_KINDS.get(prefix))
+        fields[prefix.removeprefix("podium_")] = entries
+    return dataclasses.replace(kernels, **fields)
+
+
+def step_linears(dtype: torch.dtype, rows: int, variant_flags: str | None = None) -> None:
     """A decode step's linears as the engine runs them: 30 layers' qkv, o, gate_up and down and the LM
     head at ``rows`` rows, through the kernel the platform picks, replayed as a CPU graph; each layer
     its own weights ("from memory") and every layer the same ("from cache"), and their rate against
@@ -181,6 +207,44 @@ def step_linears(dtype: torch.dtype, rows: int) -> None:
     flops["from memory"] = flops["from cache"] = 2 * rows * LAYERS * sum(n * k for n, k in (LINEARS[m] for m in names))
     print(f"step linears {str(dtype):15s} {rows} rows, ms (GF/s): " + ", ".join(
         f"{name} {t * 1e3:.2f} ({flops[name] / t / 1e9:.0f})" for name, t in times.items()))
+    if variant_flags is None:
+        return
+    if any(m.kernel.name != "fma" for m in [head, *layers[0].values()]):
+        print(f"step linears {dtype}: --variant-flags builds fma_linear.c, which these linears do not run")
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        other = {k.dtype: k for k in runnable_native_kernels(fma_variant(kernels, variant_flags, folder))
+                 if k.name == "fma"}[dtype]
+
+        def twin(built: NativeLinear) -> NativeLinear:  # the same weight through the variant's kernel
+            linear = nn.Linear(built.in_features, built.out_features, bias=False).to(dtype).requires_grad_(False)
+            linear.weight.copy_(built.weight)
+            return NativeLinear(linear, other)
+
+        twins = [{name: twin(layers[i][name]) for name in names} for i in range(LAYERS)]
+        twin_head = twin(head)
+
+        def whole(ls, h):
+            def run():
+                for layer_ in ls:
+                    for name in names:
+                        layer_[name](xs[LINEARS[name][1]])
+                h(xs[576])
+            return CpuGraphRunner().capture(run)
+
+        runs = {"built": whole(layers, head), "variant": whole(twins, twin_head)}
+        same = all(torch.equal(layers[i][n](xs[LINEARS[n][1]]), twins[i][n](xs[LINEARS[n][1]]))
+                   for i in (0, LAYERS - 1) for n in names) and torch.equal(head(xs[576]), twin_head(xs[576]))
+        samples = {name: [] for name in runs}
+        for trial in range(12):
+            for name in (("built", "variant") if trial % 2 == 0 else ("variant", "built")):
+                start = CLOCK()
+                runs[name]()
+                samples[name].append(CLOCK() - start)
+        built, variant = (statistics.median(samples[n]) for n in ("built", "variant"))
+        print(f"step linears + LM head {str(dtype):15s} {rows} rows from memory, medians of 12 interleaved: "
+              f"as built {built * 1e3:.2f} ms, with {variant_flags} {variant * 1e3:.2f} ms "
+              f"(variant / built {variant / built:.3f}; same bits: {same})")
 
 
 def gguf_linears(rows_list: list[int]) -> None:
@@ -231,6 +295,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=112)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpu-time", action="store_true")
+    parser.add_argument("--variant-flags", default=None, help="step: also through fma_linear.c built with these flags")
     parser.add_argument("--only", nargs="+", choices=["decode", "prefill", "linear", "gguf", "step"],
                         default=["decode", "prefill", "linear"])
     args = parser.parse_args()
@@ -245,7 +310,7 @@ def main() -> None:
             if "prefill" in args.only:
                 prefill(dtype)
             if "step" in args.only:
-                step_linears(dtype, args.seqs)
+                step_linears(dtype, args.seqs, args.variant_flags)
         if "linear" in args.only:
             linears(args.rows)
         if "gguf" in args.only:

@@ -86,11 +86,16 @@ static inline vf bcastv(const float *p) { return (vf)_mm256_broadcast_ss(p); }
 #define GROUP_COLS (GROUP_PANELS * PANEL)
 
 /* Prefetch of the weights a thread's next item reads: its first row block reads them from memory,
- * the others from L2 while the FMAs are the bound; each row block asks for its share of the next
- * item's lines into L2 (`lines` of them from `pf`, `per_k` a k), so the next item starts with its
- * weights at hand instead of waiting on memory for a whole row block. AVX-512 only: with AVX2's
- * one-panel groups the per-k loop cost more than it saved (AMD Zen 3, float32 at SmolLM2's shapes,
- * 32 rows: 125-142 GF/s with it, 150-187 without; oneDNN's packed matmul 112-131). */
+ * the others from L2 while the FMAs are the bound. With AVX-512 each row block asks for its share of
+ * the next item's lines into L2 (`lines` of them from `pf`, `per_k` a k), so the next item starts
+ * with its weights at hand instead of waiting on memory for a whole row block. With AVX2 that per-k
+ * loop cost more than it saved with the weights in cache (AMD Zen 3, float32 at SmolLM2's shapes,
+ * 32 rows: 125-142 GF/s with it, 150-187 without); there the first row block alone asks for the
+ * next item's whole panel (`pf`, its line k at each k: a float32 panel's k is one line, a bf16
+ * panel's half of one) while it streams its own from memory. A decode step's linears, weights from
+ * memory, on Zen 3 (python benchmarks/cpu_kernels.py --only step --variant-flags=-DFMA_AHEAD=0): 32 rows
+ * 0.94-0.97x the time in float32 and bf16, 1 row bf16 0.76-0.81x; 1 row float32 took 1.05-1.10x, so
+ * float32 rows alone do not ask (the entry). */
 typedef struct {
     const char *pf;
     int64_t lines;
@@ -105,11 +110,20 @@ static inline __attribute__((always_inline)) void ask_ahead(const Ahead *ahead, 
 }
 
 /* The share of a row block b of `count` (lines of `bytes` from `next`, spread evenly) */
+#ifndef FMA_AHEAD /* 0: the AVX2 build asks for nothing ahead (benchmarks/cpu_kernels.py --variant-flags) */
+#define FMA_AHEAD 1
+#endif
 static inline Ahead ahead_of(const void *next, int64_t bytes, int64_t b, int64_t count, int64_t K) {
+#if VL != 16 /* the first row block asks for the whole next item */
+    (void)count, (void)K;
+    Ahead whole = {FMA_AHEAD && b == 0 && bytes > 0 ? (const char *)next : NULL, 0, 0};
+    return whole;
+#else
     const int64_t lines = (bytes + 63) / 64, share = (lines + count - 1) / count, first = b * share;
     Ahead ahead = {(const char *)next + 64 * first, first >= lines ? 0 : lines - first < share ? lines - first : share, 0};
     ahead.per_k = (int)((ahead.lines + K - 1) / K);
     return ahead;
+#endif
 }
 
 /* c[r][0..NP * 16) = sum_k x[r][k] * w[k][...] for R rows of float32 x (row stride xs) and NP
@@ -125,7 +139,7 @@ static inline __attribute__((always_inline)) void row_block_np(const float *rest
 #if VL == 16
         ask_ahead(&ahead, k);
 #else
-        (void)ahead;
+        if (ahead.pf) _mm_prefetch(ahead.pf + 64 * k, _MM_HINT_T1);
 #endif
         vf wv[GROUP_VECTORS];
         for (int j = 0; j < NV; j++)
@@ -155,11 +169,15 @@ static inline __attribute__((always_inline)) void row_block_f32_pair(const float
 static inline __attribute__((always_inline)) void row_block_bf16(const float *restrict x, int64_t xs, int64_t K,
                                                                   const bf16_t *restrict wp, float *restrict c,
                                                                   const int R, const Ahead ahead) {
-    (void)ahead; /* (AVX2 machines: not measured there) */
     __m256 a[ROWS][2];
     const __m256i zero = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
+#if VL == 16
+        (void)ahead; /* (AVX-512 builds: not measured) */
+#else
+        if (ahead.pf && !(k & 1)) _mm_prefetch(ahead.pf + 32 * k, _MM_HINT_T1);
+#endif
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + k * PANEL));
         const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
         const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
@@ -235,8 +253,9 @@ int podium_fma_fused_linear_bf16(FUSED_LINEAR_PARAMS(bf16_t)) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t ch = it / panels, p = it % panels, m0 = ch * CHUNK;
+            const bf16_t *next = p + 1 < panels ? packed + (p + 1) * K * PANEL : NULL;
             item_bf16(xf, K, K, packed + p * K * PANEL, p * PANEL, N, bias, out, out_stride, m0,
-                      M - m0 < CHUNK ? M - m0 : CHUNK, NULL, 0);
+                      M - m0 < CHUNK ? M - m0 : CHUNK, next, (int64_t)sizeof(bf16_t) * K * PANEL);
         }
     }
     return 0;
@@ -277,9 +296,10 @@ int podium_fma_fused_linear_f32(FUSED_LINEAR_PARAMS(float)) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t ch = it / groups, g = it % groups, m0 = ch * CHUNK;
-            /* the weights of this thread's next item (the next group; a new chunk starts again at 0) */
+            /* the weights of this thread's next item (the next group; a new chunk starts again at 0);
+             * none for one row (AVX2, where a decode batch takes this loop: see Ahead) */
             const int64_t bytes = (int64_t)sizeof(float) * GROUP_PANELS * K * PANEL;
-            const float *next = g + 1 < groups ? packed + (g + 1) * GROUP_PANELS * K * PANEL : NULL;
+            const float *next = g + 1 < groups && M > 1 ? packed + (g + 1) * GROUP_PANELS * K * PANEL : NULL;
             item_f32(xf, xs, K, packed + g * GROUP_PANELS * K * PANEL, g * GROUP_COLS, N, bias, out, out_stride, m0,
                      M - m0 < CHUNK ? M - m0 : CHUNK, next, bytes);
         }
