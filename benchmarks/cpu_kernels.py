@@ -35,9 +35,9 @@ import ctypes
 import dataclasses
 import shlex
 import statistics
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ from podium_cpu.attention import CpuAttentionBackend
 from podium_cpu.graphs import CpuGraphRunner
 from podium_cpu.linear_choice import runnable_native_kernels
 from podium_cpu.linear_packing import NativeLinear
-from podium_cpu.native_kernels import FLAGS, LIBRARIES, REPLAY_KINDS, SIGNATURES, NativeEntry, load_kernels
+from podium_cpu.native_kernels import FLAGS, LIBRARIES, _bind, _build, _compiler, load_kernels
 from podium_cpu.onednn_linear import PackedLinear, can_pack
 from podium_cpu.platform import CpuPlatform
 from podium_plugin_api import AttentionLayerSpec, AttentionMetadata, KVCacheSpec
@@ -155,20 +155,14 @@ def linears(rows_list: list[int]) -> None:
 
 
 def fma_variant(kernels, flags: str, folder: str):
-    """``kernels`` with fma_linear.c's entries from a build with ``flags`` added (into ``folder``)."""
+    """``kernels`` with fma_linear.c's entries from a build with ``flags`` added (into ``folder``): the
+    platform's own build and binding, the variant library first so that its fma entries win."""
     source, extra = LIBRARIES["fma_linear"]
-    target = f"{folder}/fma_variant.so"
-    subprocess.run(["cc", *FLAGS, *extra, *shlex.split(flags), "-o", target, str(source), "-lm"], check=True)
-    library = ctypes.CDLL(target)
-    fields = {}
-    for prefix in ("podium_fma_linear", "podium_fma_fused_linear", "podium_fma_pack"):
-        entries = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = getattr(library, f"{prefix}_{suffix}")
-            fn.argtypes, fn.restype = SIGNATURES[prefix][0], ctypes.c_int
-            entries[dtype] = NativeEntry(fn, f"{prefix}_{suffix}", REPLAY_KINDS.get(prefix))
-        fields[prefix.removeprefix("podium_")] = entries
-    return dataclasses.replace(kernels, **fields)
+    target = Path(folder) / "fma_variant.so"
+    _build(_compiler()[0], source, FLAGS + extra + tuple(shlex.split(flags)), target)
+    entries = _bind([ctypes.CDLL(str(target)), *(ctypes.CDLL(str(path)) for path in kernels.paths)])
+    return dataclasses.replace(kernels, **{name: entries[f"podium_{name}"]
+                                           for name in ("fma_linear", "fma_fused_linear", "fma_pack")})
 
 
 def step_linears(dtype: torch.dtype, rows: int, variant_flags: str | None = None) -> None:

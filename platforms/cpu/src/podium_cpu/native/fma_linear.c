@@ -93,9 +93,9 @@ static inline vf bcastv(const float *p) { return (vf)_mm256_broadcast_ss(p); }
  * 32 rows: 125-142 GF/s with it, 150-187 without); there the first row block alone asks for the
  * next item's whole panel (`pf`, its line k at each k: a float32 panel's k is one line, a bf16
  * panel's half of one) while it streams its own from memory. A decode step's linears, weights from
- * memory, on Zen 3 (python benchmarks/cpu_kernels.py --only step --variant-flags=-DFMA_AHEAD=0): 32 rows
- * 0.94-0.97x the time in float32 and bf16, 1 row bf16 0.76-0.81x; 1 row float32 took 1.05-1.10x, so
- * float32 rows alone do not ask (the entry). */
+ * memory, on Zen 3 (python benchmarks/cpu_kernels.py --only step --seqs N --variant-flags=-DFMA_AHEAD=0):
+ * 32 rows 0.98x the time in float32 and 0.94x in bf16, 1 row bf16 0.83-0.99x (median 0.91x); at 1 row float32 a
+ * first version took 1.05-1.10x, so float32 rows alone do not ask (the entry). */
 typedef struct {
     const char *pf;
     int64_t lines;
@@ -109,10 +109,11 @@ static inline __attribute__((always_inline)) void ask_ahead(const Ahead *ahead, 
     }
 }
 
-/* The share of a row block b of `count` (lines of `bytes` from `next`, spread evenly) */
 #ifndef FMA_AHEAD /* 0: the AVX2 build asks for nothing ahead (benchmarks/cpu_kernels.py --variant-flags) */
 #define FMA_AHEAD 1
 #endif
+/* The share of a row block b of `count` (lines of `bytes` from `next`, spread evenly; AVX2: all of
+ * them, for the first row block only) */
 static inline Ahead ahead_of(const void *next, int64_t bytes, int64_t b, int64_t count, int64_t K) {
 #if VL != 16 /* the first row block asks for the whole next item */
     (void)count, (void)K;
@@ -172,10 +173,11 @@ static inline __attribute__((always_inline)) void row_block_bf16(const float *re
     __m256 a[ROWS][2];
     const __m256i zero = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
 #if VL == 16
-        (void)ahead; /* (AVX-512 builds: not measured) */
-#else
+    (void)ahead; /* (AVX-512 builds: not measured) */
+#endif
+    for (int64_t k = 0; k < K; k++) {
+#if VL != 16
         if (ahead.pf && !(k & 1)) _mm_prefetch(ahead.pf + 32 * k, _MM_HINT_T1);
 #endif
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wp + k * PANEL));
