@@ -13,7 +13,9 @@
 #                                           settings swept, then
 #                                           batch-1 AWQ and FP8 latency under the MMA settings and the default, then
 #                                           while the budget lasts FP8 (MMA settings) and bf16 256 x 512/256 (<= 560 s;
-#                                           SWEEPS=awq / FORMATS=awq: only AWQ's sweep / latency, TESTS: pytest -k)
+#                                           SWEEPS=awq / FORMATS=awq: only AWQ's sweep / latency, TESTS: pytest -k,
+#                                           SECOND=merge: batch 1 under the MMA settings with attention_merge_in_kernel
+#                                           in place of the default's run, ONE_ROW_LIMIT: the sweep's seconds)
 #   bash benchmarks/quant_gpu.sh int4       AWQ as stored against AWQ_MMA (the layout the platform converts AWQ weights to):
 #                                           the INT4 tests, benchmarks/quant_gpu_int4.py's per-projection timings at
 #                                           1-1024 rows, then batch-1 AWQ latency and AWQ 256 x 512/256 throughput under
@@ -180,8 +182,9 @@ if [ "$MODE" = mma ]; then
   XDIST=()
   python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
   KEEP=" passed| failed|^FAILED|^ERROR|rror:" TAIL=40 run_step tests 70 python3 -m pytest -q -p no:cacheprovider -rfE \
-    "${XDIST[@]}" platforms/cuda/tests/test_awq_mma_gemv.py -k "${TESTS:-default or groups or split or config}"
-  KEEP=$FIGURES TAIL=400 run_step one_row 200 python3 benchmarks/quant_gpu_one_row.py --mma-only-sweep \
+    "${XDIST[@]}" platforms/cuda/tests/test_awq_mma_gemv.py platforms/cuda/tests/test_fp8_mma_gemv.py ${TEST_FILES:-} \
+    -k "${TESTS:-default or groups or split or config or bulk}"
+  KEEP=$FIGURES TAIL=400 run_step one_row "${ONE_ROW_LIMIT:-200}" python3 benchmarks/quant_gpu_one_row.py --mma-only-sweep \
     --variants "fp8 mma,awq mma" --mma-sweeps "${SWEEPS:-fp8,awq}"
   MEASURED=$(grep -E "^mma: " "$OUT/one_row.log" 2>/dev/null | grep -oE "PODIUM_CUDA_TUNING=[^ ]+" | tail -1 | cut -d= -f2-)
   echo "the MMA GEMVs' fastest settings: ${MEASURED:=fp8_gemv_mma=1,int4_gemv_mma=1}" | tee -a "$SUMMARY"
@@ -190,8 +193,14 @@ if [ "$MODE" = mma ]; then
   for fmt in ${FORMATS:-awq fp8}; do
     KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_mma" 70 env PODIUM_CUDA_TUNING="$MEASURED" podium bench \
       latency "${MODEL[@]}" --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_${fmt}_mma.json"
-    KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_default" 70 podium bench latency "${MODEL[@]}" \
-      --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_${fmt}_default.json"
+    if [ "${SECOND:-default}" = merge ]; then  # the same settings with the split decode merged in the attention kernel
+      KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_mma_merge" 70 env \
+        PODIUM_CUDA_TUNING="$MEASURED,attention_merge_in_kernel=1" podium bench latency "${MODEL[@]}" \
+        --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_${fmt}_mma_merge.json"
+    else
+      KEEP="Decode per token|rror" TAIL=4 run_step "latency_${fmt}_default" 70 podium bench latency "${MODEL[@]}" \
+        --quantization $fmt "${LATENCY[@]}" --json-out "$OUT/latency_${fmt}_default.json"
+    fi
   done
   KEEP="Output tokens/s|rror" TAIL=4 run_step throughput_fp8 100 env PODIUM_CUDA_TUNING="$MEASURED" podium bench \
     throughput "${MODEL[@]}" --quantization fp8 "${THROUGHPUT[@]}" --json-out "$OUT/throughput_fp8.json"

@@ -24,14 +24,18 @@ from quant_gpu_kernels import PROLOGUE_OF, SHAPES, Projection, awq_weight, code,
 
 VARIANTS = {"awq float32": {"int4_gemv_packed": False, "int4_gemv_mma": False},
             "awq packed": {"int4_gemv_packed": True, "int4_gemv_mma": False},
-            "awq mma": {"int4_gemv_mma": True}, "fp8 cuda cores": {"fp8_gemv_mma": False},
-            "fp8 mma": {"fp8_gemv_mma": True}}
+            "awq mma": {"int4_gemv_mma": True}, "awq mma g2": {"int4_gemv_mma": True, "int4_mma_groups": 2},
+            "awq mma g4": {"int4_gemv_mma": True, "int4_mma_groups": 4},
+            "fp8 cuda cores": {"fp8_gemv_mma": False}, "fp8 mma": {"fp8_gemv_mma": True}}
+DEFAULT_VARIANTS = ("awq packed", "awq mma", "awq mma g2", "awq mma g4", "fp8 cuda cores", "fp8 mma")
 # (label, ncu metric): the figures a row of the report shows
 METRICS = (
     ("us", "gpu__time_duration.sum"),
     ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("MB read", "dram__bytes_read.sum"),
     ("occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    ("theoretical %", "sm__maximum_warps_per_active_cycle_pct"),
+    ("warp inst", "smsp__inst_executed.sum"),
     ("issue %", "sm__inst_issued.avg.pct_of_peak_sustained_active"),
     ("regs", "launch__registers_per_thread"),
     ("grid", "launch__grid_size"),
@@ -106,7 +110,7 @@ def report(path: str, labels: list[tuple[str, str]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     parser.add_argument("--report", help="an ncu report of this script's launches: print its lines")
     parser.add_argument("--metrics", action="store_true", help="print ncu's --metrics argument and stop")
     args = parser.parse_args()

@@ -56,8 +56,10 @@ from podium_plugin_api.fp8 import FP8, quantize_per_token
 from podium_plugin_api.int4 import AWQ, dequantize, random_packed
 
 ONE_ROW_FIELDS = ("fp8_gemv_dot", "fp8_gemv_packed", "fp8_gemv_bits", "fp8_gemv_quantize_first", "fp8_gemv_mma")
-MMA_FIELDS = ("fp8_mma_warps", "fp8_mma_unroll", "fp8_mma_programs", "fp8_mma_prefetch")
-AWQ_MMA_FIELDS = ("int4_mma_warps", "int4_mma_programs", "int4_mma_groups")
+MMA_FIELDS = ("fp8_mma_warps", "fp8_mma_unroll", "fp8_mma_programs", "fp8_mma_prefetch", "fp8_mma_bulk_prefetch",
+              "fp8_mma_maxnreg")
+AWQ_MMA_FIELDS = ("int4_mma_warps", "int4_mma_programs", "int4_mma_groups", "int4_mma_prefetch", "int4_mma_maxnreg",
+                  "int4_mma_ahead")
 
 
 def _fp8(dot=False, packed=False, bits=False, first=False) -> dict:
@@ -310,9 +312,13 @@ def sweep(copies: dict[str, Copies], fp8_changes: dict, awq_changes: dict) -> tu
 
 # the warp-MMA GEMVs' settings a sweep times, the current default first
 MMA_SETTINGS = [dict(zip(MMA_FIELDS, values)) for values in
-                [(4, 4, 0, False), (4, 8, 0, False), (8, 4, 0, False), (2, 8, 0, False)]]
+                [(4, 4, 0, False, False, 0), (4, 4, 0, False, True, 0), (4, 2, 0, False, True, 0),
+                 (4, 1, 0, False, True, 0), (8, 2, 0, False, True, 0), (4, 2, 0, False, False, 0),
+                 (4, 4, 0, True, False, 0)]]
 AWQ_MMA_SETTINGS = [dict(zip(AWQ_MMA_FIELDS, values)) for values in
-                    [(8, 0, 1), (8, 0, 2), (8, 0, 4), (4, 0, 2), (4, 0, 4), (16, 0, 2)]]
+                    [(8, 0, 1, False, 0, True), (8, 0, 1, True, 0, True), (8, 0, 1, False, 0, False),
+                     (8, 0, 1, True, 64, False), (4, 0, 1, True, 0, False), (4, 0, 1, False, 0, False),
+                     (2, 0, 1, True, 0, False)]]
 
 
 def sweep_settings(what: str, copies: dict[str, Copies], base: dict, settings: list[dict], time_one) -> dict:

@@ -67,7 +67,7 @@ def decode_launch(cache_dtype: torch.dtype, new_tokens: bool):
 def compile_launch(kernel, launch, arch: int):
     args, kwargs = launch
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):

@@ -72,6 +72,17 @@ def sass(compiled) -> str:
         return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def registers(compiled) -> int:
+    """Registers a thread of ``compiled`` holds (cuobjdump's resource usage of its cubin)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
 def loops(text: str) -> list[tuple[int, collections.Counter]]:
     """(instructions, opcode counts) of each backward branch's body in nvdisasm's output."""
     labels, instructions, current = {}, [], None
@@ -129,7 +140,7 @@ def mma_build(n: int, k: int, changes: dict, arch: int = 90):
     """(compiled, weight bytes a thread handles per main-loop iteration) of the one-row FP8 warp-MMA GEMV
     (fp8_mma_gemv.py: its launch as fp8_mma_gemv would make it on a device of 132 multiprocessors)."""
     from podium_cuda import fp8_mma_gemv
-    from podium_cuda.tuning import CUDA_TUNING
+    from podium_cuda.tuning import CUDA_TUNING, register_cap
 
     tuning = dataclasses.replace(CUDA_TUNING, **({"fp8_gemv_mma": True} | changes))
     warps, unroll, splits = fp8_mma_gemv.config(n, k, 132, tuning)
@@ -138,7 +149,8 @@ def mma_build(n: int, k: int, changes: dict, arch: int = 90):
             torch.ones(n), out, torch.zeros(k // 4, dtype=torch.int32), torch.ones(1), n, k // 4,
             k // 4 // (splits * warps), splits)
     kwargs = {"WARPS": warps, "UNROLL": unroll, "PER_CHANNEL": True, "HAS_BIAS": False, "PDL": True,
-              "PREFETCH": tuning.fp8_mma_prefetch, "num_warps": warps, "num_stages": 1, "launch_pdl": True}
+              "PREFETCH": tuning.fp8_mma_prefetch, "BULK": tuning.fp8_mma_bulk_prefetch, "num_warps": warps,
+              "num_stages": 1, "launch_pdl": True, **register_cap(tuning.fp8_mma_maxnreg)}
     return compile_launch(fp8_mma_gemv.fp8_mma_gemv_kernel, (args, kwargs), arch), 2 * fp8_mma_gemv.STEP * unroll
 
 
@@ -147,7 +159,7 @@ def awq_mma_build(n: int, k: int, changes: dict, arch: int = 90, group: int = 12
     (awq_mma_gemv.py: its launch as awq_mma_gemv would make it on a device of 132 multiprocessors) for
     ``rows`` rows (one: the ONE_ROW build); weights: a chunk of groups."""
     from podium_cuda import awq_mma_gemv
-    from podium_cuda.tuning import CUDA_TUNING
+    from podium_cuda.tuning import CUDA_TUNING, register_cap
 
     tuning = dataclasses.replace(CUDA_TUNING, **changes)
     warps, splits, chunk = awq_mma_gemv.config(n, k, group, 132, tuning)
@@ -158,7 +170,9 @@ def awq_mma_build(n: int, k: int, changes: dict, arch: int = 90, group: int = 12
             torch.zeros(k // group), torch.ones(1), rows, n, k // awq_mma_gemv.STEP_K, k // group // (splits * warps),
             splits)
     kwargs = {"WARPS": warps, "GROUP_STEPS": group // awq_mma_gemv.STEP_K, "CHUNK": chunk, "HAS_BIAS": False,
-              "PDL": True, "HW_ASM": True, "ONE_ROW": rows == 1, "num_warps": warps, "num_stages": 1, "launch_pdl": True}
+              "PDL": True, "HW_ASM": True, "ONE_ROW": rows == 1, "PREFETCH": tuning.int4_mma_prefetch,
+              "AHEAD": tuning.int4_mma_ahead or chunk > 1, "num_warps": warps,
+              "num_stages": 1, "launch_pdl": True, **register_cap(tuning.int4_mma_maxnreg)}
     return (compile_launch(awq_mma_gemv.awq_mma_gemv_kernel, (args, kwargs), arch),
             32 * chunk * group // awq_mma_gemv.STEP_K)
 

@@ -134,7 +134,9 @@ def sm80():
 
 SETTINGS = {"default": {}, "8-warps": {"int4_mma_warps": 8}, "1-warp-many-splits": {"int4_mma_warps": 1, "int4_mma_programs": 64},
             "one-split": {"int4_mma_programs": 0},
-            "groups-at-once": {"int4_mma_warps": 2, "int4_mma_groups": 4}}  # 2-4 groups a warp's loads
+            "groups-at-once": {"int4_mma_warps": 2, "int4_mma_groups": 4},  # 2-4 groups a warp's loads
+            "bulk-prefetch-capped": {"int4_mma_prefetch": True, "int4_mma_maxnreg": 64, "int4_mma_programs": 8},
+            "bulk-prefetch-not-ahead": {"int4_mma_prefetch": True, "int4_mma_ahead": False}}
 
 
 @pytest.mark.cuda

@@ -32,7 +32,9 @@ def sm89():
 
 SETTINGS = {"default": {}, "8-warps-unroll-2": {"fp8_mma_warps": 8, "fp8_mma_unroll": 2},
             "1-warp-unroll-1": {"fp8_mma_warps": 1, "fp8_mma_unroll": 1, "fp8_mma_programs": 64},
-            "one-split-prefetch": {"fp8_mma_programs": 0, "fp8_mma_prefetch": True}}
+            "one-split-prefetch": {"fp8_mma_programs": 0, "fp8_mma_prefetch": True},
+            "bulk-prefetch-capped": {"fp8_mma_bulk_prefetch": True, "fp8_mma_maxnreg": 128, "fp8_mma_programs": 8},
+            "bulk-prefetch-unroll-1": {"fp8_mma_bulk_prefetch": True, "fp8_mma_unroll": 1}}
 
 
 @pytest.mark.cuda

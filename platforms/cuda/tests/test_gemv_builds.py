@@ -112,3 +112,28 @@ def test_awq_mma_gemv_loop(gemv_sass, group, rows, chunk):
         pytest.skip("built; the instruction-count bounds are Triton 3.9's")
     # a group of 64 spreads its zero and scale work over half the weights
     assert count / weights < (2.2 if rows == 1 else 2.6) + (0.5 if group == 64 else 0), f"{count / weights:.2f} instructions a weight: {dict(ops)}"
+
+
+@pytest.mark.parametrize("changes", [{"int4_mma_prefetch": True}, {"int4_mma_prefetch": True, "int4_mma_ahead": False},
+                                     {"int4_mma_ahead": False}])
+def test_awq_mma_gemv_bulk_prefetch_and_loads_in_the_iteration(gemv_sass, changes):
+    """The AWQ MMA GEMV's L2 bulk prefetch of a warp's stretch assembles (sm90's UBLKPF, one a warp, before the
+    loop), and loading a group's operands in its own iteration (``int4_mma_ahead`` off) holds fewer registers
+    than loading them an iteration ahead, without spilling: the two levers against its memory-latency bound."""
+    compiled, _ = gemv_sass.awq_mma_build(28672, 4096, changes)
+    text = gemv_sass.sass(compiled)
+    if changes.get("int4_mma_prefetch"):
+        assert "cp.async.bulk.prefetch.L2.global" in compiled.asm["ptx"] and "UBLKPF" in text
+    assert not re.search(r"\b(STL|LDL)\b", text), "spills"
+    if changes.get("int4_mma_ahead") is False:
+        ahead, _ = gemv_sass.awq_mma_build(28672, 4096, {k: v for k, v in changes.items() if k != "int4_mma_ahead"})
+        assert gemv_sass.registers(compiled) < gemv_sass.registers(ahead)
+
+
+def test_fp8_mma_gemv_bulk_prefetch(gemv_sass):
+    """The FP8 MMA GEMV's bulk prefetch of a warp's 16 row stretches assembles, outside the main loop."""
+    compiled, _ = gemv_sass.mma_build(28672, 4096, {"fp8_mma_bulk_prefetch": True})
+    text = gemv_sass.sass(compiled)
+    assert "cp.async.bulk.prefetch.L2.global" in compiled.asm["ptx"] and "UBLKPF" in text
+    _, ops = max(gemv_sass.loops(text), key=lambda body: body[0])
+    assert ops["UBLKPF"] == 0, dict(ops)

@@ -64,13 +64,19 @@ def test_backend_matches_reference(case, kernel_device, check_dtype, make_batch,
     assert whole < tol_whole and worst < tol_worst, f"seed {seed} lens {list(zip(query_lens, seq_lens))}: {whole:.2e} {worst:.2e}"
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["merge-launch", "merge-in-kernel"])
 @pytest.mark.parametrize("num_splits", [1, 2, 8, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_decode_matches_reference_and_fills_poisoned_output(
-    num_splits, dtype, kernel_device, check_dtype, make_batch, rel_error
+    num_splits, dtype, merge, kernel_device, check_dtype, make_batch, rel_error
 ):
-    """Flash-decoding splits (some splits empty for the short sequence) and a NaN-poisoned output."""
+    """Flash-decoding splits (some splits empty for the short sequence) and a NaN-poisoned output; merged
+    by a launch after them or by each (sequence, kv head)'s last split (twice: its counters come back to
+    zero)."""
+    from dataclasses import replace
+
     from podium_cuda.paged_attention import paged_attention
+    from podium_cuda.tuning import CUDA_TUNING
 
     check_dtype(dtype)
     seed = random.randrange(1 << 30)
@@ -79,11 +85,16 @@ def test_split_decode_matches_reference_and_fills_poisoned_output(
     batch = make_batch([1] * 4, seq_lens, num_heads=16, num_kv_heads=4, head_size=128, block_size=16,
                        dtype=dtype, device=kernel_device, seed=seed)
     layer = _layer((16, 4), 128, None, None)
-    out = torch.full_like(batch.query, float("nan"))
-    paged_attention(batch.query, batch.kv_cache[0], batch.kv_cache[1], batch.meta.query_start_loc, batch.meta.seq_lens,
-                    batch.meta.block_tables, scale=layer.scale, max_query_len=1, num_splits=num_splits, out=out)
-    whole, worst = rel_error(out, _reference(batch, layer))
-    assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], f"seed {seed} {seq_lens}: {whole:.2e} {worst:.2e}"
+    tuning = replace(CUDA_TUNING, attention_merge_in_kernel=merge)
+    reference = _reference(batch, layer)
+    for _ in range(2):
+        out = torch.full_like(batch.query, float("nan"))
+        paged_attention(batch.query, batch.kv_cache[0], batch.kv_cache[1], batch.meta.query_start_loc,
+                        batch.meta.seq_lens, batch.meta.block_tables, scale=layer.scale, max_query_len=1,
+                        num_splits=num_splits, out=out, tuning=tuning)
+        whole, worst = rel_error(out, reference)
+        assert whole < TOLERANCE[dtype][0] and worst < TOLERANCE[dtype][1], \
+            f"seed {seed} {seq_lens}: {whole:.2e} {worst:.2e}"
 
 
 TABLE_CASES = [CASES[i] for i in (0, 2, 3, 8, 9, 13)] + [  # decode, prefix, boundary, window, window+cap, block 7

@@ -36,7 +36,11 @@ warps consecutive stretches of whole groups, a group's super-steps in flight at 
 group's loads issued before this group's MMAs. With ``KernelTuning.int4_mma_groups`` > 1 a warp takes
 that many groups an iteration (a chunk, at most four super-steps), their scales, zeros and x sums
 loaded with the weights a chunk ahead: more bytes in flight a warp, where one group keeps 1 KiB in
-flight and loads its scales and zeros in the loop beside the MMAs that use them. The warps' sums are
+flight and loads its scales and zeros in the loop beside the MMAs that use them (but 218 registers a
+thread instead of 80: a third of the warps resident). ``int4_mma_prefetch`` has each warp ask L2 for its
+whole stretch of weights and its groups' scale and zero lines first (one bulk prefetch, no registers
+held), and ``int4_mma_ahead`` off loads a group's operands in its own iteration (56 registers): the
+levers Nsight Compute points to, the warps stalled on memory for most of their cycles. The warps' sums are
 added in the program, the slices' by the last program of the tile (split_k.py: in split order,
 deterministic), then the bias.
 
@@ -61,10 +65,18 @@ from podium_plugin_api.int4 import AWQ, AWQ_MMA, awq_to_mma, packed_shape
 from .awq_gemv import _f16_halves
 from .fp8_gemm import interpreting
 from .gemv import _multiprocessors
-from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least
+from .pdl import (
+    dependent_launch,
+    gdc_launch_dependents,
+    gdc_wait,
+    launch_options,
+    nvidia_at_least,
+    prefetch_l2_bulk,
+    prefetch_l2_where,
+)
 from .prologue import input_chunk, rows_rstd
 from .split_k import counters, finish_row, last_split, reset
-from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2
+from .tuning import CUDA_TUNING, KernelTuning, next_power_of_2, register_cap
 
 STEP_K = 64  # k a super-step: four MMAs of 16
 MAX_ROWS = 8  # B's columns: one x row each
@@ -222,7 +234,8 @@ def awq_mma_gemv_kernel(
     out_ptr, partial_ptr, count_ptr, w_ptr, s_ptr, z_ptr, b_ptr, h_ptr, xs_ptr, up_ptr,
     M, N, SUPER_STEPS, GROUPS_PER_WARP, splits,
     WARPS: tl.constexpr, GROUP_STEPS: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr, HW_ASM: tl.constexpr, ONE_ROW: tl.constexpr,
+    PDL: tl.constexpr, HW_ASM: tl.constexpr, ONE_ROW: tl.constexpr, PREFETCH: tl.constexpr = False,
+    AHEAD: tl.constexpr = True,
 ):
     """out [M, N] = h . W (+ bias), M <= 8: W in AWQ_MMA's order ([N / 16, K / 64, 32, 4] int32), scales
     [K / G, N] float32 and AWQ qzeros [K / G, N / 8] as stored, h the f16 rows as int32 words [M, K / 2],
@@ -259,6 +272,13 @@ def awq_mma_gemv_kernel(
     col0, col1 = 2 * quad, 2 * quad + 1  # the x rows (B's columns) of a lane's sums
     w_ptrs = w_ptr + w_offs
     x_ptrs = h_ptr + x_offs
+    if PREFETCH:  # the warp's whole stretch of weights (one bulk request) and its groups' scale and zero lines
+        lead = ((u == 0) & (lane == 0)).to(tl.int32)
+        stretch = (tile.to(tl.int64) * SUPER_STEPS + first_group * GROUP_STEPS) * 128  # its first word
+        prefetch_l2_bulk(w_ptr + stretch, GROUPS_PER_WARP * GROUP_STEPS * 512 + lane * 0, lead)
+        mine = ((u == 0) & (lane < GROUPS_PER_WARP)).to(tl.int32)  # lane l: the warp's group l
+        prefetch_l2_where(s_ptr + (first_group + lane) * N + tile * 16, mine)
+        prefetch_l2_where(z_ptr + (first_group + lane) * (N // 8) + tile * 2, mine)
     w = tl.load(w_ptrs)  # the first chunk's weights do not depend on the launch before
     if PDL:
         gdc_launch_dependents()
@@ -270,7 +290,10 @@ def awq_mma_gemv_kernel(
                                                           groups, N, M, ONE_ROW)
     total = tl.zeros((UNROLL * R, 4), dtype=tl.float32)
     for i in range(0, GROUPS_PER_WARP, CHUNK):
-        if i + CHUNK < GROUPS_PER_WARP:  # the next chunk's loads before this chunk's MMAs
+        if not AHEAD:  # this chunk's operands loaded here (the first before the loop): fewer registers a thread
+            if i > 0:
+                w, x_lo, x_hi = _operands(w_ptrs, x_ptrs, i, x_ok, GROUP_STEPS)
+        elif i + CHUNK < GROUPS_PER_WARP:  # the next chunk's loads before this chunk's MMAs
             w_n, x_lo_n, x_hi_n = _operands(w_ptrs, x_ptrs, i + CHUNK, x_ok, GROUP_STEPS)
             if CHUNK > 1:  # and its terms
                 z_low_n, z_high_n, s_low_n, s_high_n, sum0_n, sum1_n = _terms(
@@ -289,8 +312,9 @@ def awq_mma_gemv_kernel(
         scale = _four(s_low, s_low, s_high_16, s_high_16)
         acc = _super_step(tl.zeros((UNROLL * R, 4), dtype=tl.float32), w, x_lo, x_hi, HW_ASM)
         total += (acc + start) * scale
-        w, x_lo, x_hi = w_n, x_lo_n, x_hi_n
-        if CHUNK > 1:
+        if AHEAD:
+            w, x_lo, x_hi = w_n, x_lo_n, x_hi_n
+        if CHUNK > 1 and AHEAD:
             z_low, z_high, s_low, s_high, sum0, sum1 = z_low_n, z_high_n, s_low_n, s_high_n, sum0_n, sum1_n
     # lane (g, q)'s word j is C[feature g + 8 (j // 2)][x row 2 q + j % 2]: summed over the super-steps in
     # flight and the warps
@@ -421,9 +445,10 @@ def awq_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, s
         out, partial, counters(x.device, tiles) if splits > 1 else out, qweight, scale, qzeros,
         bias if bias is not None else out, h.view(torch.int32), sums, up, rows, n, k // STEP_K,
         k // group_size // (splits * warps), splits, WARPS=warps, GROUP_STEPS=group_size // STEP_K, CHUNK=chunk,
-        HAS_BIAS=bias is not None, PDL=pdl, HW_ASM=not interpreting(), ONE_ROW=rows == 1, num_warps=warps,
-        num_stages=1,
-        **launch_options(pdl),
+        HAS_BIAS=bias is not None, PDL=pdl, HW_ASM=not interpreting(), ONE_ROW=rows == 1,
+        PREFETCH=tuning.int4_mma_prefetch and nvidia_at_least(x.device, (9, 0)), AHEAD=tuning.int4_mma_ahead or chunk > 1,
+        num_warps=warps, num_stages=1,
+        **launch_options(pdl), **register_cap(tuning.int4_mma_maxnreg),
     )
     return out
 

@@ -36,9 +36,17 @@ import triton.language as tl
 
 from . import fp8_quant
 from .gemv import _multiprocessors
-from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least, prefetch_l2_where
+from .pdl import (
+    dependent_launch,
+    gdc_launch_dependents,
+    gdc_wait,
+    launch_options,
+    nvidia_at_least,
+    prefetch_l2_bulk,
+    prefetch_l2_where,
+)
 from .split_k import counters, finish_row, last_split, reset
-from .tuning import CUDA_TUNING, KernelTuning
+from .tuning import CUDA_TUNING, KernelTuning, register_cap
 
 STEP = 64  # K bytes a warp consumes a step: two MMAs of 32
 # $0-$3 the float32 sums (row g, row g, row g + 8, row g + 8), $4-$7 row g's 16 bytes, $8-$11 row g + 8's,
@@ -60,7 +68,7 @@ def fp8_mma_gemv_kernel(
     out_ptr, partial_ptr, count_ptr, w_ptr, ws_ptr, b_ptr, q_ptr, sx_ptr,
     N, K4, WORDS, splits,
     WARPS: tl.constexpr, UNROLL: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, BULK: tl.constexpr = False,
 ):
     """out [1, N] = (q . W^T) * s_w * s_x (+ bias); W e4m3 [N, K] seen as int32 words [N, K4], q the e4m3
     row as K4 words, s_x at sx_ptr, s_w [1] or [N]. Grid (cdiv(N, 16), splits): program (t, s) takes
@@ -85,6 +93,11 @@ def fp8_mma_gemv_kernel(
     lo_ptrs = w_ptr + lo_row[:, None] * K4 + offs
     hi_ptrs = w_ptr + hi_row[:, None] * K4 + offs
     x_ptrs = q_ptr + offs
+    if BULK:  # each of the tile's 16 rows' stretch for this warp, whole, into L2: lane g (quad 0) rows g and g + 8
+        lead = ((u == 0) & (quad == 0)).to(tl.int32)
+        stretch = (split * WARPS + warp) * WORDS
+        prefetch_l2_bulk(w_ptr + lo_row * K4 + stretch, WORDS * 4 + lane * 0, lead)
+        prefetch_l2_bulk(w_ptr + hi_row * K4 + stretch, WORDS * 4 + lane * 0, lead)
     lo = tl.load(lo_ptrs)  # the first steps' weights do not depend on the launch before: ahead of the wait
     hi = tl.load(hi_ptrs)
     if PREFETCH:  # and the stretch's next lines into L2 while the row is quantized by the launch before
@@ -187,6 +200,7 @@ def fp8_mma_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         out, partial, counters(x.device, tiles) if splits > 1 else out, weight.view(torch.int32), scale,
         bias if bias is not None else out, q.view(torch.int32), s_x, n, k // 4, k // 4 // (splits * warps), splits,
         WARPS=warps, UNROLL=unroll, PER_CHANNEL=weight_scale.numel() != 1, HAS_BIAS=bias is not None, PDL=pdl,
-        PREFETCH=tuning.fp8_mma_prefetch, num_warps=warps, num_stages=1, **launch_options(pdl),
+        PREFETCH=tuning.fp8_mma_prefetch, BULK=tuning.fp8_mma_bulk_prefetch and nvidia_at_least(x.device, (9, 0)),
+        num_warps=warps, num_stages=1, **launch_options(pdl), **register_cap(tuning.fp8_mma_maxnreg),
     )
     return out, summed

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .fused_ops import _store_cast
 from .pdl import dependent_launch, gdc_launch_dependents, gdc_wait, launch_options, nvidia_at_least
+from .split_k import counters, last_split, reset
 from .tuning import CUDA_TUNING, AttentionTiling, KernelTuning, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -245,12 +246,12 @@ def paged_attention_kernel(
     num_seqs, num_heads, num_splits, scale, soft_cap, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_c, count_ptr,
     KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     NEW_KV: tl.constexpr, HALF: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr, FP8_V_REGS: tl.constexpr,
-    TABLE_BLOCKS: tl.constexpr, CHUNK_TILES: tl.constexpr,
+    TABLE_BLOCKS: tl.constexpr, CHUNK_TILES: tl.constexpr, MERGE: tl.constexpr = False,
 ):
     if PDL:  # a programmatic dependent launch (pdl.py): resident early, reads only after the wait
         gdc_launch_dependents()
@@ -374,6 +375,33 @@ def paged_attention_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_SIZE + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        if MERGE:  # the (sequence, kv head)'s last split to finish merges them all: no merge launch
+            group_id = seq * (num_heads // GROUP) + kv_head
+            if last_split(count_ptr, group_id, num_splits):
+                _merge_rows(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, token, head, row_ok, d, d_ok, num_heads,
+                            num_splits, stride_ot, stride_oh, HEAD_SIZE)
+                reset(count_ptr, group_id, num_splits)
+
+
+@triton.jit
+def _merge_rows(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, token, head, row_ok, d, d_ok, num_heads, num_splits,
+                stride_ot, stride_oh, HEAD_SIZE: tl.constexpr):
+    """merge_splits_kernel's sums for a program's rows (token, head), the splits in order: read past L1
+    (.cg), where the other programs' partials are visible once last_split has counted them in."""
+    base = (token * num_heads + head) * num_splits  # [BLOCK_M]
+    top = tl.full(base.shape, NEG_BIG, tl.float32)
+    for s in range(0, num_splits):
+        top = tl.maximum(top, tl.load(part_m_ptr + base + s, mask=row_ok, other=NEG_BIG, cache_modifier=".cg"))
+    total = tl.zeros(base.shape, tl.float32)
+    acc = tl.zeros([base.shape[0], d.shape[0]], tl.float32)
+    for s in range(0, num_splits):
+        weight = tl.exp2(tl.load(part_m_ptr + base + s, mask=row_ok, other=NEG_BIG, cache_modifier=".cg") - top)
+        total += weight * tl.load(part_l_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc += weight[:, None] * tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_SIZE + d[None, :],
+                                         mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -531,6 +559,7 @@ def paged_attention(
     table_blocks, chunk_tiles = _table_chunk(tiling.table_blocks, tiling.block_n, key_cache.shape[1])
     grid = (num_seqs if is_decode else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     pdl = tuning.attention_pdl and dependent_launch(query.device)
+    merge = num_splits > 1 and tuning.attention_merge_in_kernel
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device)
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -547,14 +576,16 @@ def paged_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         *(_new_token_strides(new_tokens) if new_tokens else (0, 0, 0, 0, 0)),
+        counters(query.device, num_seqs * num_kv_heads) if merge else out,
         KV_BLOCK_SIZE=key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=tiling.block_n, SPLIT=num_splits > 1,
         IS_DECODE=is_decode, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         IEEE=query.dtype == torch.float32, NEW_KV=new_tokens is not None, HALF=max(head_size // 2, 1),
         FP16_DOT=tuning.fp8_dot_in_fp16 and query.dtype == torch.bfloat16 and key_cache.element_size() == 1,
-        PDL=pdl, FP8_V_REGS=fp8_convert, TABLE_BLOCKS=table_blocks, CHUNK_TILES=chunk_tiles, num_warps=tiling.num_warps, num_stages=num_stages, **launch_options(pdl),
+        PDL=pdl, FP8_V_REGS=fp8_convert, TABLE_BLOCKS=table_blocks, CHUNK_TILES=chunk_tiles, MERGE=merge, num_warps=tiling.num_warps, num_stages=num_stages,
+        **launch_options(pdl),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         merge_splits_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc,
             num_heads, out.stride(0), out.stride(1),

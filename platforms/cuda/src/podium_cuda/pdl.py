@@ -52,6 +52,18 @@ def prefetch_l2_where(ptrs, ask):
                               "\n\tmov.u32 $0, 0;", "=r,l,r", [ptrs, ask], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_l2_bulk(ptrs, nbytes, ask):
+    """Ask L2 for ``nbytes`` (a multiple of 16) from each 16-byte aligned address in ``ptrs`` where ``ask``
+    (int32, broadcast against ``ptrs``) is nonzero, one instruction a stretch (sm90's bulk prefetch, no
+    registers held while the bytes come): a warp that asks for its whole stretch of weights at its start
+    has every byte of it in flight at once, where loads into registers keep a step or two (NVIDIA sm90+
+    only; never under the interpreter)."""
+    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $3;"
+                              "\n\t}\n\tmov.u32 $0, 0;", "=r,l,r,r", [ptrs, ask, nbytes], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
 def launch_options(enabled: bool) -> dict:
     """The extra launch keyword for a PDL launch (none otherwise)."""
     return {"launch_pdl": True} if enabled else {}

@@ -169,6 +169,12 @@ class KernelTuning:
     fp8_mma_unroll: int = 4
     fp8_mma_programs: int = 0
     fp8_mma_prefetch: bool = False
+    # its warps ask L2 for their whole stretch of each of their 16 rows at their start (one bulk
+    # prefetch a row, sm90), and its registers a thread capped (0: the compiler's choice, 158, which
+    # leaves 12 warps a multiprocessor: Nsight Compute on an H100 shows 66-78% of the warps' cycles
+    # stalled on memory and 49-82% of DRAM's throughput)
+    fp8_mma_bulk_prefetch: bool = False
+    fp8_mma_maxnreg: int = 0
     # FP8 calls that take _scaled_mm quantize their rows in one Triton launch (fp8_quant.py), the
     # RMSNorm / add-RMSNorm / SiLU-and-mul before them inside it; False: the contract's torch
     # quantize_per_token after the separate norm / SiLU kernel (for A/B runs)
@@ -208,9 +214,20 @@ class KernelTuning:
     # groups a warp of the AWQ MMA GEMV takes an iteration (awq_mma_gemv.config: at most four super-steps),
     # their weights, scales, zeros and x sums loaded a chunk ahead of the MMAs. Timed on an H100
     # (`SWEEPS=awq FORMATS=awq bash benchmarks/quant_gpu.sh mma`): an 8B layer's one-row linears took
-    # 66.7 us at 1, 89.3-89.6 at 2 and 4 (8 warps) and 78.4-78.5 (4 warps): more bytes in flight a warp
-    # does not help, so the one-row kernel is bound by its instructions, not by memory latency
+    # 66.7 us at 1, 89.3-89.6 at 2 and 4 (8 warps) and 78.4-78.5 (4 warps): Nsight Compute shows why,
+    # 218 registers a thread instead of 80, so a third of the warps fit a multiprocessor
     int4_mma_groups: int = 1
+    # the AWQ MMA GEMV's warps ask L2 for their whole stretch of weights at their start (one bulk
+    # prefetch a warp, sm90) and for their groups' scale and zero lines; and its registers a thread
+    # capped (0: the compiler's choice; 80 at one row, which leaves 3 programs of 8 warps a
+    # multiprocessor). Nsight Compute on an H100 (`bash benchmarks/quant_gpu.sh ncu`): at one row the
+    # warps stall 54-61% of their cycles on memory (long scoreboard), at 37.5% theoretical occupancy
+    # and 33-63% of DRAM's throughput: latency-bound, a warp holding one group (1 KiB) in flight
+    int4_mma_prefetch: bool = False
+    int4_mma_maxnreg: int = 0
+    # a group's weights and x loaded an iteration ahead of its MMAs (False: in the iteration, ~24 fewer
+    # registers a thread, so more warps resident: with the bulk prefetch the loads come from L2)
+    int4_mma_ahead: bool = True
     # AWQ_MMA rows up to this many (at most 8: an x row a column of the MMA's B) take the MMA GEMV, more
     # int4.py's GEMM
     int4_mma_max_rows: int = 8
@@ -262,6 +279,11 @@ class KernelTuning:
     # and of the attention kernel and its split merge
     gemv_pdl: bool = True
     attention_pdl: bool = True
+    # split decodes merged by each (sequence, kv head)'s last split to finish (split_k.py's counter), in
+    # split order, instead of merge_splits_kernel's launch after them: at batch 1 a graph's decode runs
+    # every split the longest context needs, nearly all empty, and the merge launch is one of a layer's
+    # few on the critical path. Off until timed (`bash benchmarks/quant_gpu.sh mma`'s latency steps)
+    attention_merge_in_kernel: bool = False
     # the batch-invariant mode (use_batch_invariant_kernels). Attention: one tiling for prefill and
     # decode launches alike (invariant_attention.py), the decode tiling's, since decodes dominate a
     # run and a prompt token then costs what a decode does; fp8 caches take the fp8 decode tiling
@@ -347,6 +369,12 @@ def parse_fused_ops(text: str) -> tuple[str, ...] | None:
     if unknown:
         raise ValueError(f"unknown op(s) {unknown}; ops: {sorted(REFERENCE_OPS)}, or auto, or none")
     return names
+
+
+def register_cap(registers: int) -> dict:
+    """The launch keyword that caps a Triton kernel's registers a thread (``maxnreg``; none for 0, the
+    compiler's own choice): fewer registers, more warps resident a multiprocessor."""
+    return {"maxnreg": registers} if registers else {}
 
 
 def next_power_of_2(n: int) -> int:
