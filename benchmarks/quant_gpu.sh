@@ -22,7 +22,7 @@
 #                                           the default (AWQ_MMA) and int4_gemv_mma=0 (the stored layout), then where the
 #                                           budget lasts a batch-1 step's kernels by family, AWQ and FP8
 #                                           (benchmarks/graph_gaps.py) (<= 560 s)
-#   bash benchmarks/quant_gpu.sh ncu        the one-row GEMVs of an 8B layer (AWQ float32 / packed, FP8 default / MMA)
+#   bash benchmarks/quant_gpu.sh ncu        the one-row MMA GEMVs of an 8B layer (AWQ, FP8; default and prefetch settings)
 #                                           under Nsight Compute: DRAM %, occupancy, issue %, stall reasons
 #                                           (benchmarks/quant_gpu_ncu.py; needs the Firecracker runtime's ncu; <= 300 s)
 #   bash benchmarks/quant_gpu.sh targets    issue 31's GPU targets under the default tuning: 8B 256 x 512/256 FP8,

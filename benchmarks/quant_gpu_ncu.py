@@ -6,10 +6,12 @@ occupancy, issue rate, the warps' stall reasons), the question a timing alone do
         -o gemv python3 benchmarks/quant_gpu_ncu.py
     python3 benchmarks/quant_gpu_ncu.py --report gemv.ncu-rep
 
-Each variant (``--variants``: the one-row AWQ GEMV in float32, packed and on the warp MMA over its Marlin-style
-copy, FP8 on the CUDA cores and on the warp MMA) is called once per projection with the prologue the decoder gives it, in the order printed, so
-the profiled launches come in that order (the FP8 paths' quantize launches are not GEMVs and are not
-matched). ncu flushes the caches before each profiled launch: every weight comes from DRAM.
+Each variant (``--variants``, VARIANTS' labels: the one-row AWQ GEMV in float32, packed and on the warp MMA
+over its Marlin-style copy, FP8 on the CUDA cores and on the warp MMA, the MMAs with their L2 bulk prefetch,
+loads in the iteration or fewer steps in flight; by default the MMA ones) is called once per projection with
+the prologue the decoder gives it, in the order printed, so the profiled launches come in that order (the
+FP8 paths' quantize launches are not GEMVs and are not matched). ncu flushes the caches before each
+profiled launch: every weight comes from DRAM.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ VARIANTS = {"awq float32": {"int4_gemv_packed": False, "int4_gemv_mma": False},
             "awq packed": {"int4_gemv_packed": True, "int4_gemv_mma": False},
             "awq mma": {"int4_gemv_mma": True}, "awq mma g2": {"int4_gemv_mma": True, "int4_mma_groups": 2},
             "awq mma g4": {"int4_gemv_mma": True, "int4_mma_groups": 4},
-            "fp8 cuda cores": {"fp8_gemv_mma": False}, "fp8 mma": {"fp8_gemv_mma": True}}
-DEFAULT_VARIANTS = ("awq packed", "awq mma", "awq mma g2", "awq mma g4", "fp8 cuda cores", "fp8 mma")
+            "awq mma prefetch": {"int4_gemv_mma": True, "int4_mma_prefetch": True},
+            "awq mma prefetch in-iteration": {"int4_gemv_mma": True, "int4_mma_prefetch": True, "int4_mma_ahead": False},
+            "fp8 cuda cores": {"fp8_gemv_mma": False}, "fp8 mma": {"fp8_gemv_mma": True},
+            "fp8 mma bulk": {"fp8_gemv_mma": True, "fp8_mma_bulk_prefetch": True},
+            "fp8 mma bulk unroll 1": {"fp8_gemv_mma": True, "fp8_mma_bulk_prefetch": True, "fp8_mma_unroll": 1}}
+# the defaults and the settings that aim at their memory latency (the stalls the first run showed)
+DEFAULT_VARIANTS = ("awq mma", "awq mma prefetch", "awq mma prefetch in-iteration", "fp8 mma", "fp8 mma bulk",
+                    "fp8 mma bulk unroll 1")
 # (label, ncu metric): the figures a row of the report shows
 METRICS = (
     ("us", "gpu__time_duration.sum"),
@@ -105,7 +113,7 @@ def report(path: str, labels: list[tuple[str, str]]) -> None:
             except ValueError:
                 pass
         top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:5])
-        print(f"ncu {label:12s} {name:8s} {r['Kernel Name'][:28]:28s} " + ", ".join(figures) + f"; stalls: {top}")
+        print(f"ncu {label:30s} {name:8s} {r['Kernel Name'][:28]:28s} " + ", ".join(figures) + f"; stalls: {top}")
 
 
 def main() -> None:
