@@ -24,6 +24,7 @@
 #                                           (benchmarks/graph_gaps.py) (<= 560 s)
 #   bash benchmarks/quant_gpu.sh ncu        the one-row MMA GEMVs of an 8B layer (AWQ, FP8; default and prefetch settings)
 #                                           under Nsight Compute: DRAM %, occupancy, issue %, stall reasons
+#                                           (NCU_VARIANTS: quant_gpu_ncu.py's labels, comma-separated)
 #                                           (benchmarks/quant_gpu_ncu.py; needs the Firecracker runtime's ncu; <= 300 s)
 #   bash benchmarks/quant_gpu.sh targets    issue 31's GPU targets under the default tuning: 8B 256 x 512/256 FP8,
 #                                           bf16 weights, FP8 again (alternated), then batch 1 FP8 and AWQ (<= 560 s)
@@ -234,9 +235,11 @@ if [ "$MODE" = int4 ]; then
   exit 0
 fi
 if [ "$MODE" = ncu ]; then
+  VARIANTS=(); [ -n "${NCU_VARIANTS:-}" ] && VARIANTS=(--variants "$NCU_VARIANTS")  # quant_gpu_ncu.py's labels
   run_step ncu 240 ncu --clock-control none -k regex:gemv --metrics "$(python3 benchmarks/quant_gpu_ncu.py --metrics)" \
-    -f -o "$OUT/gemv" python3 benchmarks/quant_gpu_ncu.py
-  KEEP="^ncu|rror" TAIL=100 run_step ncu_report 40 python3 benchmarks/quant_gpu_ncu.py --report "$OUT/gemv.ncu-rep"
+    -f -o "$OUT/gemv" python3 benchmarks/quant_gpu_ncu.py "${VARIANTS[@]}"
+  KEEP="^ncu|rror" TAIL=100 run_step ncu_report 40 python3 benchmarks/quant_gpu_ncu.py --report "$OUT/gemv.ncu-rep" \
+    "${VARIANTS[@]}"
   finish
   exit 0
 fi
