@@ -64,23 +64,22 @@ def compile_launch(kernel, launch, arch: int):
     return compile_specialized(kernel, (args, kwargs | ones), arch)
 
 
-def sass(compiled) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+def _cubin_tool(compiled, tool: str, flag: str) -> str:
+    """The output of the wheel's ``tool`` (nvdisasm, cuobjdump) run with ``flag`` on ``compiled``'s cubin."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([path, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass(compiled) -> str:
+    return _cubin_tool(compiled, "nvdisasm", "-c")
 
 
 def registers(compiled) -> int:
     """Registers a thread of ``compiled`` holds (cuobjdump's resource usage of its cubin)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+    return int(re.search(r"REG:(\d+)", _cubin_tool(compiled, "cuobjdump", "--dump-resource-usage")).group(1))
 
 
 def loops(text: str) -> list[tuple[int, collections.Counter]]:

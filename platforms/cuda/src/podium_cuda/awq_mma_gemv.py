@@ -275,6 +275,7 @@ def awq_mma_gemv_kernel(
     if PREFETCH:  # the warp's whole stretch of weights (one bulk request) and its groups' scale and zero lines
         lead = ((u == 0) & (lane == 0)).to(tl.int32)
         stretch = (tile.to(tl.int64) * SUPER_STEPS + first_group * GROUP_STEPS) * 128  # its first word
+        # (+ lane * 0: the size as a tensor like the address, as the asm's operands are)
         prefetch_l2_bulk(w_ptr + stretch, GROUPS_PER_WARP * GROUP_STEPS * 512 + lane * 0, lead)
         mine = ((u == 0) & (lane < GROUPS_PER_WARP)).to(tl.int32)  # lane l: the warp's group l
         prefetch_l2_where(s_ptr + (first_group + lane) * N + tile * 16, mine)

@@ -96,6 +96,7 @@ def fp8_mma_gemv_kernel(
     if BULK:  # each of the tile's 16 rows' stretch for this warp, whole, into L2: lane g (quad 0) rows g and g + 8
         lead = ((u == 0) & (quad == 0)).to(tl.int32)
         stretch = (split * WARPS + warp) * WORDS
+        # (+ lane * 0: the size as a tensor like the address, as the asm's operands are)
         prefetch_l2_bulk(w_ptr + lo_row * K4 + stretch, WORDS * 4 + lane * 0, lead)
         prefetch_l2_bulk(w_ptr + hi_row * K4 + stretch, WORDS * 4 + lane * 0, lead)
     lo = tl.load(lo_ptrs)  # the first steps' weights do not depend on the launch before: ahead of the wait
